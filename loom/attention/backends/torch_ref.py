@@ -1,0 +1,57 @@
+"""Reference paged attention in plain torch: correct on any device for mixed batches.
+
+Each step gathers every request's context from the paged cache into a padded
+[num_reqs, max_seq_len] layout, pads queries to [num_reqs, max_query_len], and runs one
+scaled_dot_product_attention with a causal (and optional sliding-window) mask. No Python loop
+over tokens or requests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loom.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_cache [2, num_blocks, block_size, kv_heads, head_dim]; k, v [num_tokens, kv, head_dim]."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def build_mask(md: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+    """[num_reqs, 1, max_query_len, max_seq_len] bool: True where a query may attend a key."""
+    q_pos = md.query_positions[:, :, None]  # [num_reqs, max_q, 1]
+    k_pos = md.key_positions[None, None, :]  # [1, 1, max_s]
+    mask = (k_pos <= q_pos) & (k_pos < md.seq_lens[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask.unsqueeze(1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    num_reqs = md.seq_lens.shape[0]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    k = flat[0][md.kv_slots].transpose(1, 2)  # [num_reqs, kv_heads, max_s, head_dim]
+    v = flat[1][md.kv_slots].transpose(1, 2)
+    q_pad = q.new_zeros(num_reqs, md.max_query_len, num_heads, head_dim)
+    q_pad[md.token_req_idx, md.token_local_idx] = q
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+        enable_gqa=num_heads != kv_heads,
+    )  # [num_reqs, num_heads, max_q, head_dim]
+    return out.transpose(1, 2)[md.token_req_idx, md.token_local_idx]

@@ -1,0 +1,32 @@
+"""Attention layer: writes new K/V into its paged cache, then attends over the context."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.attention.backends import torch_ref
+from loom.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
+        md = get_forward_context().attn_metadata
+        torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
+        mask = md.masks.get(self.sliding_window)
+        if mask is None:
+            mask = md.masks[self.sliding_window] = torch_ref.build_mask(md, self.sliding_window)
+        return torch_ref.paged_attention(q, self.kv_cache, md, mask, self.scale)

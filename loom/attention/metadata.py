@@ -1,0 +1,98 @@
+"""Attention metadata for one flattened, unpadded batch of tokens from many requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to read and write the paged KV cache for one step.
+
+    Request r owns query tokens query_start_loc[r]:query_start_loc[r+1] of the flat batch; after
+    this step it has seq_lens[r] tokens of context, the last `query_lens[r]` of them new.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot written by each new token
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (0 = null block)
+    max_query_len: int
+    max_seq_len: int
+    # Derived once per step for the torch reference backend (shared by all layers):
+    token_req_idx: torch.Tensor  # [num_tokens] request index of each flat token
+    token_local_idx: torch.Tensor  # [num_tokens] position of each token within its query
+    kv_slots: torch.Tensor  # [num_reqs, max_seq_len] cache slot of every context position
+    query_positions: torch.Tensor  # [num_reqs, max_query_len] absolute position of padded queries
+    key_positions: torch.Tensor  # [max_seq_len]
+    # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+def compute_slot_mapping(
+    block_table: np.ndarray, req_idx: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """slot = block_table[req, pos // block_size] * block_size + pos % block_size.
+
+    Example (block_size 4): a request with blocks [7, 3] at positions [4, 5] writes slots
+    [3*4+0, 3*4+1] = [12, 13].
+    """
+    block_ids = block_table[req_idx, positions // block_size]
+    return block_ids * block_size + positions % block_size
+
+
+def build_attention_metadata(
+    block_ids: list[list[int]],
+    num_computed_tokens: list[int],
+    num_scheduled_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """Build metadata for requests that each compute `num_scheduled_tokens[r]` new tokens after
+    `num_computed_tokens[r]` already cached ones. Returns (metadata, positions[num_tokens])."""
+    num_reqs = len(block_ids)
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    computed = np.asarray(num_computed_tokens, dtype=np.int64)
+    seq_lens = computed + query_lens
+    cu = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    max_blocks = max(len(b) for b in block_ids)
+    table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for r, ids in enumerate(block_ids):
+        table[r, : len(ids)] = ids
+
+    req_idx = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
+    local_idx = np.arange(num_tokens) - cu[req_idx]
+    positions = computed[req_idx] + local_idx
+    slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
+
+    max_q, max_s = int(query_lens.max()), int(seq_lens.max())
+    key_pos = np.arange(max_s)
+    # Positions past a request's blocks point at the null block; the mask hides them.
+    clipped = np.minimum(key_pos // block_size, max_blocks - 1)
+    kv_slots = table[:, clipped] * block_size + key_pos % block_size  # [num_reqs, max_s]
+    query_positions = computed[:, None] + np.arange(max_q)[None, :]  # [num_reqs, max_q]
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    md = AttentionMetadata(
+        num_tokens=num_tokens,
+        slot_mapping=t(slot_mapping),
+        query_start_loc=t(cu),
+        seq_lens=t(seq_lens),
+        block_tables=t(table),
+        max_query_len=max_q,
+        max_seq_len=max_s,
+        token_req_idx=t(req_idx),
+        token_local_idx=t(local_idx),
+        kv_slots=t(kv_slots),
+        query_positions=t(query_positions),
+        key_positions=t(key_pos),
+    )
+    return md, positions

@@ -1,0 +1,69 @@
+"""Plain data passed between the scheduler and the model runner (integers and lists only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption.
+
+    `token_ids` holds the prompt followed by any tokens generated before a preemption.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds; parallel lists, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (a prefill chunk, or 1 for a decode)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose runner state must be dropped before this step: finished, aborted, preempted.
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs for one position: the chosen token first, then the top-N (may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # rank of each token id in the full distribution (1 = most likely)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request, in req_ids order: the token sampled this step, or [] when the step
+    # only computed part of the prompt (chunked prefill).
+    sampled_token_ids: list[list[int]]
+    # Per request: logprobs of the sampled token (None unless the request asked for logprobs).
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Per request: logprobs for the prompt positions computed this step (None unless asked).
+    prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)

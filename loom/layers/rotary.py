@@ -1,0 +1,78 @@
+"""Rotary position embedding (neox / rotate-half layout, as Hugging Face applies it)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.config import ConfigError
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, smooth in between."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq[head_dim // 2], attention scaling applied to cos/sin)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "freq_factors":  # GGUF rope_freqs tensor (Llama 3.1 written by llama.cpp)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+
+    def build_cache(self, device: torch.device) -> None:
+        """Fill the cos/sin table in fp32; called once after the model is materialized."""
+        inv_freq, attn_scale = compute_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        cache = torch.cat([freqs.cos() * attn_scale, freqs.sin() * attn_scale], dim=-1)
+        self.cos_sin_cache = cache.to(device)  # [max_position, head_dim]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, kv, head_dim]
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(dtype)

@@ -1,0 +1,158 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> Hugging Face-named float tensors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from loom.config import ConfigError, ModelConfig
+from loom.quant.gguf_dequant import dequantize
+
+
+class GGUFError(ValueError):
+    """The GGUF file is unreadable, truncated or describes something Loom does not run."""
+
+
+# GGUF `general.architecture` -> registry name; only "llama" stores q/k rows permuted.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PERMUTED_QK = {"llama"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise GGUFError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError, TypeError) as e:
+        raise GGUFError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from None
+
+
+def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def model_config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(f"{path}: metadata key {arch}.{name} is missing")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
+    scaling = _rope_scaling(reader, arch)
+    eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=field(reader, f"{arch}.attention.sliding_window"),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1 GGUFs store the scaled frequencies' divisors
+        factors = dequantize(freqs.data, freqs.tensor_type, (-1,))
+        return {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    raise ConfigError(f"unsupported GGUF rope scaling {kind!r}")
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(
+    reader: GGUFReader, config: ModelConfig, arch: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    permute = arch in _PERMUTED_QK
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        try:
+            w = dequantize(t.data, GGMLQuantizationType(t.tensor_type), shape)
+        except (ValueError, RuntimeError) as e:
+            if "not supported" in str(e):
+                raise
+            raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute(w, config.num_attention_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute(w, config.num_key_value_heads)
+        yield name, w
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    return str(field(reader, "general.architecture"))

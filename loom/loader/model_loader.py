@@ -1,0 +1,84 @@
+"""Build a model on the meta device, materialize it on the target device, load its weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from loom.config import ConfigError, ModelConfig
+from loom.loader import gguf as gguf_loader
+from loom.loader.hf import iter_safetensors, model_config_from_hf
+from loom.loader.resolve import ModelSource
+from loom.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto = float32 on CPU, bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    return _open(source)[0]
+
+
+def _open(
+    source: ModelSource,
+) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """(config, a function yielding the weights), reading a GGUF file's header only once."""
+    if source.kind == "gguf":
+        reader = gguf_loader.open_gguf(source.path)
+        config = gguf_loader.model_config_from_gguf(reader, source.path)
+        arch = gguf_loader.gguf_architecture(reader)
+        return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch)
+    return model_config_from_hf(source.path), lambda: iter_safetensors(source.path)
+
+
+def load_model(
+    source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> LoadedModel:
+    start = time.perf_counter()
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    config, weight_iter = _open(source)
+    model_cls = get_model_class(config)
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if config.tie_word_embeddings:  # to_empty breaks the tie: restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    weights = weight_iter()
+    if progress:
+        weights = tqdm(weights, desc=f"loading {source.path.name}", unit="tensor", leave=False)
+    with torch.no_grad():
+        model.load_weights(weights)
+    model.init_buffers(device)
+    model.eval()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)
+    return LoadedModel(model, config, torch_dtype, device, seconds)

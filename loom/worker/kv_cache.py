@@ -1,0 +1,70 @@
+"""Size and allocate the paged KV cache from the memory actually available."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loom.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer: 2 * layers * block_size * kv_heads * head_dim * itemsize."""
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+    per_token *= model_config.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return per_token * block_size
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes: device memory on CUDA, MemAvailable of the host otherwise."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory")
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_needed_tokens: int,
+) -> int:
+    """Blocks from an explicit count, `kv_cache_memory` bytes, or a fraction of free memory.
+
+    The memory rules never allocate more than `max_needed_tokens` worth (plus the null block):
+    a bigger cache could never be used.
+    """
+    if cache_config.num_gpu_blocks_override is not None:
+        return cache_config.num_gpu_blocks_override
+    per_block = bytes_per_block(model_config, cache_config.block_size, dtype)
+    budget = cache_config.kv_cache_memory
+    if budget is None:
+        budget = int(available_memory(device) * cache_config.memory_fraction)
+    num_blocks = budget // per_block
+    cap = -(-max_needed_tokens // cache_config.block_size) + 1
+    num_blocks = min(num_blocks, cap)
+    if num_blocks < 2:
+        raise MemoryError(
+            f"the KV cache budget ({budget} bytes) holds less than one block of {per_block} bytes; "
+            "raise kv_cache_memory"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.device | torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    return [
+        torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
+        for _ in range(model_config.num_hidden_layers)
+    ]

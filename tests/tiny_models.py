@@ -1,0 +1,53 @@
+"""Tiny random-weight Hugging Face models, written to a folder as real checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+def _configs() -> dict[str, object]:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
+        "llama-tied": LlamaConfig(**TINY, tie_word_embeddings=True),
+        "llama3-rope": LlamaConfig(
+            **TINY,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "mistral": MistralConfig(**TINY, sliding_window=12),
+        "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    }
+
+
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
+
+
+def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
+    """Save a random-weight model `name` (see ARCHS) in fp32 safetensors under `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    config = _configs()[name]
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # widen the random init so logits are not all near zero
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08 if p.dim() > 1 else 0.1)
+    model.save_pretrained(folder)
+    return folder
