@@ -143,10 +143,8 @@ def iter_gguf_tensors(
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
             w = dequantize(t.data, GGMLQuantizationType(t.tensor_type), shape)
-        except (ValueError, RuntimeError) as e:
-            if "not supported" in str(e):
-                raise
-            raise GGUFError(f"tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
+        except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
+            raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, config.num_attention_heads)
         elif permute and name.endswith("k_proj.weight"):

@@ -1,0 +1,347 @@
+"""The scheduler: one token-budget rule for prefill, chunked prefill, prefix hits and decode.
+
+Every step each request asks for `num_tokens - num_computed_tokens` tokens, capped by the step's
+token budget (`max_num_batched_tokens`). Running requests go first, in order; when blocks run
+out the newest running request is preempted (blocks freed, recomputed later from the front of
+the waiting queue). Waiting requests are then admitted first come, first served while budget,
+`max_num_seqs` and blocks allow. The scheduler holds integers only; the runner owns tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loom.core.outputs import EngineCoreOutput
+from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from loom.request import RequestStatus
+
+if TYPE_CHECKING:
+    from loom.config import SchedulerConfig
+    from loom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+    from loom.core.sched_output import ModelRunnerOutput
+    from loom.request import Request
+
+__all__ = ["EngineCoreOutput", "RequestRejectedError", "Scheduler", "check_stop"]
+
+
+class RequestRejectedError(ValueError):
+    """A request that could never be scheduled (too long for the model or the KV cache)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {message}")
+        self.request_id = request_id
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """After a token was appended: set the final status and return True if the request is done.
+
+    Order: stop_token_ids, then eos (both only once min_tokens outputs exist; eos not with
+    ignore_eos), then max_tokens, then max_model_len.
+    """
+    params = request.sampling_params
+    num_output = request.num_output_tokens
+    if num_output >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+    max_tokens = request.max_tokens
+    if (max_tokens is not None and num_output >= max_tokens) or (
+        request.num_tokens >= max_model_len
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    """Decides which requests run each step and how many tokens each computes.
+
+    Invariants: a request is in exactly one of `waiting` (WAITING or PREEMPTED, holding no
+    blocks) and `running` (RUNNING); `requests` maps the ids of both; finished requests are
+    dropped from all three at once and their blocks freed.
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int
+    ) -> None:
+        if kv_cache_manager.block_size != block_size:
+            raise ValueError(
+                f"block_size {block_size} != KV cache manager's {kv_cache_manager.block_size}"
+            )
+        self.scheduler_config = scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids whose runner state must go before the next step (finished, aborted, preempted).
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises RequestRejectedError at once if it can never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        self._resolve_max_tokens(request)
+        if self.kv_cache_manager.enable_caching:
+            request.enable_block_hashing(self.block_size)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _resolve_max_tokens(self, request: Request) -> None:
+        """Reject requests too long for max_model_len or the whole cache; with max_tokens None,
+        cap the output at what both allow."""
+        rid, bs = request.request_id, self.block_size
+        num_prompt = request.num_prompt_tokens
+        usable = self.kv_cache_manager.num_usable_blocks
+        if num_prompt == 0:
+            raise RequestRejectedError(rid, "the prompt is empty")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            total = num_prompt + max_tokens
+            if total > self.max_model_len:
+                raise RequestRejectedError(
+                    rid, f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} "
+                    f"exceeds max_model_len ({self.max_model_len})",
+                )
+            num_blocks = -(-total // bs)
+            if num_blocks > usable:
+                raise RequestRejectedError(
+                    rid, f"{total} tokens need {num_blocks} KV blocks of {bs} tokens but the "
+                    f"cache has only {usable}",
+                )
+            request.max_tokens = max_tokens
+            return
+        # No max_tokens: the prompt must leave room for at least one output token.
+        limit = min(self.max_model_len, usable * bs)
+        if num_prompt >= limit:
+            raise RequestRejectedError(
+                rid, f"prompt ({num_prompt} tokens) leaves no room for output within "
+                f"max_model_len ({self.max_model_len}) and the KV cache ({usable} blocks of {bs})",
+            )
+        request.max_tokens = limit - num_prompt
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; see the module docstring for the rule."""
+        step = _Step(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        # A step that preempted admits nobody: the freed blocks go to the running requests.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            finished_req_ids=finished,
+        )
+
+    def _schedule_running(self, step: _Step) -> None:
+        req_index = 0
+        while req_index < len(self.running) and step.token_budget > 0:
+            request = self.running[req_index]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                step.token_budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                req_index += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._preempt_newest(step)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                # It preempted itself; it was the last running request, so the loop ends.
+                break
+            cached = step.cached_reqs
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([block.block_id for block in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            step.add(request, num_new)
+            req_index += 1
+
+    def _preempt_newest(self, step: _Step) -> Request:
+        """Preempt the newest running request: free its blocks, requeue it at the front."""
+        victim = self.running.pop()
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(victim)
+        self.finished_req_ids.add(victim.request_id)
+        step.preempted.append(victim)
+        return victim
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # Waiting requests hold no blocks (preemption freed them), so look up the cache.
+            assert not kv.get_block_ids(request.request_id), f"{request} holds blocks"
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(
+                request.num_tokens - num_hit, step.token_budget, self.max_model_len - num_hit
+            )
+            if num_new <= 0:
+                break
+            if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            step.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            step.add(request, num_new)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, apply stop rules, free finished
+        requests. Returns one output per request that got tokens (or prompt logprobs)."""
+        index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for req_id, num_scheduled in sched_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished or aborted since schedule()
+            request.num_computed_tokens += num_scheduled
+            i = index.get(req_id)
+            if i is None:
+                continue
+            output = self._apply_sampled(request, runner_output, i)
+            if output is None:
+                continue
+            outputs.append(output)
+            if output.finish_reason is not None:
+                self._free_request(request, had_runner_state=True)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _apply_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, i: int
+    ) -> EngineCoreOutput | None:
+        new_token_ids: list[int] = []
+        for token_id in runner_output.sampled_token_ids[i]:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break
+        logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
+        prompt_logprobs = (
+            runner_output.prompt_logprobs[i] if i < len(runner_output.prompt_logprobs) else None
+        )
+        if not new_token_ids and prompt_logprobs is None:
+            return None  # a prefill chunk with nothing to report
+        return EngineCoreOutput(
+            req_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+        )
+
+    def _free_request(self, request: Request, had_runner_state: bool) -> None:
+        """Forget a finished request (the caller removes it from `running`/`waiting`)."""
+        self.kv_cache_manager.free(request)
+        if had_runner_state:
+            self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string), waiting or running; unknown or
+        already finished ids are ignored."""
+        if not status.is_finished():
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        stopped_running = False
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            was_running = request.status == RequestStatus.RUNNING
+            if was_running:
+                stopped_running = True
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request, had_runner_state=was_running)
+        if stopped_running:
+            self.running = [r for r in self.running if not r.is_finished()]
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.prefix_cache_stats

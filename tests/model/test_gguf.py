@@ -1,0 +1,209 @@
+"""GGUF: dequantization against the `gguf` package, the llama.cpp q/k permutation undone,
+the real SmolLM2 file against transformers, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize
+
+from loom.config import ConfigError
+from loom.loader.gguf import GGUFError
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
+from loom.quant.gguf_dequant import TORCH_TYPES, dequantize
+from tests.gguf_files import write_gguf
+from tests.paged_batch import PagedBatch, rel_err
+from tests.tiny_models import make_tiny_model
+
+T = GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", sorted(TORCH_TYPES | {T.F16, T.BF16}, key=lambda t: t.value))
+def test_torch_dequant_equals_gguf_reference(qtype) -> None:
+    x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * 3
+    raw = quantize(x, qtype)
+    ours = dequantize(raw, qtype, (8, 256))
+    ref = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    assert rel_err(ours, torch.from_numpy(x)) < 0.2  # and it is a real approximation of x
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL])
+def test_k_quant_blocks_dequantize_to_the_reference(qtype) -> None:
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (4, size * (512 // block)), dtype=np.uint8)
+    # Random bytes are valid blocks; some f16 scales decode to NaN/inf, so NaNs compare equal.
+    ours = dequantize(raw, qtype, (4, 512))
+    ref = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_smollm2_tensors_equal_gguf_reference() -> None:
+    reader = GGUFReader(str(default_gguf_path()))
+    types = set()
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        ref = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(t.data, t.tensor_type)))
+        ours = dequantize(t.data, t.tensor_type, shape)
+        torch.testing.assert_close(ours, ref.reshape(shape).float(), rtol=0, atol=0)
+        types.add(t.tensor_type.name)
+    assert {"Q4_1", "Q8_0", "F32"} <= types
+
+
+@pytest.mark.parametrize(
+    "name,arch,qtype",
+    [("llama", "llama", T.F32), ("llama-tied", "llama", T.F16), ("qwen2", "qwen2", T.F32),
+     ("qwen3", "qwen3", T.F32)],
+)
+def test_tiny_gguf_matches_hf_checkpoint(tmp_path, name, arch, qtype) -> None:
+    folder = make_tiny_model(name, tmp_path / "hf")
+    gguf_path = write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype)
+    from_gguf = load_model(resolve_model(str(gguf_path)), dtype="float32")
+    from_hf = load_model(resolve_model(str(folder)), dtype="float32")
+    assert from_gguf.config.tie_word_embeddings == from_hf.config.tie_word_embeddings
+    assert from_gguf.config.attention_bias == from_hf.config.attention_bias
+    assert from_gguf.config.qk_norm == from_hf.config.qk_norm
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    out_gguf = PagedBatch(from_gguf).step({"r": ids})["r"]
+    out_hf = PagedBatch(from_hf).step({"r": ids})["r"]
+    tol = 1e-5 if qtype == T.F32 else 1e-2  # F16 storage rounds the weights
+    assert rel_err(out_gguf, out_hf) < tol
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    path = default_gguf_path()
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    loaded = load_model(resolve_model(None), dtype="float32")
+    tok = Tokenizer.from_source(resolve_model(None), loaded.config.eos_token_ids)
+    return ref.eval(), loaded, tok
+
+
+def test_smollm2_greedy_matches_transformers(smollm2) -> None:
+    ref, loaded, tok = smollm2
+    batch = PagedBatch(loaded, num_blocks=64)
+    prompts = {str(i): tok.encode(p) for i, p in enumerate(PROMPTS)}
+    seqs = {rid: list(ids) for rid, ids in prompts.items()}
+    out = batch.step(prompts)  # all five prefilled in one batch
+    for _ in range(32):
+        for rid in seqs:
+            seqs[rid].append(int(out[rid][-1].argmax()))
+        out = batch.step({rid: s[-1:] for rid, s in seqs.items()})
+    for rid, prompt in prompts.items():
+        ours = seqs[rid][len(prompt) :]
+        # transformers' generate stops at EOS: its output must be a prefix of ours ...
+        expected = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+            pad_token_id=tok.hf.pad_token_id,
+        )[0, len(prompt):].tolist()
+        assert ours[: len(expected)] == expected, PROMPTS[int(rid)]
+        # ... and all 32 of ours are transformers' argmax given the same prefix.
+        with torch.no_grad():
+            logits = ref(torch.tensor([seqs[rid]])).logits[0, len(prompt) - 1 : -1]
+        assert logits.argmax(-1).tolist() == ours, PROMPTS[int(rid)]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Name a prime number."},
+]
+
+
+def test_chat_template_gguf_and_hf_folder_match_transformers(smollm2, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    _, _, tok = smollm2
+    path = default_gguf_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for gen in (True, False):
+        expected = ref.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=gen) == expected
+    assert "<|im_start|>assistant\n" in tok.apply_chat_template(CONVERSATION)
+
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant] {% endif %}"
+    ref.chat_template = template
+    ref.save_pretrained(folder)
+    hf_tok = Tokenizer.from_source(resolve_model(str(folder)))
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert hf_tok.apply_chat_template(CONVERSATION) == expected
+    assert expected.endswith("[assistant] ")
+
+
+def test_missing_file_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        resolve_model("no-such-org/no-such-model")
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path) -> None:
+    src = default_gguf_path()
+    bad = tmp_path / "truncated.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(2_000_000))
+    with pytest.raises(GGUFError, match="truncated or corrupt"):
+        load_model(resolve_model(str(bad)))
+
+
+def test_unsupported_gguf_architecture(tmp_path) -> None:
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    path = write_gguf(folder, tmp_path / "gpt2.gguf", "llama", override_arch="gpt2")
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'"):
+        load_model(resolve_model(str(path)))
+
+
+def test_unsupported_hf_architecture_and_bad_heads(tmp_path) -> None:
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(resolve_model(str(bad)))
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 5}))
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(5\) is not a multiple"):
+        load_model(resolve_model(str(bad)))
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path) -> None:
+    path = tmp_path / "i32.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for key, value in [("add_block_count", 1), ("add_context_length", 64), ("add_embedding_length", 8),
+                       ("add_feed_forward_length", 16), ("add_head_count", 2),
+                       ("add_head_count_kv", 2), ("add_vocab_size", 4)]:
+        getattr(w, key)(value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="token_embd.weight.*I32.*not supported"):
+        load_model(resolve_model(str(path)))

@@ -1,0 +1,60 @@
+"""Drive a Loom model directly on the paged KV cache, without the scheduler (model tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from loom.attention.forward_context import set_forward_context
+from loom.attention.metadata import build_attention_metadata
+from loom.worker.kv_cache import allocate_kv_caches
+
+BLOCK = 16
+
+
+class PagedBatch:
+    """Drives Loom's model directly: each request owns blocks; steps mix prefill and decode."""
+
+    def __init__(self, loaded, num_blocks: int = 64) -> None:
+        self.model = loaded.model
+        caches = allocate_kv_caches(loaded.config, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+        for attn, cache in zip(self.model.attention_layers(), caches):
+            attn.kv_cache = cache
+        self.next_block = 1  # block 0 is the null block
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def add(self, rid: str, shared_blocks: list[int] = (), num_cached: int = 0) -> None:
+        self.blocks[rid] = list(shared_blocks)
+        self.computed[rid] = num_cached
+
+    def _ensure_blocks(self, rid: str, num_tokens: int) -> None:
+        while len(self.blocks[rid]) * BLOCK < num_tokens:
+            self.blocks[rid].append(self.next_block)
+            self.next_block += 1
+
+    @torch.inference_mode()
+    def step(self, work: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """work: rid -> new token ids to compute. Returns rid -> logits [len(new), vocab]."""
+        rids = list(work)
+        for rid in rids:
+            if rid not in self.blocks:
+                self.add(rid)
+            self._ensure_blocks(rid, self.computed[rid] + len(work[rid]))
+        md, positions = build_attention_metadata(
+            [self.blocks[r] for r in rids], [self.computed[r] for r in rids],
+            [len(work[r]) for r in rids], BLOCK, torch.device("cpu"),
+        )
+        ids = torch.tensor([t for r in rids for t in work[r]])
+        with set_forward_context(md):
+            logits = self.model.compute_logits(self.model(ids, torch.from_numpy(positions)))
+        out, start = {}, 0
+        for rid in rids:
+            n = len(work[rid])
+            out[rid] = logits[start : start + n]
+            start += n
+            self.computed[rid] += n
+        return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
