@@ -73,9 +73,11 @@ def build_attention_metadata(
 
     max_q, max_s = int(query_lens.max()), int(seq_lens.max())
     key_pos = np.arange(max_s)
-    # Positions past a request's blocks point at the null block; the mask hides them.
     clipped = np.minimum(key_pos // block_size, max_blocks - 1)
     kv_slots = table[:, clipped] * block_size + key_pos % block_size  # [num_reqs, max_s]
+    # Padding positions (past a request's context) read the zeroed null block: never-written
+    # cache memory could hold NaN, which the mask's zero weight would not cancel.
+    kv_slots[key_pos[None, :] >= seq_lens[:, None]] = 0
     query_positions = computed[:, None] + np.arange(max_q)[None, :]  # [num_reqs, max_q]
 
     def t(a: np.ndarray) -> torch.Tensor:

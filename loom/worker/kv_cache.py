@@ -60,11 +60,18 @@ def determine_num_blocks(
 
 
 def allocate_kv_caches(
-    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.device | torch.dtype,
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
+
+    Left uninitialized (host pages are only committed when first written) except the null
+    block 0, which padding reads and must be zero.
+    """
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-    return [
-        torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
-        for _ in range(model_config.num_hidden_layers)
-    ]
+    caches = []
+    for _ in range(model_config.num_hidden_layers):
+        cache = torch.empty(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
+        cache[:, 0].zero_()
+        caches.append(cache)
+    return caches

@@ -1,0 +1,202 @@
+"""LLMEngine / LLM equivalences: prefix cache, chunked prefill, batching, preemption, seeds,
+n > 1 block sharing, aborts. Every pair must produce identical tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import SamplingParams
+from loom.engine.llm_engine import InvalidRequestError
+from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, and never invent facts. "
+          "If you do not know, say so plainly.")
+QUESTIONS = [
+    "What is the capital of France?", "Name a prime number.", "What colour is the sky?",
+    "How many legs does a spider have?", "What is water made of?", "Who wrote Hamlet?",
+    "What is 2 + 2?", "Name a planet.", "What do bees make?", "What is the largest ocean?",
+    "Say hello.", "Give me a fruit.", "Which animal barks?", "What is ice?",
+    "What is the opposite of hot?", "Count to three.",
+]
+
+
+def chats() -> list[list[dict[str, str]]]:
+    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q in QUESTIONS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return tiny_model_with_tokenizer(str(tmp_path_factory.mktemp("tiny")))
+
+
+def _tiny_prompts(n: int, length: int = 40) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 256) for _ in range(length // 2)]
+    return [shared + [rng.randrange(3, 256) for _ in range(length // 2 + i)] for i in range(n)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_prefix_cache_on_vs_off(make_llm, tiny, model) -> None:
+    name = tiny if model == "tiny" else None
+    def run(enable: bool):
+        llm = make_llm(name, enable_prefix_caching=enable)
+        if model == "tiny":
+            outs = llm.generate(_tiny_prompts(8), GREEDY, use_tqdm=False)
+        else:
+            outs = llm.chat(chats()[:8], GREEDY, use_tqdm=False)
+        llm.engine.check_integrity()
+        return token_ids(outs), llm.engine.scheduler.prefix_cache_stats.hits
+    on, hits_on = run(True)
+    off, hits_off = run(False)
+    assert on == off
+    assert hits_on > 0 and hits_off == 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
+    name = tiny if model == "tiny" else None
+    def run(budget: int):
+        llm = make_llm(name, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        if model == "tiny":
+            outs = llm.generate(_tiny_prompts(6, 60), GREEDY, use_tqdm=False)
+        else:
+            outs = llm.chat(chats()[:6], GREEDY, use_tqdm=False)
+        llm.engine.check_integrity()
+        return token_ids(outs)
+    assert run(13) == run(2048)
+
+
+def test_batched_vs_alone_smollm2(make_llm) -> None:
+    prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
+    llm = make_llm(None)
+    batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> None:
+    name = tiny if model == "tiny" else None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    def run(blocks: int | None):
+        llm = make_llm(name, num_gpu_blocks_override=blocks, enable_prefix_caching=False)
+        if model == "tiny":
+            outs = llm.generate(_tiny_prompts(8, 30), params, use_tqdm=False)
+        else:
+            outs = llm.chat(chats()[:8], params, use_tqdm=False)
+        llm.engine.check_integrity()
+        assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+        return token_ids(outs), llm.engine.scheduler.num_preemptions_total
+    small, preemptions = run(14 if model == "tiny" else 20)
+    ample, none = run(None)
+    assert small == ample
+    assert preemptions > 0 and none == 0
+
+
+def test_seed_reproducible_whatever_the_batch(make_llm) -> None:
+    llm = make_llm(None)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+    alone = llm.generate(["Tell me a story about a cat."], seeded, use_tqdm=False)[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=30), GREEDY,
+              SamplingParams(temperature=0.7, seed=7, max_tokens=10)]
+    mixed = llm.generate(
+        ["Hi", "Tell me a story about a cat.", "Why is the sea blue?", "List three colours"],
+        [others[0], seeded, others[1], others[2]], use_tqdm=False,
+    )
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    other_seed = llm.generate(["Tell me a story about a cat."], seeded.clone(seed=99),
+                              use_tqdm=False)[0]
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_n4_shares_prompt_blocks(make_llm) -> None:
+    llm = make_llm(None)
+    engine = llm.engine
+    kv = engine.scheduler.kv_cache_manager
+    prompt = engine.tokenizer.encode(SYSTEM * 3)  # several full blocks
+    full_blocks = len(prompt) // 16
+    free_before = kv.num_free_blocks
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=8))
+    engine.step()
+    used = free_before - kv.num_free_blocks
+    per_request = -(-(len(prompt) + 1) // 16)
+    # Four samples hold the prompt's full blocks once, plus their own partial block.
+    assert used == full_blocks + 4 * (per_request - full_blocks)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert len(outs[0].outputs) == 4
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1  # distinct samples
+    engine.check_integrity()
+
+
+def test_abort_frees_blocks(make_llm) -> None:
+    llm = make_llm(None, enable_prefix_caching=False)
+    engine = llm.engine
+    kv = engine.scheduler.kv_cache_manager
+    free = kv.num_free_blocks
+    engine.add_request("long", "Write a long essay about the ocean.",
+                       SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request("short", "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert kv.num_free_blocks < free
+    engine.abort_request("long")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    reasons = {o.request_id: o.outputs[0].finish_reason for o in outs if o.finished}
+    assert reasons == {"long": "abort", "short": "length"}
+    assert kv.num_free_blocks == free
+    engine.check_integrity()
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(make_llm) -> None:
+    llm = make_llm(None)
+    stats = llm.engine.scheduler.prefix_cache_stats
+    llm.chat(chats()[0], GREEDY, use_tqdm=False)
+    hits_before = stats.hits
+    out = llm.chat(chats()[1], GREEDY, use_tqdm=False)[0]
+    system_tokens = len(llm.get_tokenizer().encode(SYSTEM))
+    assert stats.hits - hits_before >= (system_tokens // 16) * 16 > 0
+    assert out.num_cached_tokens >= 16
+
+
+def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
+    llm = make_llm(None)
+    out = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(
+        temperature=0, max_tokens=30, stop=[" 7"], logprobs=3, prompt_logprobs=2),
+        use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == " 7"
+    assert " 7" not in c.text and c.text.strip().startswith("5")
+    assert len(c.logprobs) == len(c.token_ids)
+    assert all(len(lp.token_ids) == 4 and lp.token_ids[0] == t
+               for lp, t in zip(c.logprobs, c.token_ids))
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None
+    eos = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
+    assert eos.outputs[0].finish_reason == "stop" and eos.outputs[0].stop_reason is None
+
+
+def test_bad_requests_are_rejected_clearly(make_llm) -> None:
+    llm = make_llm(None, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate("word " * 100, GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="exceeds max_model_len"):
+        llm.generate("Hello", SamplingParams(max_tokens=100), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        llm.generate([[10**7]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
