@@ -14,9 +14,10 @@ BLOCK = 16
 class PagedBatch:
     """Drives Loom's model directly: each request owns blocks; steps mix prefill and decode."""
 
-    def __init__(self, loaded, num_blocks: int = 64) -> None:
+    def __init__(self, loaded, num_blocks: int = 64, device: torch.device = torch.device("cpu")) -> None:
         self.model = loaded.model
-        caches = allocate_kv_caches(loaded.config, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+        self.device = device
+        caches = allocate_kv_caches(loaded.config, num_blocks, BLOCK, loaded.dtype, device)
         for attn, cache in zip(self.model.attention_layers(), caches):
             attn.kv_cache = cache
         self.next_block = 1  # block 0 is the null block
@@ -42,11 +43,11 @@ class PagedBatch:
             self._ensure_blocks(rid, self.computed[rid] + len(work[rid]))
         md, positions = build_attention_metadata(
             [self.blocks[r] for r in rids], [self.computed[r] for r in rids],
-            [len(work[r]) for r in rids], BLOCK, torch.device("cpu"),
+            [len(work[r]) for r in rids], BLOCK, self.device,
         )
-        ids = torch.tensor([t for r in rids for t in work[r]])
+        ids = torch.tensor([t for r in rids for t in work[r]], device=self.device)
         with set_forward_context(md):
-            logits = self.model.compute_logits(self.model(ids, torch.from_numpy(positions)))
+            logits = self.model.compute_logits(self.model(ids, torch.from_numpy(positions).to(self.device)))
         out, start = {}, 0
         for rid in rids:
             n = len(work[rid])
