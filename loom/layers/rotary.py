@@ -63,12 +63,16 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * attn_scale, freqs.sin() * attn_scale], dim=-1)
         self.cos_sin_cache = cache.to(device)  # [max_position, head_dim]
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, kv, head_dim]
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, 1, head_dim // 2] for `positions`; shared by every layer."""
+        return self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

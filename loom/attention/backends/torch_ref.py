@@ -48,10 +48,16 @@ def paged_attention(
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     k = flat[0][md.kv_slots].transpose(1, 2)  # [num_reqs, kv_heads, max_s, head_dim]
     v = flat[1][md.kv_slots].transpose(1, 2)
-    q_pad = q.new_zeros(num_reqs, md.max_query_len, num_heads, head_dim)
-    q_pad[md.token_req_idx, md.token_local_idx] = q
+    decode_only = md.max_query_len == 1  # token i is request i's only query: no padding
+    if decode_only:
+        q_pad = q.view(num_reqs, 1, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(num_reqs, md.max_query_len, num_heads, head_dim)
+        q_pad[md.token_req_idx, md.token_local_idx] = q
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
         enable_gqa=num_heads != kv_heads,
     )  # [num_reqs, num_heads, max_q, head_dim]
+    if decode_only:
+        return out.view(num_reqs, num_heads, head_dim)
     return out.transpose(1, 2)[md.token_req_idx, md.token_local_idx]
