@@ -16,8 +16,8 @@ from tests.tiny_models import make_tiny_model
 
 
 @functools.lru_cache(maxsize=4)
-def _load(source, dtype, device):
-    return load_model(source, dtype, device)
+def _load(source, dtype, device, quantization=None):
+    return load_model(source, dtype, device, quantization=quantization)
 
 
 _from_source = Tokenizer.from_source
@@ -33,7 +33,10 @@ def make_llm(monkeypatch):
     """make_llm(model, **engine_kwargs) -> LLM, sharing loaded weights between engines.
 
     Engines bind their KV cache into the shared model when built: use one at a time."""
-    monkeypatch.setattr(llm_engine, "load_model", lambda s, d, dev, progress=False: _load(s, d, dev))
+    def load(source, dtype, device, progress=False, quantization=None):
+        return _load(source, dtype, device, quantization)
+
+    monkeypatch.setattr(llm_engine, "load_model", load)
     monkeypatch.setattr(llm_engine.Tokenizer, "from_source", staticmethod(_tokenizer))
 
     def make(model: str | None = None, **kwargs) -> LLM:

@@ -76,7 +76,7 @@ class LLMEngine:
             torch.manual_seed(args.seed)
         source = resolve_model(args.model)
         self.model_name = args.served_model_name or source.name
-        loaded = load_model(source, args.dtype, device, progress=True)
+        loaded = load_model(source, args.dtype, device, progress=True, quantization=args.quantization)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
         if args.chat_template is not None:

@@ -16,9 +16,11 @@ from loom.loader import gguf as gguf_loader
 from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
+from loom.quant.int8 import quantize_int8_
 
 logger = logging.getLogger(__name__)
 
+QUANTIZATIONS = ("int8",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,8 +62,12 @@ def _open(
 
 def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-    progress: bool = False,
+    progress: bool = False, quantization: str | None = None,
 ) -> LoadedModel:
+    """Build, materialize and load a model; `quantization="int8"` then converts the linear
+    layers (all but lm_head) to weight-only INT8 (see loom.quant.int8)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     start = time.perf_counter()
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -78,6 +84,8 @@ def load_model(
     with torch.no_grad():
         model.load_weights(weights)
     model.init_buffers(device)
+    if quantization is not None:
+        quantize_int8_(model)
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)
