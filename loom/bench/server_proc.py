@@ -1,0 +1,215 @@
+"""Spawn a server command, time its start-up, sample its memory, stop it.
+
+Start-up is two figures, both from the moment the command is spawned: until `/health` answers
+200, and until the first token of a streamed one-token completion arrives. Memory is sampled
+from /proc every `sample_interval` seconds over the server's whole life, summed over the
+process tree (the server may fork engine workers): RSS, and PSS, which counts pages shared
+between those processes once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from loom.bench.runner import root_url
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time."""
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    kids = _children_map()
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(kids.get(p, []))
+    return tree
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes of `pid` and all its descendants; 0 for what cannot be read."""
+    rss = pss = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return rss, pss
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, with reaped children) of `pid` and its live descendants."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _CLK_TCK
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all processes spent running, summed over cores, since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _CLK_TCK
+
+
+def _has_text(obj: Any) -> bool:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return bool(choices and choices[0].get("text"))
+
+
+class ServerProcess:
+    """`with ServerProcess(cmd, base_url) as s: s.wait_healthy(); s.first_token(model)`."""
+
+    def __init__(
+        self, cmd: list[str], base_url: str, env: dict[str, str] | None = None,
+        log_path: str | Path | None = None, sample_interval: float = 0.25,
+    ) -> None:
+        self.cmd = cmd
+        self.base_url = root_url(base_url)
+        self.env = env
+        self.log_path = Path(log_path) if log_path else None
+        self.sample_interval = sample_interval
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.t_spawn = 0.0
+        self.peak_rss = 0
+        self.peak_pss = 0
+        self._log: IO[bytes] | None = None
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def start(self) -> ServerProcess:
+        self._log = open(self.log_path, "wb") if self.log_path else None
+        out = self._log if self._log else subprocess.DEVNULL
+        env = {**os.environ, **(self.env or {})}
+        self.t_spawn = time.perf_counter()
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise ServerStartError(f"cannot start {self.cmd[0]!r}: {e}") from None
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        assert self.proc is not None
+        while not self._stop.is_set():
+            rss, pss = tree_memory(self.proc.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self._stop.wait(self.sample_interval)
+
+    def log_tail(self, n: int = 20) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            tail = self.log_tail()
+            raise ServerStartError(f"the server exited with code {self.proc.returncode}"
+                                   + (f"; its log ends:\n{tail}" if tail else ""))
+
+    def wait_healthy(self, timeout: float = 300.0, poll: float = 0.05) -> float:
+        """Seconds from spawn until GET /health answers 200."""
+        deadline = self.t_spawn + timeout
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.perf_counter() < deadline:
+                self._check_alive()
+                try:
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return time.perf_counter() - self.t_spawn
+                except httpx.HTTPError:
+                    pass
+                time.sleep(poll)
+        raise ServerStartError(f"{self.base_url}/health did not answer 200 within {timeout:.0f} s")
+
+    def first_token(self, model: str, timeout: float = 300.0) -> float:
+        """Seconds from spawn until the first token of a streamed completion arrives."""
+        body: dict[str, Any] = {"model": model, "prompt": "Hello", "max_tokens": 1,
+                                "temperature": 0.0, "stream": True}
+        self._check_alive()
+        url = self.base_url + "/v1/completions"
+        with httpx.Client(timeout=timeout, trust_env=False) as client, \
+                client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raise ServerStartError(f"first request answered HTTP {resp.status_code}: "
+                                       f"{resp.read()[:300]!r}")
+            for line in resp.iter_lines():
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if data and data != "[DONE]" and _has_text(json.loads(data)):
+                    return time.perf_counter() - self.t_spawn
+        raise ServerStartError("the first request streamed no token")
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the server's process group, SIGKILL after `grace` seconds; its exit code."""
+        code = None
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                code = self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                code = self.proc.wait()
+            except ProcessLookupError:
+                code = self.proc.wait()
+        elif self.proc is not None:
+            code = self.proc.returncode
+        if self.proc is not None:
+            try:  # workers left in the group after the leader exited
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,373 @@
+"""AsyncEngine: the synchronous LLMEngine behind an asyncio interface, for the HTTP server.
+
+Threads (the only two that touch engine state):
+- the event loop thread calls `add_request` / `abort` / `abort_all`; each becomes a command on a
+  thread-safe queue and never touches the LLMEngine itself;
+- the engine thread owns the LLMEngine: it drains commands, runs `step()` while any request is
+  unfinished, and blocks on the command queue (no polling) when there is nothing to do.
+Outputs go back to one asyncio queue per request through `loop.call_soon_threadsafe`, one
+callback per step. `docs/serving.md` explains why this is a thread and not a process.
+
+Invariants:
+- a request id is in `_streams` from a successful add until its finished output (or an error)
+  has been handed to its stream; only the engine thread reads or writes `_streams`;
+- every stream receives exactly one terminal item: a finished RequestOutput or an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loom.engine.llm_engine import InvalidRequestError
+
+if TYPE_CHECKING:
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.outputs import RequestOutput
+    from loom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncEngine", "EngineDeadError", "EngineShutdownError", "EngineSnapshot", "EngineStepError",
+    "InvalidRequestError", "QueueFullError", "RequestStream",
+]
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; every request in flight at that moment was dropped."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or it could not recover from a failed step)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The request was aborted because the server is shutting down."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine gauges and counters, published by the engine thread after every iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends after the finished output or an exception."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Event-loop side of a delivery from the engine thread."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+    done: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+    error: BaseException | None = None  # None: the stream gets the "abort" output
+
+
+@dataclass(slots=True)
+class _AbortAll:
+    error: BaseException
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a dedicated thread; `add_request` / `generate` from asyncio code.
+
+    `on_output` (optional) is called on the engine thread with every RequestOutput, before
+    delivery; the server observes its latency histograms there.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_output = on_output
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+
+    # ---- life cycle (event loop thread) ----------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Fail whatever is still in flight with EngineShutdownError and stop the thread."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(thread.join, timeout)
+        if thread.is_alive():
+            logger.error("the engine thread did not stop within %.0f s", timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    # ---- requests (event loop thread) ------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Queue a request and wait until the engine took it.
+
+        Raises InvalidRequestError (bad prompt or parameters), QueueFullError or
+        EngineDeadError before any output exists. Iterate the returned stream for outputs;
+        call `stream.abort()` if you stop early.
+        """
+        if not self.is_running or self._loop is None:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'not started'})")
+        stream = RequestStream(request_id, self)
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, stream, done))
+        try:
+            await done
+        except asyncio.CancelledError:  # the caller went away while the add was in flight
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (cumulative text plus this step's deltas) until it
+        finishes. Stopping the iteration early (break, cancellation) aborts the request."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests; unknown or finished ids are ignored. Safe from any thread."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(_Abort(ids))
+
+    def abort_all(self, error: BaseException) -> None:
+        """Fail every request in flight with `error` (its stream raises it) and abort them."""
+        self._commands.put(_AbortAll(error))
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands(block=not self.engine.has_unfinished_requests())
+                if any(isinstance(c, _Stop) for c in commands):
+                    self._fail_all(EngineShutdownError("the server is shutting down"))
+                    return
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_snapshot()
+        except BaseException as e:  # noqa: BLE001 - report any thread death to every waiter
+            logger.exception("the engine thread died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
+        finally:
+            self._drain_after_exit()
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        """All queued commands; with block=True wait (sleeping) for at least one."""
+        commands: list[_Command] = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self.engine.abort_request(command.request_ids)
+        elif isinstance(command, _AbortAll):
+            self._fail_all(command.error)
+
+    def _add(self, command: _Add) -> None:
+        error: BaseException | None = None
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.scheduler.num_waiting + command.params.n > limit:
+            error = QueueFullError(
+                f"the server is busy: {self.engine.scheduler.num_waiting} requests are waiting "
+                f"(--max-waiting-requests {limit}); retry later"
+            )
+        else:
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self._streams[command.request_id] = command.stream
+            except InvalidRequestError as e:
+                error = e
+            except Exception as e:  # noqa: BLE001 - an unexpected failure is this request's 500
+                logger.exception("add_request failed for %s", command.request_id)
+                error = e
+        self._call_soon(_resolve, command.done, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the whole batch failed; keep serving
+            logger.exception("engine step failed; failing %d requests", len(self._streams))
+            try:
+                self._reset(list(self._streams))
+            finally:  # clean engine first, so a client that retries finds it serving
+                self._fail_all(EngineStepError(f"internal error in the engine step: {e!r}"))
+            return
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for output in outputs:
+            if self.on_output is not None:
+                try:
+                    self.on_output(output)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    logger.exception("on_output hook failed")
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            deliveries.append((stream, output))
+        if deliveries:
+            self._call_soon(_deliver, deliveries)
+
+    def _reset(self, request_ids: list[str]) -> None:
+        """After a failed step: abort the batch and let one step drop its state."""
+        self.engine.abort_request(request_ids)
+        try:
+            self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"the engine could not recover from a failed step: {e!r}") from e
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine still holds requests after a reset")
+
+    def _fail_all(self, error: BaseException) -> None:
+        if not self._streams:
+            return
+        ids = list(self._streams)
+        deliveries = [(stream, error) for stream in self._streams.values()]
+        self._streams.clear()
+        try:
+            self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - the streams are failed either way
+            logger.exception("abort after failure raised")
+        self._call_soon(_deliver, deliveries)
+
+    def _drain_after_exit(self) -> None:
+        """Answer commands that arrived after the thread stopped, so no caller hangs."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                error = EngineDeadError("the engine is shutting down")
+                self._call_soon(_resolve, command.done, error)
+
+    def _publish_snapshot(self) -> None:
+        sched, stats = self.engine.scheduler, self.engine.stats
+        prefix = sched.prefix_cache_stats
+        self.snapshot = EngineSnapshot(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=sched.kv_cache_usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=sched.num_preemptions_total,
+            prompt_tokens=stats.prompt_tokens_total,
+            generation_tokens=stats.generation_tokens_total,
+        )
+
+    def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to answer
+            logger.debug("event loop closed; dropped a delivery")
+
+
+def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in deliveries:
+        stream.put(item)

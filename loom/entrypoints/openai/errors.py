@@ -1,0 +1,155 @@
+"""OpenAI error envelope `{"error": {message, type, param, code}}` with a fixed status mapping.
+
+| status | type                  | when                                                      |
+|--------|-----------------------|-----------------------------------------------------------|
+| 400    | invalid_request_error | malformed JSON, wrong types, out-of-range or unsupported  |
+| 401    | authentication_error  | missing or wrong API key                                  |
+| 404    | not_found_error       | unknown route or model name                               |
+| 405    | invalid_request_error | wrong HTTP method                                         |
+| 429    | rate_limit_error      | the waiting queue is full (--max-waiting-requests)        |
+| 500    | server_error          | a real internal error (that request only)                 |
+| 503    | unavailable_error     | shutting down, or the engine is not running               |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loom.engine.async_engine import (
+    EngineDeadError,
+    EngineShutdownError,
+    EngineStepError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from loom.sampling_params import SamplingParamsError
+from loom.tokenizer.tokenizer import ChatTemplateError
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client: HTTP status, message, the offending field, a code."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else
+                               "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map an engine or validation exception to the APIError the client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), exc.param)
+    if isinstance(exc, SamplingParamsError):
+        return APIError(400, str(exc), exc.param)
+    if isinstance(exc, ChatTemplateError):
+        return APIError(400, str(exc), "messages")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="rate_limit_exceeded")
+    if isinstance(exc, (EngineShutdownError, EngineDeadError)):
+        return APIError(503, str(exc))
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc))
+    logger.error("internal error: %r", exc, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}")
+
+
+def _loc_to_param(loc: Sequence[int | str]) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union branch tags are dropped."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool") or part.startswith("list"):
+            continue  # pydantic names union members ("list[int]", "str"); not a field
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The first pydantic error as a 400 naming the field (malformed JSON has no field)."""
+    if not errors:
+        return bad_request("invalid request body")
+    # Of a union's per-branch errors the deepest names the real problem best.
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    if err.get("type") == "json_invalid":
+        reason = err.get("ctx", {}).get("error", "")
+        return bad_request(f"malformed JSON body: {reason}".rstrip(": "))
+    param = _loc_to_param(err.get("loc", ()))
+    if param is None and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return bad_request("the request body must be a JSON object")
+    if err.get("type") == "extra_forbidden":
+        return bad_request(f"unsupported parameter: {param!r}", param)
+    if err.get("type") == "missing":
+        return bad_request(f"{param} is required", param)
+    message = err.get("msg", "invalid value")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can produce leaves in the OpenAI envelope."""
+
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"not found: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    async def on_exception(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_exception)

@@ -1,0 +1,246 @@
+"""What completions and chat share: the server context, SamplingParams from a request, adding
+several engine requests at once, merging their streams, SSE framing, logprob values and
+aborting on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+
+from loom.entrypoints.openai.errors import APIError, bad_request, from_exception
+from loom.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from loom.engine.async_engine import AsyncEngine, RequestStream
+    from loom.engine.outputs import RequestOutput
+    from loom.entrypoints.openai.protocol import SamplingRequest
+    from loom.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# JSON has no -inf; a token the model rules out gets this finite stand-in.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs; lives on `app.state.loom`."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    log_requests: bool = True
+    shutting_down: bool = False
+    decoded_tokens: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> None:
+        """None means the served model; any other name is a 404."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", "model_not_found")
+
+    def check_accepting(self) -> None:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down")
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as OpenAI shows it in logprobs (cached; vocab is finite)."""
+        text = self.decoded_tokens.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.decoded_tokens[token_id] = text
+        return text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def logprob_value(x: float) -> float:
+    return MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, MIN_LOGPROB)
+
+
+def build_sampling_params(
+    req: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams from the shared fields; a bad value is a 400 naming the field."""
+    logit_bias = None
+    if req.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                              "logit_bias") from None
+    try:
+        return SamplingParams(
+            n=req.n if req.n is not None else 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            seed=req.seed,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        )
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+async def add_requests(
+    ctx: ServerContext, request_id: str, prompts: list[str | list[int]], params: SamplingParams
+) -> list[RequestStream]:
+    """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
+
+    Engine exceptions become APIErrors (400, 429, 503) before any response is sent.
+    """
+    ctx.check_accepting()
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await ctx.engine.add_request(rid, prompt, params))
+    except BaseException as e:
+        for stream in streams:
+            stream.abort()
+        if isinstance(e, Exception):
+            raise from_exception(e) from None
+        raise
+    if ctx.log_requests:
+        logger.info("request %s: %d prompt(s), %s", request_id, len(prompts), params)
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index.
+
+    Leaving early (or an error in one stream) aborts every stream that is still running.
+    """
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].abort()
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                merged.put_nowait((i, output))
+            merged.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def collect_final(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The last (finished) output of every stream, in stream order."""
+    finals: dict[int, RequestOutput] = {}
+    async for i, output in merge_streams(streams):
+        finals[i] = output
+    return [finals[i] for i in range(len(streams))]
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def include_usage(req: SamplingRequest) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Turn an exception mid-stream into an SSE error event, then always end with [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - headers are sent; the error must go in-band
+        yield sse(from_exception(e).body())
+    yield SSE_DONE
+
+
+async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work` (a non-streaming handler body) but cancel it if the client disconnects.
+
+    The body has been read already, so `receive()` only returns once the client goes away.
+    Cancelling the handler closes its streams, which aborts the engine requests.
+    """
+    task = asyncio.ensure_future(work())
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        logger.info("client disconnected; request cancelled")
+        raise APIError(499, "client disconnected")
+    try:
+        return task.result()
+    except APIError:
+        raise
+    except Exception as e:  # engine errors (503, 500) as envelopes, without a traceback
+        raise from_exception(e) from e

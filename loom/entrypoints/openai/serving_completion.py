@@ -1,0 +1,207 @@
+"""POST /v1/completions: prompts -> engine requests -> a completion or an SSE stream.
+
+Choice index = prompt_index * n + sample_index (OpenAI's order for several prompts).
+Logprobs use the legacy format: tokens, token_logprobs, top_logprobs (dicts), text_offset.
+With `echo`, each choice starts with its prompt text (and, with `logprobs`, the prompt's
+logprobs; the first prompt token has none). `echo` with `max_tokens: 0` scores the prompt alone:
+the engine samples one token, which is not reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loom.engine.outputs import CompletionOutput
+from loom.entrypoints.openai.errors import bad_request
+from loom.entrypoints.openai.serving_common import (
+    ServerContext,
+    add_requests,
+    build_sampling_params,
+    cancel_on_disconnect,
+    check_stream_options,
+    collect_final,
+    include_usage,
+    logprob_value,
+    merge_streams,
+    new_id,
+    sse,
+    sse_guard,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from loom.core.sched_output import Logprobs
+    from loom.engine.async_engine import RequestStream
+    from loom.engine.outputs import RequestOutput
+    from loom.entrypoints.openai.protocol import CompletionRequest
+
+_Entry = tuple[int, "Logprobs | None"]
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported (no fill-in-the-middle)", "suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise bad_request("best_of is not supported; use n to get several samples", "best_of")
+
+
+async def create_completion(
+    ctx: ServerContext, req: CompletionRequest, raw_request: Request
+) -> JSONResponse | StreamingResponse:
+    """Validate, add one engine request per prompt, answer streamed or whole."""
+    ctx.check_model(req.model)
+    _check_unsupported(req)
+    check_stream_options(req)
+    prompts = _prompts(req)
+    prompt_logprobs = req.logprobs if req.echo else None
+    prompt_only = bool(req.echo) and req.max_tokens == 0
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    request_id = new_id("cmpl")
+    builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)
+    if req.stream:
+        streams = await add_requests(ctx, request_id, prompts, params)
+        return StreamingResponse(sse_guard(builder.stream(streams)),
+                                 media_type="text/event-stream")
+
+    async def work() -> JSONResponse:
+        streams = await add_requests(ctx, request_id, prompts, params)
+        return JSONResponse(builder.response(await collect_final(streams)))
+
+    return await cancel_on_disconnect(raw_request, work)
+
+
+class _Builder:
+    """Turns engine outputs of one HTTP request into OpenAI completion JSON."""
+
+    def __init__(
+        self, ctx: ServerContext, req: CompletionRequest, request_id: str, created: int, n: int,
+        prompt_only: bool,
+    ) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.id = request_id
+        self.created = created
+        self.n = n
+        self.prompt_only = prompt_only
+
+    def _visible(self, o: CompletionOutput) -> CompletionOutput:
+        """What the client sees of a sample: nothing generated in prompt-only mode."""
+        if not self.prompt_only:
+            return o
+        return CompletionOutput(o.index, logprobs=None if o.logprobs is None else [],
+                                finish_reason="length" if o.finished else None)
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.ctx.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _prompt_entries(self, out: RequestOutput) -> list[_Entry]:
+        lps = list(out.prompt_logprobs or [])
+        lps += [None] * (len(out.prompt_token_ids) - len(lps))
+        return list(zip(out.prompt_token_ids, lps))
+
+    def _logprobs(self, entries: list[_Entry], offset: int) -> dict[str, Any]:
+        """Legacy logprobs; `offset` is where the first token's text starts in the choice."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        for token_id, lp in entries:
+            text = self.ctx.token_text(token_id)
+            tokens.append(text)
+            text_offset.append(offset)
+            offset += len(text)
+            if lp is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(logprob_value(lp.logprobs[0]))
+            top = {self.ctx.token_text(t): logprob_value(v)
+                   for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])}
+            top.setdefault(text, logprob_value(lp.logprobs[0]))
+            top_logprobs.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, o: CompletionOutput,
+        final: bool,
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": o.finish_reason if final else None,
+                "stop_reason": o.stop_reason if final else None}
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """The whole (non-streamed) completion."""
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for p, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for o in map(self._visible, out.outputs):
+                completion_tokens += len(o.token_ids)
+                prefix = self._prompt_text(out) if self.req.echo else ""
+                logprobs = None
+                if self.req.logprobs is not None:
+                    entries = self._prompt_entries(out) if self.req.echo else []
+                    entries += list(zip(o.token_ids, o.logprobs or []))
+                    logprobs = self._logprobs(entries, 0)
+                choices.append(self._choice(p * self.n + o.index, prefix + o.text, logprobs, o,
+                                            True))
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.id, "object": "text_completion",
+                                 "created": self.created, "model": self.ctx.model_name,
+                                 "choices": choices}
+        if include_usage(self.req):
+            chunk["usage"] = None
+        return chunk
+
+    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """SSE events: one chunk per choice that changed, then the usage chunk if asked."""
+        sent_len: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        done: dict[int, int] = {}  # choice index -> completion tokens, once finished
+        prompt_tokens = [0] * len(streams)
+        want_logprobs = self.req.logprobs is not None
+        async for p, out in merge_streams(streams):
+            prompt_tokens[p] = len(out.prompt_token_ids)
+            for o in map(self._visible, out.outputs):
+                index = p * self.n + o.index
+                if index in done:
+                    continue
+                text, entries = o.delta_text, list(zip(o.delta_token_ids, o.delta_logprobs))
+                if self.req.echo and index not in sent_len and (o.token_ids or o.finished):
+                    text = self._prompt_text(out) + text
+                    entries = self._prompt_entries(out) + entries if want_logprobs else entries
+                if not (text or o.finished or (want_logprobs and entries)):
+                    continue
+                offset = sent_len.get(index, 0)
+                sent_len[index] = offset + len(text)
+                logprobs = self._logprobs(entries, offset) if want_logprobs else None
+                yield sse(self._chunk([self._choice(index, text, logprobs, o, o.finished)]))
+                if o.finished:
+                    done[index] = len(o.token_ids)
+        if include_usage(self.req):
+            usage_chunk = self._chunk([])
+            usage_chunk["usage"] = usage(sum(prompt_tokens), sum(done.values()))
+            yield sse(usage_chunk)

@@ -1,0 +1,233 @@
+"""AsyncEngine on a fake LLMEngine (no model): delivery, abort, errors, recovery, idling.
+
+The last tests put the real FastAPI app in front of the fake engine (in process, via httpx's
+ASGI transport) to check that a failed step is a 500 for the requests in it and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from loom.core.kv_cache_manager import PrefixCacheStats
+from loom.engine.async_engine import (
+    AsyncEngine,
+    EngineShutdownError,
+    EngineStepError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from loom.engine.llm_engine import EngineStats
+from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.entrypoints.openai.api_server import build_app
+from loom.entrypoints.openai.metrics import ServerMetrics
+from loom.entrypoints.openai.serving_common import ServerContext
+from loom.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class _FakeScheduler:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+
+class FakeEngine:
+    """Emits token 7 once per step per request until max_tokens; can be told to fail a step."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _Req] = {}
+        self.scheduler = _FakeScheduler()
+        self.stats = EngineStats()
+        self.steps = 0
+        self.aborted: list[str] = []
+        self.fail_next_step = False
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if prompt == []:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        assert params.max_tokens is not None
+        self.requests[request_id] = _Req(list(prompt), params.max_tokens)
+        self.scheduler.num_waiting = len(self.requests)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if rid in self.requests:
+                self.requests[rid].aborted = True
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        time.sleep(0.002)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        outputs = []
+        for rid, req in list(self.requests.items()):
+            if req.aborted:
+                finish = "abort"
+                delta: list[int] = []
+            else:
+                delta = [7]
+                req.tokens.append(7)
+                finish = "length" if len(req.tokens) >= req.max_tokens else None
+            out = CompletionOutput(0, text="x" * len(req.tokens), token_ids=list(req.tokens),
+                                   finish_reason=finish, delta_text="x" * len(delta),
+                                   delta_token_ids=delta)
+            outputs.append(RequestOutput(rid, None, req.prompt, [out], finished=finish is not None,
+                                         metrics=RequestMetrics(time.monotonic())))
+            if finish is not None:
+                del self.requests[rid]
+        self.scheduler.num_waiting = 0
+        return outputs
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+async def _started(fake: FakeEngine, **kwargs: object) -> AsyncEngine:
+    engine = AsyncEngine(fake, **kwargs)  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+async def test_outputs_in_order_and_off_the_event_loop() -> None:
+    fake = FakeEngine()
+    engine = await _started(fake)
+    outs = [o async for o in engine.generate([1, 2], _params(5), "a")]
+    await engine.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert threading.get_ident() not in fake.thread_ids and len(fake.thread_ids) == 1
+
+
+async def test_invalid_request_raises_before_streaming() -> None:
+    engine = await _started(FakeEngine())
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.add_request("bad", [], _params(3))
+    assert info.value.param == "prompt"
+    await engine.shutdown()
+
+
+async def test_leaving_the_iteration_aborts_the_request() -> None:
+    fake = FakeEngine()
+    engine = await _started(fake)
+    gen = engine.generate([1], _params(10_000), "long")
+    async for out in gen:
+        if len(out.outputs[0].token_ids) == 3:
+            break
+    await gen.aclose()
+    for _ in range(200):
+        if not fake.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.aborted == ["long"] and not fake.requests
+    await engine.shutdown()
+
+
+async def test_failed_step_fails_the_batch_and_the_engine_keeps_serving() -> None:
+    fake = FakeEngine()
+    engine = await _started(fake)
+    streams = [await engine.add_request(f"r{i}", [1], _params(10_000)) for i in range(3)]
+    await streams[0].__anext__()
+    fake.fail_next_step = True
+    for stream in streams:
+        with pytest.raises(EngineStepError):
+            async for _ in stream:
+                pass
+    assert engine.is_running and not fake.requests
+    after = [o async for o in engine.generate([1], _params(2), "after")]
+    assert after[-1].finished and after[-1].outputs[0].token_ids == [7, 7]
+    await engine.shutdown()
+
+
+async def test_waiting_queue_limit() -> None:
+    fake = FakeEngine()
+    engine = await _started(fake, max_waiting_requests=0)
+    with pytest.raises(QueueFullError):
+        await engine.add_request("x", [1], _params(2))
+    await engine.shutdown()
+
+
+async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
+    fake = FakeEngine()
+    engine = await _started(fake)
+    await asyncio.sleep(0.2)
+    assert fake.steps == 0  # no step without requests: the thread blocks on its queue
+    stream = await engine.add_request("s", [1], _params(10_000))
+    await stream.__anext__()
+    await engine.shutdown()
+    with pytest.raises(EngineShutdownError):
+        async for _ in stream:
+            pass
+    assert not engine.is_running
+
+
+def _app(fake: FakeEngine) -> tuple[AsyncEngine, httpx.AsyncClient]:
+    engine = AsyncEngine(fake)  # type: ignore[arg-type]
+    ctx = ServerContext(engine=engine, tokenizer=None, model_name="fake",  # type: ignore[arg-type]
+                        max_model_len=1024, log_requests=False)
+    app = build_app(ctx, ServerMetrics(lambda: engine.snapshot, "fake"))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return engine, client
+
+
+async def test_http_500_only_for_the_failed_batch() -> None:
+    fake = FakeEngine()
+    engine, client = _app(fake)
+    engine.start()
+    body = {"prompt": [1, 2], "max_tokens": 3}
+    ok = await client.post("/v1/completions", json=body)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    fake.fail_next_step = True
+    failed = await client.post("/v1/completions", json=body)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "server_error"
+    again = await client.post("/v1/completions", json=body)
+    assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+    assert (await client.get("/health")).status_code == 200
+    await engine.shutdown()
+    await client.aclose()
+
+
+async def test_http_stream_failure_is_an_sse_error_event() -> None:
+    fake = FakeEngine()
+    engine, client = _app(fake)
+    engine.start()
+    fake.fail_next_step = True
+    r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True})
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert '"type":"server_error"' in events[-2] and events[-1] == "data: [DONE]"
+    await engine.shutdown()
+    await client.aclose()
