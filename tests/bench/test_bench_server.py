@@ -177,14 +177,15 @@ def test_dying_or_silent_server_does_not_hang(mode) -> None:
     finally:
         bad.close()
     assert len(res.records) == 3 and not any(r.success for r in res.records)
-    assert res.duration < 10
+    assert res.duration < 60  # a hang guard, not a speed claim
     m = compute_metrics(res.records, res.duration)
     assert m["failed"] == 3
-    expected = "RemoteProtocolError" if mode == "die" else "timed out"
-    assert all(expected in r.error for r in res.records), [r.error for r in res.records]
+    # A server dying mid-body surfaces as either httpx error, depending on timing.
+    expected = ("RemoteProtocolError", "ReadError") if mode == "die" else ("timed out",)
+    assert all(any(e in r.error for e in expected) for r in res.records), [r.error for r in res.records]
 
 
 def test_unreachable_server_fails_every_request_quickly() -> None:
     cfg = BenchConfig(f"http://127.0.0.1:{_free_port()}", "m", concurrency=2, disable_tqdm=True)
     res = run_benchmark(cfg, [RequestInput(i, "x", 1, 2) for i in range(4)])
-    assert all("cannot connect" in r.error for r in res.records) and res.duration < 10
+    assert all("cannot connect" in r.error for r in res.records) and res.duration < 60
