@@ -258,6 +258,21 @@ def _short(text: str) -> str:
     return text.replace(str(ROOT) + "/", "").replace(str(Path.home()), "~")
 
 
+def _load_warning(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """A paragraph when other processes were busy while an engine was measured."""
+    loads = {n: s["other_load_cores"] for n, s in summary.items()
+             if s and s.get("other_load_cores") is not None}
+    if not any(v > 0.2 for v in loads.values()):
+        return []
+    each = ", ".join(f"{v:.2f} during {n}'s" for n, v in loads.items())
+    text = (f"**Shared machine:** other processes kept cores busy while the engines were "
+            f"measured (on average {each} sweep, of {os.cpu_count()} cores; last rows of the "
+            "table). Engines measured under different loads are skewed, llama.cpp's spinning "
+            "threads the most: rerun on a quiet machine (`--wait-quiet` waits for one before "
+            "each engine) before drawing conclusions.")
+    return [text, ""]
+
+
 def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
                  summary: dict[str, dict[str, Any]], skipped: list[str], png: Path,
                  rounds: list[dict[str, Any]], started: str, elapsed: float) -> None:
@@ -276,6 +291,7 @@ def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
                "whole life (start-up and sweep) and summed over its process tree; PSS counts "
                "pages shared between its processes once.")
     lines = [f"# Loom side by side with its peers — {started}", "", setup, "", reading, "",
+             *_load_warning(summary),
              *table(summary, conc), "", f"![output tokens/s and TTFT vs concurrency]({png.name})",
              ""]
     if skipped or failed:

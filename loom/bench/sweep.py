@@ -125,6 +125,7 @@ def plot_sweep(results: dict[str, dict[str, Any]], path: str | Path, title: str 
     ax_ttft.set_yscale("log")
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     ax_ttft.yaxis.set_major_formatter(plain)
+    ax_ttft.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(base=10, subs=(2.0, 5.0)))
     ax_ttft.yaxis.set_minor_formatter(plain)
     ax_ttft.set_title("TTFT p50 and p99 (lower is better)")
     if title:
