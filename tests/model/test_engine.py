@@ -173,19 +173,27 @@ def test_shared_system_prompt_hits_the_prefix_cache(make_llm) -> None:
 
 def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
     llm = make_llm(None)
-    out = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(
-        temperature=0, max_tokens=30, stop=[" 7"], logprobs=3, prompt_logprobs=2),
+    prompt = "Count: 1, 2, 3, 4,"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string greedy decoding surely produces
+    assert len(stop) == 3
+    out = llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=30, stop=[stop], logprobs=3, prompt_logprobs=2),
         use_tqdm=False)[0]
     c = out.outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == " 7"
-    assert " 7" not in c.text and c.text.strip().startswith("5")
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)]
     assert len(c.logprobs) == len(c.token_ids)
     assert all(len(lp.token_ids) == 4 and lp.token_ids[0] == t
                for lp, t in zip(c.logprobs, c.token_ids))
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert out.prompt_logprobs[0] is None
-    eos = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
+    # A chat reply ends with the model's EOS (<|im_end|>): finish "stop" without a stop_reason.
+    eos = llm.chat([{"role": "user", "content": "Say hi."}],
+                   SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
     assert eos.outputs[0].finish_reason == "stop" and eos.outputs[0].stop_reason is None
+    assert eos.outputs[0].token_ids[-1] in llm.engine.eos_token_ids
 
 
 def test_bad_requests_are_rejected_clearly(make_llm) -> None:
