@@ -187,23 +187,27 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in signal context, between any two bytecodes of the main thread (say, inside a
+        # log call): only set flags here and leave the rest (logging too) to the event loop.
         # Not recorded in _captured_signals: uvicorn would re-raise it and exit with 128+sig.
-        name = signal.Signals(sig).name
         if self._loop is None:
             self.should_exit = True
-            return
-        if self.should_exit:
-            logger.warning("%s again: aborting every request now", name)
+        elif self.should_exit:
             self.force_exit = True
-            self._loop.call_soon_threadsafe(self._abort_all)
-            return
-        logger.info("%s: draining; running requests get %.0f s", name, self.grace)
-        self.should_exit = True
-        self.ctx.shutting_down = True
-        self._loop.call_soon_threadsafe(self._start_grace_timer)
+            self._loop.call_soon_threadsafe(self._on_second_signal, sig)
+        else:
+            self.should_exit = True
+            self.ctx.shutting_down = True
+            self._loop.call_soon_threadsafe(self._on_first_signal, sig)
 
-    def _start_grace_timer(self) -> None:
+    def _on_first_signal(self, sig: int) -> None:
+        logger.info("%s: draining; running requests get %g s", signal.Signals(sig).name,
+                    self.grace)
         self._grace_task = asyncio.ensure_future(self._abort_after_grace())
+
+    def _on_second_signal(self, sig: int) -> None:
+        logger.warning("%s again: aborting every request now", signal.Signals(sig).name)
+        self._abort_all()
 
     async def _abort_after_grace(self) -> None:
         await asyncio.sleep(self.grace)
