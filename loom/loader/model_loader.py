@@ -44,10 +44,6 @@ class LoadedModel:
     load_seconds: float
 
 
-def read_model_config(source: ModelSource) -> ModelConfig:
-    return _open(source)[0]
-
-
 def _open(
     source: ModelSource,
 ) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:

@@ -3,6 +3,7 @@ sampling. It turns a plain-data `SchedulerOutput` into a `ModelRunnerOutput`."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ from loom.worker.kv_cache import allocate_kv_caches
 class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + every generated token known to the runner
+    prompt_token_ids: list[int]  # kept apart so the sampler reads it without a per-step copy
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
@@ -65,6 +67,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
+                prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=params,
                 block_ids=list(new.block_ids),
@@ -90,7 +93,9 @@ class ModelRunner:
         num_sched = [so.num_scheduled_tokens[r] for r in req_ids]
         computed = [s.num_computed_tokens for s in states]
         input_ids = np.fromiter(
-            (t for s, c, n in zip(states, computed, num_sched) for t in s.token_ids[c : c + n]),
+            itertools.chain.from_iterable(
+                s.token_ids[c : c + n] for s, c, n in zip(states, computed, num_sched)
+            ),
             dtype=np.int64, count=so.total_num_scheduled_tokens,
         )
         md, positions = build_attention_metadata(
@@ -114,7 +119,7 @@ class ModelRunner:
             sampled_states = [states[i] for i in sampling]
             meta = SamplingMetadata.build(
                 [s.sampling_params for s in sampled_states],
-                [s.token_ids[: s.num_prompt_tokens] for s in sampled_states],
+                [s.prompt_token_ids for s in sampled_states],
                 [s.output_token_ids for s in sampled_states],
                 [s.generator for s in sampled_states],
                 self.eos_token_ids,
