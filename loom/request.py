@@ -11,6 +11,7 @@ from loom.core.block_hash import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
     from loom.sampling_params import SamplingParams
+    from loom.structured.backend import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,7 +69,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "block_hashes", "num_cached_tokens", "stop_reason", "num_preemptions", "max_tokens",
-        "block_size", "extra_keys", "_all_token_ids",
+        "block_size", "extra_keys", "grammar", "_all_token_ids",
     )
 
     def __init__(
@@ -104,6 +105,8 @@ class Request:
         # Extra hash keys for every block (e.g. a LoRA id or cache salt).
         self.extra_keys = extra_keys
         self.block_size: int | None = None
+        # Structured output: the grammar state that follows this request's output tokens.
+        self.grammar: GrammarMatcher | None = None
         if block_size is not None:
             self.enable_block_hashing(block_size)
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loom.structured.params import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _MAX_N = 128
@@ -42,6 +46,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields works).
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +58,10 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            from loom.structured.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:  # noqa: C901 - one flat list of checks reads best

@@ -35,11 +35,16 @@ def _configs() -> dict[str, object]:
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
 
 
-def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
-    """Save a random-weight model `name` (see ARCHS) in fp32 safetensors under `folder`."""
+def make_tiny_model(
+    name: str, folder: Path, seed: int = 0, vocab_size: int | None = None
+) -> Path:
+    """Save a random-weight model `name` (see ARCHS) in fp32 safetensors under `folder`;
+    `vocab_size` overrides the tiny default (e.g. to match a real tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     config = _configs()[name]
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

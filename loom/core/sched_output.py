@@ -1,4 +1,5 @@
-"""Plain data passed between the scheduler and the model runner (integers and lists only)."""
+"""Plain data passed between the scheduler and the model runner (integers and lists only; the
+engine adds the structured-output bitmask, the one tensor)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from loom.sampling_params import SamplingParams
 
 
@@ -42,6 +45,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose runner state must be dropped before this step: finished, aborted, preempted.
     finished_req_ids: set[str]
+    # Structured output, filled by the engine after scheduling: the allowed-token bitmask
+    # [rows, ceil(vocab / 32)] int32 of the constrained requests that sample this step, and
+    # req_id -> its row. None when no constrained request samples.
+    grammar_bitmask: torch.Tensor | None = None
+    structured_rows: dict[str, int] | None = None
 
     @property
     def is_empty(self) -> bool:

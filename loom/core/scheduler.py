@@ -9,6 +9,7 @@ the waiting queue). Waiting requests are then admitted first come, first served 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from loom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
     from loom.core.sched_output import ModelRunnerOutput
     from loom.request import Request
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCoreOutput", "RequestRejectedError", "Scheduler", "check_stop"]
 
@@ -39,7 +42,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """After a token was appended: set the final status and return True if the request is done.
 
     Order: stop_token_ids, then eos (both only once min_tokens outputs exist; eos not with
-    ignore_eos), then max_tokens, then max_model_len.
+    ignore_eos), then a completed structured output, then max_tokens, then max_model_len.
     """
     params = request.sampling_params
     num_output = request.num_output_tokens
@@ -52,6 +55,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         if not params.ignore_eos and last in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
+    if request.grammar is not None and request.grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED  # the structured output is complete
+        return True
     max_tokens = request.max_tokens
     if (max_tokens is not None and num_output >= max_tokens) or (
         request.num_tokens >= max_model_len
@@ -275,6 +281,12 @@ class Scheduler:
         for token_id in runner_output.sampled_token_ids[i]:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
+            if request.grammar is not None and not request.grammar.accept_token(token_id):
+                # Only a token the bitmask allowed can be sampled; this is a bug, not input.
+                logger.error("request %s: token %d rejected by its grammar (%s)",
+                             request.request_id, token_id, request.grammar.error)
+                request.status = RequestStatus.FINISHED_ABORTED
+                break
             if check_stop(request, self.max_model_len):
                 break
         logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None

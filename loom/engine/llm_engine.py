@@ -23,6 +23,8 @@ from loom.loader.resolve import resolve_model
 from loom.request import Request, RequestStatus
 from loom.sample.metadata import check_token_ids_in_vocab
 from loom.sampling_params import SamplingParams, SamplingParamsError
+from loom.structured.backend import CompiledGrammar, GrammarError
+from loom.structured.manager import StructuredOutputManager
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.worker.kv_cache import bytes_per_block, determine_num_blocks
@@ -112,6 +114,7 @@ class LLMEngine:
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             loaded.dtype, device,
         )
+        self.structured = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size)
         self.num_blocks = num_blocks
         self.load_seconds = loaded.load_seconds
         self.parents: dict[str, _ParentState] = {}
@@ -146,6 +149,7 @@ class LLMEngine:
         else:
             text, prompt_ids = None, list(prompt)
         self._validate(prompt_ids, params)
+        grammar = self.compile_grammar(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children: dict[str, _Child] = {}
         requests = []
@@ -155,7 +159,10 @@ class LLMEngine:
             if params.n > 1:  # distinct but reproducible streams per sample
                 seed = None if params.seed is None else params.seed + i
                 child_params = params.clone(n=1, seed=seed)
-            requests.append(Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival))
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival)
+            if grammar is not None:
+                request.grammar = grammar.matcher()
+            requests.append(request)
             detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_ids, child_params)
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
             children[child_id] = _Child(i, detok, out)
@@ -195,6 +202,19 @@ class LLMEngine:
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
 
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled output constraint (cached), or None if it has none.
+
+        Thread-safe: the server calls it off the engine thread first, so the engine thread only
+        finds it cached. Raises InvalidRequestError for an invalid schema, regex or grammar.
+        """
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.structured.compile(params.structured_outputs)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), param="structured_outputs") from None
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now; their blocks are freed and a final output says "abort"."""
         if isinstance(request_ids, str):
@@ -224,6 +244,9 @@ class LLMEngine:
         touched = self._take_aborted()
         sched_output = self.scheduler.schedule()
         if not sched_output.is_empty:
+            grammar = self.structured.grammar_bitmask(sched_output, self.scheduler.requests)
+            if grammar is not None:
+                sched_output.grammar_bitmask, sched_output.structured_rows = grammar
             now = time.monotonic()
             for new in sched_output.scheduled_new_reqs:
                 parent = self.parents.get(self.child_to_parent.get(new.req_id, ""))

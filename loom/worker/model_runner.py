@@ -17,6 +17,7 @@ from loom.core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
+from loom.structured.backend import apply_token_bitmask
 from loom.worker.kv_cache import allocate_kv_caches
 
 
@@ -116,6 +117,8 @@ class ModelRunner:
         if sampling:
             idx = torch.as_tensor(ends[sampling] - 1, device=self.device)
             logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+            if so.grammar_bitmask is not None:
+                self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
             sampled_states = [states[i] for i in sampling]
             meta = SamplingMetadata.build(
                 [s.sampling_params for s in sampled_states],
@@ -134,6 +137,18 @@ class ModelRunner:
                 sampled_lists[i] = [tokens[j]]
                 logprobs[i] = out.logprobs[j]
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps)
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, sampling_ids: list[str], so: SchedulerOutput) -> None:
+        """Ban the tokens each constrained row's grammar forbids; other rows are untouched."""
+        assert so.grammar_bitmask is not None and so.structured_rows is not None
+        rows, mask_rows = [], []
+        for j, req_id in enumerate(sampling_ids):
+            row = so.structured_rows.get(req_id)
+            if row is not None:
+                rows.append(j)
+                mask_rows.append(row)
+        apply_token_bitmask(logits, rows, so.grammar_bitmask[mask_rows])
 
     def _prompt_logprobs(
         self,

@@ -1,0 +1,151 @@
+"""The grammar engine behind structured output: llguidance (chosen by measurement; see
+docs/structured_output.md). Everything llguidance-specific lives in this file.
+
+A `CompiledGrammar` is built once per distinct constraint and cached; each request gets its own
+`GrammarMatcher` (a cheap copy of the compiled one) that follows the request's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from loom.structured.params import StructuredOutputsParams
+    from loom.tokenizer.tokenizer import Tokenizer
+
+
+class GrammarError(ValueError):
+    """The schema, regex or grammar is invalid or unsupported; the message says where."""
+
+
+class GrammarMatcher:
+    """The grammar state of one request: which tokens may come next, and the tokens so far."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher) -> None:  # noqa: ANN001 - llguidance.LLMatcher
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits into `bitmask[row]` ([rows, ceil(vocab/32)] int32, CPU)."""
+        self._m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.size(1) * 4)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        return self._m.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """The output is complete: the grammar allows nothing more (except end of sequence)."""
+        return self._m.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+class CompiledGrammar:
+    """A constraint compiled against one tokenizer; `matcher()` starts a new request on it."""
+
+    __slots__ = ("_template",)
+
+    def __init__(self, template) -> None:  # noqa: ANN001 - llguidance.LLMatcher
+        self._template = template
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend:
+    """Compiles `StructuredOutputsParams` with llguidance for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        import llguidance
+
+        self._llg = llguidance
+        backend = tokenizer.backend
+        # llguidance reads the tokenizer from its JSON (the Rust `tokenizers` format).
+        self.tokenizer = llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids),
+        )
+        self.vocab_size = vocab_size
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        grammar = self._grammar_text(params)
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {params.kind}: {_first_lines(matcher.get_error())}")
+        return CompiledGrammar(matcher)
+
+    def _grammar_text(self, params: StructuredOutputsParams) -> str:
+        llg = self._llg.LLMatcher
+        kind = params.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema = params.json if kind == "json" else {"type": "object"}
+                if not params.additional_properties:
+                    schema = _no_additional_properties(schema)
+                options = {"whitespace_flexible": params.any_whitespace}
+                if not params.any_whitespace:
+                    options |= {"item_separator": ", ", "key_separator": ": "}
+                return llg.grammar_from_json_schema(schema, overrides=options)
+            if kind == "regex":
+                return llg.grammar_from_regex(params.regex)
+            if kind == "choice":
+                lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)
+                return llg.grammar_from_lark(lark)
+            assert kind == "grammar"
+            return self._llg.grammar_from("grammar", params.grammar)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"invalid {kind}: {_first_lines(str(e))}") from None
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+              "propertyNames", "additionalItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _no_additional_properties(schema: object) -> object:
+    """A copy of `schema` where every object schema that lists `properties` but has no
+    `additionalProperties` gets `"additionalProperties": false`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _no_additional_properties(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_no_additional_properties(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _no_additional_properties(v) for k, v in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _first_lines(message: str, n: int = 6) -> str:
+    return "\n".join(message.strip().splitlines()[:n])
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf every token of `logits[rows[i]]` whose bit in `bitmask[i]` is 0; in place.
+
+    logits: [num_rows, vocab]; bitmask: [len(rows), ceil(vocab / 32)] int32 (bit j of word w
+    allows token 32 * w + j). Only the listed rows are touched.
+    """
+    if not rows:
+        return
+    vocab = logits.size(1)
+    shifts = torch.arange(32, dtype=torch.int32)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [len(rows), words, 32]
+    banned = (bits == 0).flatten(1)[:, :vocab].to(logits.device)  # [len(rows), vocab]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))

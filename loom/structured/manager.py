@@ -1,0 +1,94 @@
+"""Structured output for one engine: compiles constraints (cached), gives each constrained
+request its matcher, and builds the per-step token bitmask for the constrained rows only.
+
+Compilation is thread-safe and cached by the constraint's key, so the server compiles on a
+worker thread while validating a request and the engine thread only ever finds it cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom.structured.backend import CompiledGrammar, GrammarError, LLGuidanceBackend
+
+if TYPE_CHECKING:
+    from loom.core.sched_output import SchedulerOutput
+    from loom.request import Request
+    from loom.structured.params import StructuredOutputsParams
+    from loom.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarError", "StructuredOutputManager"]
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._backend: LLGuidanceBackend | None = None  # built on first use (about 1 s)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
+        self._cache_size = cache_size
+        self.num_words = (vocab_size + 31) // 32
+
+    @property
+    def backend(self) -> LLGuidanceBackend:
+        with self._lock:
+            if self._backend is None:
+                t0 = time.perf_counter()
+                self._backend = LLGuidanceBackend(self._tokenizer, self.vocab_size)
+                logger.info("grammar engine ready in %.2f s", time.perf_counter() - t0)
+            return self._backend
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint (cached); raises GrammarError naming the problem."""
+        key = params.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            backend = self.backend
+            t0 = time.perf_counter()
+            try:
+                hit = backend.compile(params)
+            except GrammarError as e:
+                hit = e
+            logger.debug("compiled a %s constraint in %.1f ms", params.kind,
+                         (time.perf_counter() - t0) * 1e3)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit
+
+    def grammar_bitmask(
+        self, so: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """Bitmask rows for the constrained requests that sample this step, or None if none do.
+
+        A request samples when this step reaches the end of its known tokens (the runner's
+        rule). Returns (bitmask [rows, words] int32, req_id -> row).
+        """
+        rows: dict[str, int] = {}
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None or request.grammar is None:
+                continue
+            if request.num_computed_tokens + n == request.num_tokens:
+                rows[req_id] = len(rows)
+        if not rows:
+            return None
+        bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
+        for req_id, row in rows.items():
+            requests[req_id].grammar.fill_bitmask(bitmask, row)
+        return bitmask, rows

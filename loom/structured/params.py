@@ -1,0 +1,83 @@
+"""What a request constrains its output to: a JSON schema, any JSON object, a regex, one of a
+list of choices, or a grammar (Lark, or llama.cpp's GBNF). Exactly one per request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from loom.sampling_params import SamplingParamsError
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Field names follow vLLM's `StructuredOutputsParams`.
+
+    json: a JSON schema (dict or JSON text). json_object: any JSON object. regex: a regular
+    expression the whole output matches (Rust `regex` syntax). choice: the output is exactly one
+    of these strings. grammar: a Lark grammar, or a GBNF grammar as llama.cpp writes them.
+    any_whitespace: JSON may contain free whitespace between tokens; by default Loom emits one
+    line with ", " and ": " separators, so a weak model cannot loop on whitespace.
+    additional_properties: an object schema that lists `properties` but says nothing about
+    `additionalProperties` allows extra keys (JSON Schema's rule). Off by default: Loom then
+    emits only the listed keys, as OpenAI's `strict` mode requires, still a valid instance,
+    and a weak model cannot wander off into invented keys.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+    additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise SamplingParamsError("structured_outputs", f"json is not valid JSON: {e}")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise SamplingParamsError("structured_outputs", "json must be a JSON schema object")
+        kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"exactly one of {', '.join(_KINDS)} must be set, got {kinds or 'none'}",
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise SamplingParamsError("structured_outputs",
+                                          "choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError("structured_outputs", f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A stable cache key: equal keys compile to the same grammar."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def coerce(cls, value: StructuredOutputsParams | dict[str, Any]) -> StructuredOutputsParams:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise SamplingParamsError("structured_outputs",
+                                      "must be a StructuredOutputsParams or a dict of its fields")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SamplingParamsError("structured_outputs",
+                                      f"unknown structured_outputs field(s): {sorted(unknown)}")
+        return cls(**value)
