@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
 
 from loom.config import ConfigError, ModelConfig
+from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.quant.gguf_dequant import dequantize
 
 
@@ -48,18 +48,17 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, OSError, TypeError) as e:
+        return read_gguf(path)
+    except (GGUFFormatError, ValueError, IndexError, KeyError, OSError, TypeError) as e:
         raise GGUFError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from None
 
 
-def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -71,7 +70,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def model_config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
+def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ConfigError(
@@ -111,7 +110,7 @@ def model_config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = field(reader, f"{arch}.rope.scaling.type")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1 GGUFs store the scaled frequencies' divisors
@@ -131,7 +130,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf_tensors(
-    reader: GGUFReader, config: ModelConfig, arch: str
+    reader: GGUFFile, config: ModelConfig, arch: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     permute = arch in _PERMUTED_QK
     for t in reader.tensors:
@@ -140,9 +139,9 @@ def iter_gguf_tensors(
         name = hf_name(t.name)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.shape
         try:
-            w = dequantize(t.data, GGMLQuantizationType(t.tensor_type), shape)
+            w = dequantize(t.data, t.tensor_type, shape)
         except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
             raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
         if permute and name.endswith("q_proj.weight"):
@@ -152,5 +151,5 @@ def iter_gguf_tensors(
         yield name, w
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     return str(field(reader, "general.architecture"))

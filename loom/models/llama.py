@@ -14,6 +14,7 @@ from torch import nn
 
 from loom.attention.layer import Attention
 from loom.config import ModelConfig
+from loom.layers.embedding import VocabEmbedding
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import RotaryEmbedding, apply_rotary
 from loom.loader.weight_map import load_packed_weights
@@ -78,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

@@ -22,8 +22,11 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> [n, 32] values: low nibbles are elements 0..15, high are 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int16)
+    """[n, 16] bytes -> [n, 32] uint8 values: low nibbles are elements 0..15, high are 16..31."""
+    out = torch.empty(qs.shape[0], 2, 16, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=out[:, 1])
+    return out.view(-1, 32)
 
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -35,20 +38,24 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
-    """blocks [n, type_size] uint8 -> [n, 32] float32."""
+    """blocks [n, type_size] uint8 -> [n, 32] float32.
+
+    In-place float ops on one fresh buffer keep start-up to a few passes over the weights; the
+    order of operations (and so the rounding) is the `gguf` reference's: d * q, then + m.
+    """
     d = _f16(blocks, 0)
     if qtype == GGMLQuantizationType.Q8_0:
-        return d * blocks[:, 2:].view(torch.int8).float()
+        return blocks[:, 2:].view(torch.int8).float().mul_(d)
     if qtype == GGMLQuantizationType.Q4_0:
-        return d * (_low_high_nibbles(blocks[:, 2:]) - 8).float()
+        return _low_high_nibbles(blocks[:, 2:]).float().sub_(8).mul_(d)
     if qtype == GGMLQuantizationType.Q4_1:
-        return d * _low_high_nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+        return _low_high_nibbles(blocks[:, 4:]).float().mul_(d).add_(_f16(blocks, 2))
     if qtype == GGMLQuantizationType.Q5_0:
-        q = _low_high_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
-        return d * (q - 16).float()
+        q = _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6])
+        return q.float().sub_(16).mul_(d)
     if qtype == GGMLQuantizationType.Q5_1:
-        q = _low_high_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
-        return d * q.float() + _f16(blocks, 2)
+        q = _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8])
+        return q.float().mul_(d).add_(_f16(blocks, 2))
     raise AssertionError(qtype)
 
 
@@ -61,15 +68,21 @@ TORCH_TYPES = {
 }
 
 
+def _as_torch(a: np.ndarray) -> torch.Tensor:
+    """A writable array (Loom's copy-on-write file map) is shared as is; a read-only one (the
+    `gguf` package's map) is copied, since torch cannot wrap read-only memory."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw GGUF tensor data -> float32 torch tensor of logical (row-major) `shape`."""
     if qtype == GGMLQuantizationType.F32:
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+        return _as_torch(np.asarray(data, dtype=np.float32)).reshape(shape)
     if qtype == GGMLQuantizationType.F16:
-        return torch.from_numpy(np.array(data)).view(torch.float16).float().reshape(shape)
+        return _as_torch(np.asarray(data)).view(torch.float16).float().reshape(shape)
     if qtype in TORCH_TYPES:
         _, type_size = GGML_QUANT_SIZES[qtype]
-        raw = torch.from_numpy(np.array(data).view(np.uint8)).reshape(-1, type_size)
+        raw = _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
         return _dequant_blocks(qtype, raw).reshape(shape)
     try:
         out = gguf_dequantize(data, qtype)
