@@ -9,3 +9,6 @@
     offline       `LLM.generate` throughput
     cli           the `loom bench` subcommands
 """
+
+# OpenAI endpoints the load generator drives; here so that building the CLI imports nothing heavy.
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

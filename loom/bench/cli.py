@@ -15,18 +15,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loom.bench.datasets import (
-    BenchPrompt,
-    DatasetError,
-    load_jsonl,
-    normal_token_ids,
-    synthetic_prompts,
-)
-from loom.bench.metrics import SLOError, compute_metrics, format_report, notes, parse_goodput
-from loom.bench.request import ENDPOINTS, RequestInput
-from loom.bench.runner import BenchConfig, BenchError, check_reachable, run_benchmark, server_model
+from loom.bench import ENDPOINTS
+
+# The bench modules (httpx, numpy, rich) are imported by the commands that use them, not here:
+# every `loom` command builds this parser, and `loom serve` should not pay for them at start-up.
+if TYPE_CHECKING:
+    from loom.bench.runner import BenchConfig
 
 
 def _fail(msg: str) -> SystemExit:
@@ -68,6 +64,8 @@ def load_tokenizer(name: str | None) -> Any:
 
 def make_prompt_source(ns: argparse.Namespace, tokenizer: Any):
     """(num_prompts, seed) -> prompts, from --dataset or the synthetic generator."""
+    from loom.bench.datasets import BenchPrompt, load_jsonl, normal_token_ids, synthetic_prompts
+
     vocab = None if ns.dataset else normal_token_ids(tokenizer)
 
     def source(num_prompts: int, seed: int) -> list[BenchPrompt]:
@@ -106,6 +104,8 @@ def _check_dataset(ns: argparse.Namespace) -> None:
 
 
 def _config(ns: argparse.Namespace, base_url: str, model: str | None) -> BenchConfig:
+    from loom.bench.runner import BenchConfig, check_reachable, server_model
+
     if model is None:
         model = server_model(base_url)
     else:
@@ -123,6 +123,11 @@ def _write_json(path: str | None, obj: dict[str, Any]) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from loom.bench.datasets import DatasetError
+    from loom.bench.metrics import SLOError, compute_metrics, format_report, notes, parse_goodput
+    from loom.bench.request import RequestInput
+    from loom.bench.runner import BenchError, run_benchmark
+
     _check_dataset(ns)
     try:
         goodput = parse_goodput(ns.goodput)
@@ -158,6 +163,9 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
         plot_sweep,
         sweep_server,
     )
+    from loom.bench.datasets import DatasetError
+    from loom.bench.metrics import SLOError, parse_goodput
+    from loom.bench.runner import BenchError
 
     _check_dataset(ns)
     try:
@@ -186,6 +194,7 @@ def cmd_sweep(ns: argparse.Namespace) -> int:
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:
+    from loom.bench.datasets import DatasetError
     from loom.bench.offline import format_throughput, run_throughput
     from loom.engine.llm import LLM
     from loom.entrypoints.cli import engine_kwargs
@@ -211,6 +220,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
 
 
 def cmd_startup(ns: argparse.Namespace) -> int:
+    from loom.bench.runner import BenchError, server_model
     from loom.bench.server_proc import ServerProcess, ServerStartError
 
     cmd = ns.server_command[1:] if ns.server_command[:1] == ["--"] else ns.server_command

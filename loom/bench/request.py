@@ -17,8 +17,6 @@ from typing import Any
 
 import httpx
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-
 
 @dataclass(frozen=True, slots=True)
 class RequestInput:

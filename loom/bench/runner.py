@@ -17,7 +17,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from loom.bench.request import ENDPOINTS, RequestInput, RequestRecord, build_payload, send_request
+from loom.bench import ENDPOINTS
+from loom.bench.request import RequestInput, RequestRecord, build_payload, send_request
 
 
 class BenchError(RuntimeError):
