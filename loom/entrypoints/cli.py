@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from loom.sampling_params import SamplingParams, SamplingParamsError
+from loom.threads import default_openmp_env, set_num_threads
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -38,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--seed", type=int, default=0, help="global random seed")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file path or the template text) replacing the model's")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core). The CLI also defaults "
+                        "OMP_WAIT_POLICY to PASSIVE: spinning threads stall on a shared machine")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -127,6 +131,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    default_openmp_env()  # before anything imports torch
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="loom", description="Loom LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
 
     add_bench_parser(sub)
     ns = parser.parse_args(argv)
+    if getattr(ns, "num_threads", None) is not None:
+        if ns.num_threads < 1:
+            parser.error(f"--num-threads must be at least 1, got {ns.num_threads}")
+        set_num_threads(ns.num_threads)
     ns.func(ns)
 
 

@@ -1,0 +1,53 @@
+"""CPU thread settings: the CLI's OpenMP wait-policy default and --num-threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loom.entrypoints.cli import main
+from loom.threads import WAIT_POLICY_ENV, default_openmp_env, set_num_threads
+
+_CHECK = (
+    "import os, sys; from loom.threads import default_openmp_env; "
+    "assert default_openmp_env(); import torch; print(os.environ['OMP_WAIT_POLICY'])"
+)
+
+
+@pytest.mark.parametrize("user_value,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_passive_wait_policy_is_a_default_the_user_can_override(user_value, expected) -> None:
+    env = {k: v for k, v in os.environ.items() if k != WAIT_POLICY_ENV}
+    if user_value is not None:
+        env[WAIT_POLICY_ENV] = user_value
+    out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == expected
+
+
+def test_too_late_once_torch_is_imported(monkeypatch) -> None:
+    monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)
+    assert default_openmp_env() is False
+    assert WAIT_POLICY_ENV not in os.environ
+
+
+def test_set_num_threads() -> None:
+    before = torch.get_num_threads()
+    try:
+        set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        set_num_threads(None)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="at least 1, got 0"):
+            set_num_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_rejects_a_bad_thread_count(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--num-threads", "0"])
+    assert e.value.code == 2 and "--num-threads must be at least 1" in capsys.readouterr().err
