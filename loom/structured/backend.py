@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loom.structured.schema import no_additional_properties
+
 if TYPE_CHECKING:
     from loom.structured.params import StructuredOutputsParams
     from loom.tokenizer.tokenizer import Tokenizer
@@ -89,7 +91,7 @@ class LLGuidanceBackend:
             if kind in ("json", "json_object"):
                 schema = params.json if kind == "json" else {"type": "object"}
                 if not params.additional_properties:
-                    schema = _no_additional_properties(schema)
+                    schema = no_additional_properties(schema)
                 options = {"whitespace_flexible": params.any_whitespace}
                 if not params.any_whitespace:
                     options |= {"item_separator": ", ", "key_separator": ": "}
@@ -103,32 +105,6 @@ class LLGuidanceBackend:
             return self._llg.grammar_from("grammar", params.grammar)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"invalid {kind}: {_first_lines(str(e))}") from None
-
-
-_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
-              "propertyNames", "additionalItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _no_additional_properties(schema: object) -> object:
-    """A copy of `schema` where every object schema that lists `properties` but has no
-    `additionalProperties` gets `"additionalProperties": false`."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _no_additional_properties(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_no_additional_properties(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _no_additional_properties(v) for k, v in out[key].items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _first_lines(message: str, n: int = 6) -> str:

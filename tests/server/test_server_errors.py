@@ -78,8 +78,40 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str, str | None]] = [
      400, "invalid_request_error", "messages[0].content[0].type"),
     ("content wrong type", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
      "invalid_request_error", "messages[0].content"),
-    ("tools unsupported", "POST", CHAT, {"messages": USER, "tools": []}, 400,
+    ("tools empty", "POST", CHAT, {"messages": USER, "tools": []}, 400,
      "invalid_request_error", "tools"),
+    ("tool without function", "POST", CHAT, {"messages": USER, "tools": [{"type": "function"}]},
+     400, "invalid_request_error", "tools[0].function"),
+    ("tool name with spaces", "POST", CHAT, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, 400,
+     "invalid_request_error", "tools[0].function.name"),
+    ("tool_choice without tools", "POST", CHAT, {"messages": USER, "tool_choice": "required"},
+     400, "invalid_request_error", "tool_choice"),
+    ("tool_choice unknown function", "POST", CHAT, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, 400, "invalid_request_error",
+     "tool_choice"),
+    ("tool parameters not a schema", "POST", CHAT, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+        "tool_choice": "required"}, 400, "invalid_request_error", "tools"),
+    ("json_schema without schema", "POST", CHAT, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "invalid_request_error",
+     "response_format"),
+    ("response_format unknown type", "POST", CHAT, {"messages": USER, "response_format": {
+        "type": "yaml"}}, 400, "invalid_request_error", "response_format.type"),
+    ("invalid json schema", "POST", CHAT, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400,
+     "invalid_request_error", "response_format"),
+    ("invalid regex", "POST", CMPL, {"prompt": "hi", "structured_outputs": {"regex": "a(b"}},
+     400, "invalid_request_error", "structured_outputs"),
+    ("invalid grammar", "POST", CMPL, {"prompt": "hi", "guided_grammar": "start: nope"}, 400,
+     "invalid_request_error", "guided_grammar"),
+    ("two constraints", "POST", CMPL, {"prompt": "hi", "guided_regex": "a+",
+     "guided_choice": ["x"]}, 400, "invalid_request_error", "guided_choice"),
+    ("empty choice", "POST", CMPL, {"prompt": "hi", "guided_choice": []}, 400,
+     "invalid_request_error", "guided_choice"),
+    ("structured_outputs unknown key", "POST", CMPL, {"prompt": "hi", "structured_outputs": {
+        "regexp": "a"}}, 400, "invalid_request_error", "structured_outputs.regexp"),
     ("top_logprobs without logprobs", "POST", CHAT, {"messages": USER, "top_logprobs": 2},
      400, "invalid_request_error", "top_logprobs"),
     ("top_logprobs too large", "POST", CHAT,

@@ -239,7 +239,7 @@ def run_server(ns: argparse.Namespace) -> None:
     ctx = ServerContext(
         engine=async_engine, tokenizer=engine.tokenizer, model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,
-        log_requests=not ns.disable_log_requests,
+        log_requests=not ns.disable_log_requests, tool_call_parser=ns.tool_call_parser,
     )
     app = build_app(ctx, metrics, ns.api_key)
     config = uvicorn.Config(

@@ -7,6 +7,8 @@ import argparse
 import os
 from typing import Any
 
+from loom.tools.parsers import PARSERS
+
 DEFAULT_GRACE_SECONDS = 10.0
 API_KEY_ENV = "LOOM_API_KEY"
 
@@ -60,6 +62,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route except /health, "
                         f"/version and /metrics (default: ${API_KEY_ENV} if set, else no key)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
+                   help="how tool calls appear in the model's output; auto: from the chat "
+                        "template (hermes when the template knows no tools)")
     p.add_argument("--max-waiting-requests", type=_non_negative_int, default=None,
                    help="answer 429 when this many requests already wait to be scheduled "
                         "(default: no limit)")

@@ -3,14 +3,15 @@
 Strict pydantic models: wrong JSON types are 400s (no "5" -> 5 coercion) and unknown fields are
 rejected (`extra="forbid"`), so no parameter is ever accepted and ignored. Accepted beyond
 OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output). `user` is accepted: it
-never changes output. `suffix` and `best_of` exist only to be rejected with a clear message.
+ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output) and structured-output
+extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`). `user` is accepted: it never changes output. `suffix` and `best_of` exist only to be rejected with a clear message.
 Ranges are checked by `SamplingParams`, the engine's single source of truth.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +22,30 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+
+
+class JsonSchemaSpec(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+    additional_properties: bool = False
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -47,6 +72,13 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = 0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # structured output (OpenAI's response_format, vLLM's extras)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -65,15 +97,49 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
+class ToolCallFunction(OpenAIBaseModel):
+    name: str
+    arguments: str
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -84,6 +150,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    tools: list[ChatTool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -8,6 +8,7 @@ of {token, logprob, bytes, top_logprobs}.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,33 +28,97 @@ from loom.entrypoints.openai.serving_common import (
     merge_streams,
     new_id,
     sse,
+    constraint_source,
     sse_guard,
+    structured_outputs_from,
     usage,
 )
+from loom.entrypoints.openai.protocol import NamedToolChoice
+from loom.structured.params import StructuredOutputsParams
 from loom.tokenizer.tokenizer import ChatTemplateError
+from loom.tools.chat import prepare_conversation
 
 if TYPE_CHECKING:
     from loom.core.sched_output import Logprobs
     from loom.engine.async_engine import RequestStream
     from loom.engine.outputs import RequestOutput
     from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+    from loom.tools.parsers import ToolParser
 
 
 def render_messages(
-    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of the conversation in the chat template; template errors are 400s."""
     conversation: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        content = m.text()
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_request(f"messages[{i}].content is required for role {m.role!r}",
+                              f"messages[{i}].content")
         item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                "content": m.text()}
+                                "content": content}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_calls:
+            item["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         conversation.append(item)
+    template = ctx.tokenizer.chat_template
+    conversation, template_tools = prepare_conversation(
+        conversation, tools, template, ctx.tool_parser(template))
     try:
-        return ctx.tokenizer.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
+        return ctx.tokenizer.encode_chat(
+            conversation, add_generation_prompt=add_generation_prompt, tools=template_tools)
     except ChatTemplateError as e:
         raise from_exception(e) from None
+
+
+def _tool_setup(
+    ctx: ServerContext, req: ChatCompletionRequest
+) -> tuple[list[dict[str, Any]] | None, ToolParser | None, StructuredOutputsParams | None]:
+    """(tools for the prompt, parser for the output, constraint) from tools and tool_choice.
+
+    "none" (or no tools): no tools in the prompt, no parsing. "auto": the model decides; calls
+    are parsed from its output. "required" / a named function: generation is constrained to
+    valid calls (of that function) in the model's own format.
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, None, None
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", "tools")
+    if choice == "none":
+        return None, None, None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    parser = ctx.tool_parser(ctx.tokenizer.chat_template)
+    if choice in (None, "auto"):
+        return tools, parser, None
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not chosen:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in "
+                              "tools", "tool_choice")
+        parallel = False
+    else:
+        chosen, parallel = tools, req.parallel_tool_calls is not False
+    if structured_outputs_from(req) is not None:
+        raise bad_request("tool_choice 'required' or a named function cannot be combined with "
+                          "response_format or another output constraint", "tool_choice")
+    for tool in chosen:
+        params = tool["function"].get("parameters")
+        if params is not None and params.get("type", "object") != "object":
+            raise bad_request(f"the parameters of {tool['function']['name']!r} must be a JSON "
+                              "schema of type object", "tools")
+    grammar = parser.grammar(chosen, parallel)
+    return tools, parser, StructuredOutputsParams(grammar=grammar)
 
 
 async def create_chat_completion(
@@ -81,16 +146,20 @@ async def _create(
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs)
-    prompt_ids = render_messages(ctx, req.messages)
+    tools, parser, constraint = _tool_setup(ctx, req)
+    source = constraint_source(req)
+    if constraint is not None:
+        params, source = params.clone(structured_outputs=constraint), "tools"
+    prompt_ids = render_messages(ctx, req.messages, tools=tools)
     request_id = new_id("chatcmpl")
-    builder = _Builder(ctx, req, request_id, int(time.time()), params.n)
+    builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser)
     if req.stream:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params)
+        streams = await add_requests(ctx, request_id, [prompt_ids], params, source)
         return StreamingResponse(sse_guard(builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params)
+        streams = await add_requests(ctx, request_id, [prompt_ids], params, source)
         (final,) = await collect_final(streams)
         return JSONResponse(builder.response(final))
 
@@ -102,13 +171,14 @@ class _Builder:
 
     def __init__(
         self, ctx: ServerContext, req: ChatCompletionRequest, request_id: str, created: int,
-        n: int,
+        n: int, parser: ToolParser | None = None,
     ) -> None:
         self.ctx = ctx
         self.req = req
         self.id = request_id
         self.created = created
         self.n = n
+        self.parser = parser
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.token_text(token_id)
@@ -128,12 +198,22 @@ class _Builder:
 
     def response(self, final: RequestOutput) -> dict[str, Any]:
         """The whole (non-streamed) chat completion."""
-        choices = [
-            {"index": o.index, "message": {"role": "assistant", "content": o.text},
-             "logprobs": self._logprobs(o.token_ids, o.logprobs or []),
-             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-            for o in final.outputs
-        ]
+        choices = []
+        for o in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            finish_reason = o.finish_reason
+            view = self.parser.view(o.text, final=True) if self.parser is not None else None
+            if view is not None and view.calls:
+                message["content"] = view.content or None
+                message["tool_calls"] = [
+                    {"id": new_tool_call_id(), "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in view.calls
+                ]
+                finish_reason = _tool_finish_reason(finish_reason)
+            choices.append({"index": o.index, "message": message,
+                            "logprobs": self._logprobs(o.token_ids, o.logprobs or []),
+                            "finish_reason": finish_reason, "stop_reason": o.stop_reason})
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
@@ -153,6 +233,7 @@ class _Builder:
             yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]))
         done: dict[int, int] = {}  # choice index -> completion tokens, once finished
+        tool_streams = {i: _ToolStream(self.parser) for i in range(self.n)} if self.parser else {}
         prompt_tokens = 0
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
@@ -161,11 +242,17 @@ class _Builder:
                     continue
                 logprobs = self._logprobs(o.delta_token_ids, o.delta_logprobs)
                 has_logprobs = logprobs is not None and bool(logprobs["content"])
-                if not (o.delta_text or o.finished or has_logprobs):
+                finish_reason = o.finish_reason
+                if self.parser is not None:
+                    delta = tool_streams[o.index].delta(o.text, o.finished)
+                    if o.finished and tool_streams[o.index].num_calls:
+                        finish_reason = _tool_finish_reason(finish_reason)
+                else:
+                    delta = {"content": o.delta_text} if o.delta_text else {}
+                if not (delta or o.finished or has_logprobs):
                     continue
-                delta = {"content": o.delta_text} if o.delta_text else {}
                 choice = {"index": o.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                          "finish_reason": finish_reason, "stop_reason": o.stop_reason}
                 yield sse(self._chunk([choice]))
                 if o.finished:
                     done[o.index] = len(o.token_ids)
@@ -173,3 +260,52 @@ class _Builder:
             usage_chunk = self._chunk([])
             usage_chunk["usage"] = usage(prompt_tokens, sum(done.values()))
             yield sse(usage_chunk)
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A reply that ends in tool calls finishes with "tool_calls" (unless it was cut short)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class _ToolStream:
+    """One choice's streamed content and tool-call deltas: the difference between the parser's
+    views of the text so far, so the deltas add up to the final (non-streamed) view."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.content = ""
+        self.calls: list[tuple[str, str]] = []  # (name, arguments) sent so far
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        try:
+            view = self.parser.view(text, final)
+        except ValueError:  # not parseable yet: send nothing until it is
+            return {}
+        delta: dict[str, Any] = {}
+        if view.content.startswith(self.content) and len(view.content) > len(self.content):
+            delta["content"] = view.content[len(self.content):]
+            self.content = view.content
+        tool_deltas = []
+        for i, call in enumerate(view.calls):
+            if i >= len(self.calls):
+                tool_deltas.append({"index": i, "id": new_tool_call_id(), "type": "function",
+                                    "function": {"name": call.name,
+                                                 "arguments": call.arguments}})
+                self.calls.append((call.name, call.arguments))
+                continue
+            sent = self.calls[i][1]
+            if call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+                tool_deltas.append({"index": i,
+                                    "function": {"arguments": call.arguments[len(sent):]}})
+                self.calls[i] = (call.name, call.arguments)
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
+        return delta

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from loom.entrypoints.openai.errors import APIError, bad_request, from_exception
+from loom.engine.llm_engine import InvalidRequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError
+from loom.structured.params import StructuredOutputsParams
+from loom.tools.parsers import ToolParser, parser_for_template
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import AsyncEngine, RequestStream
@@ -43,6 +46,10 @@ class ServerContext:
     log_requests: bool = True
     shutting_down: bool = False
     decoded_tokens: dict[int, str] = field(default_factory=dict)
+    tool_call_parser: str = "auto"  # a name in loom.tools.parsers.PARSERS, or "auto"
+
+    def tool_parser(self, template: str | None) -> ToolParser:
+        return parser_for_template(template, self.tool_call_parser)
 
     def check_model(self, model: str | None) -> None:
         """None means the served model; any other name is a 404."""
@@ -85,6 +92,7 @@ def build_sampling_params(
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)",
                               "logit_bias") from None
+    structured = structured_outputs_from(req)
     try:
         return SamplingParams(
             n=req.n if req.n is not None else 1,
@@ -106,19 +114,73 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens is not False,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            structured_outputs=structured,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e), e.param) from None
 
 
+def constraint_source(req: SamplingRequest) -> str:
+    """The request field that set its output constraint (for error messages)."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "structured_outputs"
+
+
+def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever one field sets it (400 if several)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema",
+                              "response_format")
+        found.append(("response_format", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        so = {k: v for k, v in so.items() if v is not False}
+        found.append(("structured_outputs", so))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", {name: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"set at most one output constraint; got {names}", found[1][0])
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except SamplingParamsError as e:
+        raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
+
+
 async def add_requests(
-    ctx: ServerContext, request_id: str, prompts: list[str | list[int]], params: SamplingParams
+    ctx: ServerContext,
+    request_id: str,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    constraint_param: str = "structured_outputs",
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
 
-    Engine exceptions become APIErrors (400, 429, 503) before any response is sent.
+    Engine exceptions become APIErrors (400, 429, 503) before any response is sent; an invalid
+    output constraint is a 400 naming `constraint_param` (the field that set it).
     """
     ctx.check_accepting()
+    if params.structured_outputs is not None:
+        # Compile (or find cached) off the event loop and off the engine thread; a bad schema,
+        # regex or grammar is a 400 here, before anything reaches the engine.
+        try:
+            await asyncio.to_thread(ctx.engine.engine.compile_grammar, params)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), constraint_param) from None
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):

@@ -30,6 +30,7 @@ from loom.entrypoints.openai.serving_common import (
     merge_streams,
     new_id,
     sse,
+    constraint_source,
     sse_guard,
     usage,
 )
@@ -73,15 +74,16 @@ async def create_completion(
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
     params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    source = constraint_source(req)
     request_id = new_id("cmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)
     if req.stream:
-        streams = await add_requests(ctx, request_id, prompts, params)
+        streams = await add_requests(ctx, request_id, prompts, params, source)
         return StreamingResponse(sse_guard(builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, request_id, prompts, params)
+        streams = await add_requests(ctx, request_id, prompts, params, source)
         return JSONResponse(builder.response(await collect_final(streams)))
 
     return await cancel_on_disconnect(raw_request, work)

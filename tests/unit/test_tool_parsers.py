@@ -1,0 +1,166 @@
+"""Tool-call parsers on recorded model outputs; streaming views add up to the final view; the
+required-call grammars accept exactly well-formed calls; tools reach templates that lack them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.tools.chat import prepare_conversation, template_supports_tools
+from loom.tools.parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallView,
+    parser_for_template,
+)
+
+# Outputs recorded from models (Qwen2.5-style Hermes, Llama 3.1 JSON), verbatim.
+HERMES_ONE = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"unit": "celsius"}}\n</tool_call>')
+HERMES_TWO = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+              '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+              '{"tz": "Europe/Paris"}}\n</tool_call>')
+HERMES_ARGS_FIRST = '<tool_call>\n{"arguments": {"q": "a \\"quoted\\" {x}"}, "name": "search"}\n</tool_call>'
+HERMES_UNCLOSED = '<tool_call>\n{"name": "ping", "arguments": {}}'
+LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TAGGED_TWO = ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+                    '{"name": "b", "parameters": {"y": [1, 2]}}')
+
+
+def calls(view: ToolCallView) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in view.calls]
+
+
+def test_hermes_recorded_outputs() -> None:
+    p = HermesToolParser()
+    v = p.view(HERMES_ONE, final=True)
+    assert v.content == "" and calls(v) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    v = p.view(HERMES_TWO, final=True)
+    assert v.content == "Let me check both."
+    assert calls(v) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]
+    v = p.view(HERMES_ARGS_FIRST, final=True)
+    assert calls(v) == [("search", {"q": 'a "quoted" {x}'})]
+    assert calls(p.view(HERMES_UNCLOSED, final=True)) == [("ping", {})]
+    assert p.view("The weather is nice.", final=True) == ToolCallView("The weather is nice.")
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>',  # unbalanced
+    '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    "<tool_call>\nnot json\n</tool_call>",
+])
+def test_hermes_malformed_is_plain_content(text: str) -> None:
+    assert HermesToolParser().view(text, final=True) == ToolCallView(text)
+
+
+def test_llama3_json_recorded_outputs() -> None:
+    p = Llama3JsonToolParser()
+    assert calls(p.view(LLAMA_ONE, final=True)) == [("get_weather", {"city": "Paris"})]
+    assert calls(p.view(LLAMA_TAGGED_TWO, final=True)) == [("a", {"x": 1}), ("b", {"y": [1, 2]})]
+    assert p.view("Paris is sunny.", final=True) == ToolCallView("Paris is sunny.")
+    assert p.view('{"name": "f", "parameters": {', final=True).calls == []
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolParser(), HERMES_ONE), (HermesToolParser(), HERMES_TWO),
+    (HermesToolParser(), HERMES_ARGS_FIRST), (HermesToolParser(), "Just text, no <b>tags</b>."),
+    (Llama3JsonToolParser(), LLAMA_TAGGED_TWO), (Llama3JsonToolParser(), "Plain answer."),
+])
+def test_streamed_views_reassemble_to_the_final_view(parser, text) -> None:
+    """Every prefix's view extends the previous one, and the last equals the final view."""
+    content, args = "", {}
+    names: dict[int, str] = {}
+    for end in range(1, len(text) + 1):
+        view = parser.view(text[:end], final=end == len(text))
+        assert view.content.startswith(content)
+        content = view.content
+        for i, call in enumerate(view.calls):
+            assert names.setdefault(i, call.name) == call.name
+            assert call.arguments.startswith(args.get(i, ""))
+            args[i] = call.arguments
+    final = parser.view(text, final=True)
+    assert content == final.content
+    assert [(names[i], args[i]) for i in range(len(names))] == [
+        (c.name, c.arguments) for c in final.calls]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+]
+
+
+@pytest.fixture(scope="module")
+def compile_grammar():
+    from loom.loader.resolve import resolve_model
+    from loom.structured.manager import StructuredOutputManager
+    from loom.structured.params import StructuredOutputsParams
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(None))
+    manager = StructuredOutputManager(tok, tok.vocab_size)
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = manager.compile(StructuredOutputsParams(grammar=grammar)).matcher()
+        ok = all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and m.is_accepting()
+
+    return accepts
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()])
+def test_required_grammar_accepts_only_valid_calls(compile_grammar, parser) -> None:
+    grammar = parser.grammar(TOOLS, parallel=True)
+    good = parser.render_call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    assert compile_grammar(grammar, good)
+    assert not compile_grammar(grammar, parser.render_call("get_weather", {"unit": "celsius"}))
+    assert not compile_grammar(grammar, parser.render_call("launch", {"city": "Oslo"}))
+    assert not compile_grammar(grammar, parser.render_call("get_time", {"tz": 3}))
+    many = ("\n" if parser.name == "hermes" else "; ").join([good] * 5)
+    assert compile_grammar(grammar, many.rsplit(good, 1)[0].rstrip("\n; "))  # 4 calls
+    assert not compile_grammar(grammar, many)  # 5 > MAX_PARALLEL_CALLS
+    single = parser.grammar(TOOLS[1:], parallel=False)
+    assert compile_grammar(single, parser.render_call("get_time", {"tz": "UTC"}))
+    assert not compile_grammar(single, good)
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n'}}{% endfor %}")
+
+
+def test_tools_reach_a_template_without_tool_support() -> None:
+    assert not template_supports_tools(CHATML)
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+    ]
+    out, tools = prepare_conversation(messages, TOOLS, CHATML, HermesToolParser())
+    assert tools is None
+    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"]
+    assert out[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                 '{"city": "Paris"}}\n</tool_call>')
+    assert out[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>\n"
+                      "<tool_response>\nsunny\n</tool_response>"}
+    assert len(out) == 4
+
+
+def test_native_template_gets_tools_and_dict_arguments() -> None:
+    template = "{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>"
+    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type":
+                 "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]
+    out, tools = prepare_conversation(messages, TOOLS, template, HermesToolParser())
+    assert tools == TOOLS
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert isinstance(parser_for_template(template), HermesToolParser)
+    llama = "{%- if tools %}<|python_tag|>{{ '\"parameters\": ' }}{% endif %}"
+    assert isinstance(parser_for_template(llama), Llama3JsonToolParser)
+    assert isinstance(parser_for_template(CHATML), HermesToolParser)
