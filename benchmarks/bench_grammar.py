@@ -96,13 +96,14 @@ class LLGuidance:
 
     def setup(self, tokenizer: Tokenizer) -> None:
         import llguidance
-        import llguidance.hf
-        from llguidance.torch import allocate_token_bitmask
 
+        # As Loom builds it (llguidance.torch is not imported: its torch.compile decorator
+        # alone costs seconds at import).
         self.llg = llguidance
-        self.tok = llguidance.hf.from_tokenizer(
-            tokenizer.hf, n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids))
-        self.bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+        self.tok = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+            eos_token=list(tokenizer.eos_token_ids))
+        self.bitmask = torch.full((1, (tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def compile(self, schema: dict) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
