@@ -1,13 +1,20 @@
 """Tokenizer and chat template, from an HF folder or from a GGUF file's own metadata.
 
-Tokenization and template rendering are the `transformers` tokenizer's (backed by `tokenizers`);
-Loom never uses `transformers` modeling code. A GGUF tokenizer is converted once and cached as an
-ordinary tokenizer folder, so later starts skip the conversion.
+Tokenization is the `tokenizers` library's; chat templates are rendered by `transformers`' own
+renderer; Loom never uses `transformers` modeling code. A GGUF tokenizer is converted once and
+cached as an ordinary tokenizer folder, so later starts skip the conversion.
+
+Start-up: a folder whose `tokenizer_config.json` names the generic class (`TokenizersBackend` /
+`PreTrainedTokenizerFast`, as Loom's GGUF cache does) and sets no add-BOS/EOS flags is loaded
+straight from `tokenizer.json`, without building a `transformers` tokenizer (about 2 s of imports
+and parsing on a 2-core machine); tests check it against `AutoTokenizer` token for token. Every
+other folder, and `.hf` when something asks for it, uses `AutoTokenizer` as before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -16,6 +23,16 @@ from typing import Any
 from loom.loader.resolve import ModelSource
 
 logger = logging.getLogger(__name__)
+
+_GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+# Config keys that make transformers rebuild parts of the tokenizer.json pipeline at load.
+_PIPELINE_KEYS = {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow"}
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: what chat templates see as bos_token, eos_token ...
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+# apply_chat_template options the fast renderer leaves to transformers' tokenizer method.
+_HF_ONLY_OPTIONS = {"continue_final_message", "documents", "return_assistant_tokens_mask",
+                    "sanitize_control_tokens", "tokenizer_kwargs", "tokenize"}
 
 
 class ChatTemplateError(ValueError):
@@ -32,14 +49,21 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
 
 
+def _tokenizer_folder(source: ModelSource) -> Path | None:
+    """The folder holding the tokenizer files, or None for a GGUF not yet converted."""
+    if source.kind == "hf":
+        return source.path
+    cached = _cache_dir() / _gguf_cache_key(source.path)
+    return cached if (cached / "tokenizer_config.json").exists() else None
+
+
 def _load_hf_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
-    if source.kind == "hf":
-        return AutoTokenizer.from_pretrained(str(source.path))
+    folder = _tokenizer_folder(source)
+    if folder is not None:
+        return AutoTokenizer.from_pretrained(str(folder))
     cached = _cache_dir() / _gguf_cache_key(source.path)
-    if (cached / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
     logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", source.path, cached)
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     try:
@@ -49,34 +73,107 @@ def _load_hf_tokenizer(source: ModelSource) -> Any:
     return tok
 
 
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or a serialized AddedToken."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_fast(folder: Path) -> tuple[Any, dict[str, str], str | None] | None:
+    """(tokenizers.Tokenizer, special tokens map, chat template) read straight from the folder's
+    files, or None when the folder needs transformers' own loading (see the module docstring)."""
+    config_path, json_path = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (config_path.is_file() and json_path.is_file()):
+        return None
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") not in _GENERIC_CLASSES or _PIPELINE_KEYS & config.keys():
+        return None
+    if config.get("clean_up_tokenization_spaces"):  # transformers post-edits decoded text
+        return None
+    template = config.get("chat_template")
+    template_file = folder / "chat_template.jinja"
+    if template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        return None  # named templates (a list): transformers picks one per request
+    from tokenizers import Tokenizer as RawTokenizer
+
+    backend = RawTokenizer.from_file(str(json_path))
+    special = {name: text for name in _SPECIAL_TOKENS
+               if (text := _token_text(config.get(name))) is not None}
+    return backend, special, template
+
+
 class Tokenizer:
     """Encode, decode and render chat templates for one model."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...] = ()) -> None:
-        self.hf = hf_tokenizer
-        self.backend = hf_tokenizer.backend_tokenizer  # the raw `tokenizers.Tokenizer`
+    def __init__(
+        self,
+        hf_tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        backend: Any = None,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        source: ModelSource | None = None,
+    ) -> None:
+        """Either a transformers tokenizer, or a raw `tokenizers.Tokenizer` (`backend`) with its
+        special tokens and chat template; `source` lets `.hf` load the former on demand."""
+        self._hf = hf_tokenizer
+        self._source = source
+        if hf_tokenizer is not None:
+            backend = hf_tokenizer.backend_tokenizer
+            special_tokens = dict(hf_tokenizer.special_tokens_map)
+            chat_template = getattr(hf_tokenizer, "chat_template", None)
+        assert backend is not None, "a transformers tokenizer or a tokenizers backend is needed"
+        self.backend = backend  # the raw `tokenizers.Tokenizer`
+        self.special_tokens: dict[str, str] = special_tokens or {}
+        self._chat_template = chat_template
         ids = list(eos_token_ids)
-        if hf_tokenizer.eos_token_id is not None:
-            ids.append(hf_tokenizer.eos_token_id)
+        eos = self.special_tokens.get("eos_token")
+        eos_id = None if eos is None else backend.token_to_id(eos)
+        if eos_id is not None:
+            ids.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
-        self.vocab_size = len(hf_tokenizer)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def from_source(cls, source: ModelSource, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
-        return cls(_load_hf_tokenizer(source), eos_token_ids)
+        folder = _tokenizer_folder(source)
+        fast = None if folder is None else _load_fast(folder)
+        if fast is None:
+            return cls(_load_hf_tokenizer(source), eos_token_ids, source=source)
+        backend, special, template = fast
+        return cls(None, eos_token_ids, backend=backend, special_tokens=special,
+                   chat_template=template, source=source)
+
+    @property
+    def hf(self) -> Any:
+        """The `transformers` tokenizer, loaded on first use when the fast path was taken. Once
+        loaded it is authoritative: chat templates (incl. one assigned to it) render through it."""
+        if self._hf is None:
+            if self._source is None:
+                raise RuntimeError("this Tokenizer was built without a source for transformers")
+            self._hf = _load_hf_tokenizer(self._source)
+        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self._hf is not None:  # it may clean up tokenization spaces
+            return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(token_ids)
+        return [self.backend.id_to_token(int(t)) for t in token_ids]
 
     @property
     def chat_template(self) -> str | None:
-        return getattr(self.hf, "chat_template", None)
+        if self._hf is not None:
+            return getattr(self._hf, "chat_template", None)
+        return self._chat_template
 
     def apply_chat_template(
         self,
@@ -90,12 +187,35 @@ class Tokenizer:
         if chat_template is None and not self.chat_template:
             raise ChatTemplateError("this model has no chat template; pass one with --chat-template")
         try:
-            return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, tools=tools, **template_kwargs,
-            )
+            if self._hf is not None or _HF_ONLY_OPTIONS & template_kwargs.keys():
+                return self.hf.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template, tools=tools, **template_kwargs,
+                )
+            return self._render(messages, add_generation_prompt, chat_template, tools,
+                                template_kwargs)
         except Exception as e:  # jinja errors (raise_exception in templates) reach users as 400s
             raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        chat_template: str | None, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
+    ) -> str:
+        """What `apply_chat_template(tokenize=False)` does for one conversation, through
+        transformers' own renderer (its module, without building a transformers tokenizer)."""
+        from transformers.utils.chat_template_utils import (
+            _normalize_chat_messages,
+            render_jinja_template,
+        )
+
+        if not messages:
+            raise ValueError("Cannot apply chat template to an empty conversation.")
+        rendered, _ = render_jinja_template(
+            conversations=[_normalize_chat_messages(messages)], tools=tools,
+            chat_template=chat_template or self.chat_template,
+            add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs},
+        )
+        return rendered[0]
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         # The template already contains any BOS token.
