@@ -115,13 +115,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
     """Set to -inf every token of `logits[rows[i]]` whose bit in `bitmask[i]` is 0; in place.
 
     logits: [num_rows, vocab]; bitmask: [len(rows), ceil(vocab / 32)] int32 (bit j of word w
-    allows token 32 * w + j). Only the listed rows are touched.
+    allows token 32 * w + j). Only the listed rows are touched, in place (no index_put copy).
     """
     if not rows:
         return
     vocab = logits.size(1)
-    shifts = torch.arange(32, dtype=torch.int32)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [len(rows), words, 32]
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1  # [len(rows), words, 32]
     banned = (bits == 0).flatten(1)[:, :vocab].to(logits.device)  # [len(rows), vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(banned, float("-inf"))
+    if len(rows) == logits.size(0) and rows == list(range(len(rows))):
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(banned[i], float("-inf"))
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)  # [32]
