@@ -15,7 +15,7 @@ from loom.tools.parsers import (
     parser_for_template,
 )
 
-# Outputs recorded from models (Qwen2.5-style Hermes, Llama 3.1 JSON), verbatim.
+# Outputs in the documented formats of Qwen2.5 / Hermes (<tool_call>) and Llama 3.1 (JSON).
 HERMES_ONE = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
               '"unit": "celsius"}}\n</tool_call>')
 HERMES_TWO = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -26,6 +26,17 @@ HERMES_UNCLOSED = '<tool_call>\n{"name": "ping", "arguments": {}}'
 LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA_TAGGED_TWO = ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
                     '{"name": "b", "parameters": {"y": [1, 2]}}')
+
+
+# Recorded from SmolLM2-135M-Instruct (greedy, tools in the system prompt, tool_choice auto):
+# it answers in prose or code, never a call, and none of it may be parsed as one.
+SMOLLM2_AUTO = [
+    "The weather in Paris right now is extremely hot and humid.",
+    "The time in Tokyo is 12:30 PM.",
+    "Here's a Python function that can help you:\n\n```python\ndef get_weather_time(city_name, "
+    "time_zone=\"UTC\"):\n    return {\n        \"type\": \"function\",\n        \"function\": "
+    "lambda: {\n            \"name\": \"get_weather_time\",",
+]
 
 
 def calls(view: ToolCallView) -> list[tuple[str, dict]]:
@@ -43,6 +54,12 @@ def test_hermes_recorded_outputs() -> None:
     assert calls(v) == [("search", {"q": 'a "quoted" {x}'})]
     assert calls(p.view(HERMES_UNCLOSED, final=True)) == [("ping", {})]
     assert p.view("The weather is nice.", final=True) == ToolCallView("The weather is nice.")
+
+
+@pytest.mark.parametrize("text", SMOLLM2_AUTO)
+def test_recorded_prose_is_content(text: str) -> None:
+    for parser in (HermesToolParser(), Llama3JsonToolParser()):
+        assert parser.view(text, final=True) == ToolCallView(text)
 
 
 @pytest.mark.parametrize("text", [
