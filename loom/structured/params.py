@@ -27,7 +27,7 @@ class StructuredOutputsParams:
     and a weak model cannot wander off into invented keys.
     """
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, Any] | str | None = None  # JSON text is parsed
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
@@ -41,8 +41,9 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except ValueError as e:
                 raise SamplingParamsError("structured_outputs", f"json is not valid JSON: {e}")
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise SamplingParamsError("structured_outputs", "json must be a JSON schema object")
+        if self.json is not None and not isinstance(self.json, dict):
+            raise SamplingParamsError("structured_outputs",
+                                      f"json must be a JSON schema object, got {self.json!r}")
         kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise SamplingParamsError(

@@ -198,6 +198,9 @@ def test_params_validation() -> None:
         StructuredOutputsParams()
     with pytest.raises(SamplingParamsError, match="choice"):
         StructuredOutputsParams(choice=[])
+    for schema in (True, False, [1], "5"):
+        with pytest.raises(SamplingParamsError, match="JSON schema object"):
+            StructuredOutputsParams(json=schema)
     with pytest.raises(SamplingParamsError, match="unknown"):
         SamplingParams(structured_outputs={"regexp": "a"})
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs.kind == "regex"
