@@ -35,16 +35,14 @@ def _configs() -> dict[str, object]:
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
 
 
-def make_tiny_model(
-    name: str, folder: Path, seed: int = 0, vocab_size: int | None = None
-) -> Path:
+def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:
     """Save a random-weight model `name` (see ARCHS) in fp32 safetensors under `folder`;
-    `vocab_size` overrides the tiny default (e.g. to match a real tokenizer)."""
+    `overrides` replace config fields (e.g. vocab_size=49152 to match a real tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     config = _configs()[name]
-    if vocab_size is not None:
-        config.vocab_size = vocab_size
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -11,6 +11,8 @@ from loom.engine.args import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+from loom.tools.chat import prepare_conversation
+from loom.tools.parsers import parser_for_template
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
@@ -62,15 +64,24 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations.
+
+        `tools` (OpenAI function definitions) reach the model as the server passes them: through
+        the template when it knows tools, else as a Hermes-style system prompt. Messages may hold
+        assistant `tool_calls` and `role: "tool"` results. Parse replies with
+        `loom.tools.parsers.parser_for_template(llm.engine.tokenizer.chat_template)`.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [
-            tok.encode_chat(list(c), chat_template=chat_template,
-                            add_generation_prompt=add_generation_prompt)
-            for c in conversations  # type: ignore[union-attr]
-        ]
+        template = chat_template or tok.chat_template
+        parser = parser_for_template(template)
+        prompts = []
+        for c in conversations:  # type: ignore[union-attr]
+            conv, template_tools = prepare_conversation(list(c), tools, template, parser)
+            prompts.append(tok.encode_chat(conv, chat_template=chat_template, tools=template_tools,
+                                           add_generation_prompt=add_generation_prompt))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

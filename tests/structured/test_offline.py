@@ -72,7 +72,7 @@ def noise_model(tmp_path_factory) -> str:
     """A tiny random Llama over SmolLM2's full 49152-token vocabulary (and its tokenizer)."""
     tok = Tokenizer.from_source(resolve_model(None))
     folder = make_tiny_model("llama", tmp_path_factory.mktemp("noise") / "m",
-                             vocab_size=tok.vocab_size)
+                             vocab_size=tok.vocab_size, max_position_embeddings=1024)
     tok.hf.save_pretrained(folder)
     return str(folder)
 
@@ -212,3 +212,33 @@ def test_compile_is_cached(make_llm, noise_model) -> None:
     first = llm.engine.structured.compile(params)
     again = llm.engine.structured.compile(StructuredOutputsParams(json=dict(SCHEMAS[0])))
     assert first is again
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": NAME, "days": {"type": "integer", "minimum": 1,
+                                                                "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": NAME}, "required": ["tz"]}}},
+]
+
+
+def test_offline_chat_with_tools_and_forced_calls(make_llm, noise_model) -> None:
+    from loom.tools.parsers import MAX_PARALLEL_CALLS, parser_for_template
+
+    llm = make_llm(noise_model)
+    parser = parser_for_template(llm.engine.tokenizer.chat_template)
+    chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    prompt = llm.engine.tokenizer.decode(
+        llm.chat(chat, SamplingParams(max_tokens=1), tools=TOOLS, use_tqdm=False)[0]
+        .prompt_token_ids, skip_special_tokens=False)
+    assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt
+    params = [_params(i, grammar=parser.grammar(TOOLS, parallel=True)) for i in range(4)]
+    outs = llm.chat([chat] * 4, params, tools=TOOLS, use_tqdm=False)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for out in outs:
+        view = parser.view(out.outputs[0].text, final=True)
+        assert 1 <= len(view.calls) <= MAX_PARALLEL_CALLS, out.outputs[0].text
+        for call in view.calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
