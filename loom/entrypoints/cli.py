@@ -21,9 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only INT8 linear layers (bf16 activations; faster decode, "
-                        "~99%% top-1 agreement with the unquantized model)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantized linear layers with bf16 activations, for faster "
+                        "CPU decode: int8 (per channel) or int4 (groups of 32, CPU only; near "
+                        "lossless for Q4_1 GGUF weights). ~98%% top-1 agreement with the "
+                        "unquantized model")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")

@@ -16,11 +16,11 @@ from loom.loader import gguf as gguf_loader
 from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
-from loom.quant.int8 import quantize_int8_
+from loom.quant.base import QUANT_METHODS, quantize_linears_
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = tuple(QUANT_METHODS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -81,12 +81,14 @@ def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None,
 ) -> LoadedModel:
-    """Build, materialize and load a model; `quantization="int8"` then converts the linear
-    layers (all but lm_head) to weight-only INT8 (see loom.quant.int8)."""
+    """Build, materialize and load a model; `quantization` ("int8", "int4") then converts the
+    linear layers (all but lm_head) to weight-only quantized ones (see loom.quant)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     start = time.perf_counter()
     device = torch.device(device)
+    if quantization == "int4" and device.type != "cpu":
+        raise ConfigError(f"quantization 'int4' runs on the CPU only, not on {device.type}")
     torch_dtype = resolve_dtype(dtype, device)
     config, weight_iter = _open(source)
     model_cls = get_model_class(config)
@@ -100,7 +102,7 @@ def load_model(
         model.load_weights(weights)
     model.init_buffers(device)
     if quantization is not None:
-        quantize_int8_(model)
+        quantize_linears_(model, quantization)
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)

@@ -28,18 +28,3 @@ class Int8Linear(nn.Module):
         ).to(self.out_dtype)  # [num_tokens, out]
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
-
-
-def quantize_int8_(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every nn.Linear in place except those named in `skip`; returns how many.
-
-    The output projection stays unquantized by default: quantizing it moves top-1 agreement
-    with the reference from 98.9% to 96.7% on the SmolLM2 test prompts.
-    """
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and name not in skip]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(module))
-    return len(targets)

@@ -1,0 +1,88 @@
+"""Weight-only INT8 and INT4 against the unquantized fp32 reference on the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from torch import nn
+
+from loom.config import ConfigError
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import resolve_model
+from loom.quant.base import quantize_linears_
+from loom.quant.gguf_dequant import dequantize
+from loom.quant.int4 import Int4Linear
+from loom.quant.int8 import Int8Linear
+from loom.tokenizer.tokenizer import Tokenizer
+from tests.paged_batch import PagedBatch, rel_err
+
+TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin. Both cities are",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes it boils at",
+]
+
+
+def test_int8_linear_matches_float_linear() -> None:
+    lin = torch.nn.Linear(64, 32, bias=True)
+    q = Int8Linear(lin)
+    x = torch.randn(5, 64)
+    assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (32, 64)
+    assert rel_err(q(x), lin(x)) < 0.03
+
+
+def test_int4_linear_matches_float_linear() -> None:
+    lin = torch.nn.Linear(128, 48, bias=True)
+    q = Int4Linear(lin)
+    x = torch.randn(5, 128)
+    assert q.weight_int4.dtype == torch.uint8 and q.scale_zero.shape == (128 // 32, 48, 2)
+    assert rel_err(q(x), lin(x)) < 0.15  # 4-bit weights: a coarse but real approximation
+    assert rel_err(q(x[:1]), q(x)[:1]) == 0  # one token (decode) computes the same rows
+
+
+def test_int4_recovers_gguf_q4_1_weights() -> None:
+    """Q4_1 stores groups of 32 as min + scale * q: int4 reproduces them up to bf16 rounding."""
+    raw = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.05
+    w = dequantize(quantize(raw, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1, (64, 256))
+    lin = torch.nn.Linear(256, 64, bias=False)
+    lin.weight.data.copy_(w)
+    eye = torch.eye(256)  # exact in bf16: row i of the output is column i of W
+    got = Int4Linear(lin)(eye).t()
+    assert (got - w).abs().max() <= 2**-7 * w.abs().max()  # bf16 scale, zero and output
+
+
+@pytest.mark.parametrize("method,layers,min_agree,max_err", [
+    ("int8", 30 * 4, 0.97, 0.1),  # measured 90 of 91 positions, logit error 0.06
+    ("int4", 30 * 4, 0.97, 0.05),  # measured 90 of 91 positions, logit error 0.025
+])
+def test_quantized_smollm2_agrees_with_reference(method, layers, min_agree, max_err) -> None:
+    source = resolve_model(None)
+    tok = Tokenizer.from_source(source)
+    prompts = {str(i): tok.encode(t) for i, t in enumerate(TEXTS)}
+    ref = PagedBatch(load_model(source, "float32")).step(prompts)
+    quant = load_model(source, "float32", quantization=method)
+    kind = {"int8": Int8Linear, "int4": Int4Linear}[method]
+    assert sum(isinstance(m, kind) for m in quant.model.modules()) == layers
+    assert isinstance(quant.model.lm_head, nn.Linear)  # the output projection stays fp32
+    got = PagedBatch(quant).step(prompts)
+    agree = sum(int((ref[k].argmax(-1) == got[k].argmax(-1)).sum()) for k in prompts)
+    total = sum(len(p) for p in prompts.values())
+    assert agree / total >= min_agree
+    assert max(rel_err(got[k], ref[k]) for k in prompts) < max_err
+
+
+def test_int4_skips_shapes_the_kernel_cannot_take() -> None:
+    model = nn.Sequential(nn.Linear(64, 16), nn.Linear(16, 64), nn.Linear(64, 8))
+    assert quantize_linears_(model, "int4", skip=()) == 1
+    assert [type(m).__name__ for m in model] == ["Int4Linear", "Linear", "Linear"]
+
+
+def test_unknown_quantization_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="unsupported quantization 'fp4'"):
+        load_model(resolve_model(None), quantization="fp4")
+    with pytest.raises(ConfigError, match="'int4' runs on the CPU only"):
+        load_model(resolve_model(None), device="cuda", quantization="int4")
