@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from loom.sampling_params import SamplingParams, SamplingParamsError
@@ -74,14 +75,41 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--ignore-eos", action="store_true")
+    so = p.add_argument_group("structured output (at most one)")
+    so.add_argument("--json-schema", default=None,
+                    help="constrain to this JSON schema (JSON text, or @path to a file)")
+    so.add_argument("--json-object", action="store_true", help="constrain to any JSON object")
+    so.add_argument("--regex", default=None, help="constrain to this regular expression")
+    so.add_argument("--choice", action="append", default=None,
+                    help="constrain to one of these strings (repeatable)")
+    so.add_argument("--grammar", default=None,
+                    help="constrain to this Lark or GBNF grammar (text, or @path to a file)")
+
+
+def _text_or_file(value: str) -> str:
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {value[1:]}: {e}") from None
 
 
 def sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    constraints = {
+        "json": ns.json_schema and _text_or_file(ns.json_schema),
+        "json_object": ns.json_object or None,
+        "regex": ns.regex,
+        "choice": ns.choice,
+        "grammar": ns.grammar and _text_or_file(ns.grammar),
+    }
+    structured = {k: v for k, v in constraints.items() if v is not None} or None
     return SamplingParams(
         n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
         top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
         presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
         seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+        structured_outputs=structured,
     )
 
 
@@ -107,6 +135,7 @@ def _read_prompts(ns: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cmd_generate(ns: argparse.Namespace) -> None:
     from loom.engine.llm import LLM
+    from loom.engine.llm_engine import InvalidRequestError
 
     try:
         params = sampling_params(ns)
@@ -119,7 +148,10 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     if ns.chat:
         prompts = [tok.encode_chat([{"role": "user", "content": p}]) if isinstance(p, str) else p
                    for p in prompts]
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    except InvalidRequestError as e:
+        raise SystemExit(f"error: {e}") from None
     out = sys.stdout if ns.output in (None, "-") else open(ns.output, "w")
     with out:
         for item, res in zip(items, outputs):
