@@ -1,0 +1,129 @@
+"""CPU A/B on SmolLM2: this checkout against a base revision, runs interleaved (base, new, base,
+new ...) so both see the same machine load; medians and ratios. On a shared machine only the
+ratios mean something.
+
+    .venv/bin/python benchmarks/bench_cpu_ab.py startup --base 76fb812 --repeats 3
+    .venv/bin/python benchmarks/bench_cpu_ab.py decode --base 76fb812 --repeats 3 \
+        --variant base: --variant new: --variant new:int4
+
+`startup`: `loom serve` until the first streamed token (`loom bench startup`), and
+`loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams
+after a 150-token prompt, one fresh process per run. The base runs from a `git worktree` in a
+temporary folder (the working tree is never touched); each side runs with the OpenMP policy its
+own CLI sets (`OMP_WAIT_POLICY=PASSIVE` from this tree's CLI, none before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+PORT = 8123
+
+# One decode measurement; run with the checkout under test as the working directory (its
+# `loom` package shadows the installed one).
+_DECODE = """
+import json, logging, os, sys, time
+sys.path.insert(0, os.getcwd())
+logging.disable(logging.INFO)
+from loom import LLM, SamplingParams
+llm = LLM(quantization=os.environ.get("LOOM_AB_QUANT") or None, max_model_len=1024,
+          kv_cache_memory=256 * 2**20)
+prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
+one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+out = {}
+for streams in (1, 8):
+    llm.generate([prompt] * streams, one, use_tqdm=False)
+    t = time.perf_counter(); llm.generate([prompt] * streams, one, use_tqdm=False)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompt] * streams, SamplingParams(temperature=0, max_tokens=65, ignore_eos=True),
+                 use_tqdm=False)
+    out[streams] = streams * 64 / (time.perf_counter() - t - prefill)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _env(tree: Path, is_new: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if is_new:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"  # what this tree's CLI sets before importing torch
+    return env
+
+
+def _startup_once(tree: Path) -> dict[str, float]:
+    # The measuring `loom bench` sets OMP_WAIT_POLICY for itself: the server must not inherit it.
+    serve = f"cd {tree} && exec env -u OMP_WAIT_POLICY {PYTHON} -m loom.entrypoints.cli serve " \
+            f"--port {PORT}"
+    out = subprocess.run(
+        [PYTHON, "-m", "loom.entrypoints.cli", "bench", "startup", "--base-url",
+         f"http://127.0.0.1:{PORT}", "--timeout", "300", "--", "bash", "-c", serve],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout
+    first = float(re.search(r"first token after ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+    t = time.perf_counter()
+    subprocess.run([PYTHON, "-m", "loom.entrypoints.cli", "generate", "The capital of France is",
+                    "--max-tokens", "1"], cwd=tree, env=_env(tree, is_new=False),
+                   capture_output=True, check=True)
+    return {"serve_first_token_s": first, "generate_s": time.perf_counter() - t}
+
+
+def _decode_once(tree: Path, is_new: bool, quant: str) -> dict[str, float]:
+    env = {**_env(tree, is_new), "LOOM_AB_QUANT": quant}
+    out = subprocess.run([PYTHON, "-c", _DECODE], cwd=tree, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    res = json.loads(out.split("RESULT ", 1)[1])
+    return {f"tok_s_{k}_stream{'s' if k != '1' else ''}": v for k, v in res.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", choices=["startup", "decode"])
+    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
+                   help="decode: base: | new: | new:int8 | new:int4 (default: base: new:)")
+    p.add_argument("--result-json", default=None)
+    ns = p.parse_args()
+    variants = [tuple(v.split(":", 1)) for v in (ns.variant or ["base:", "new:"])]
+    if ns.what == "startup":
+        variants = [("base", ""), ("new", "")]
+    name = {(s, q): f"{s}:{q or 'fp32'}" for s, q in variants}
+    runs: dict[str, list[dict[str, float]]] = {name[v]: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(base), ns.base], cwd=REPO,
+                       check=True)
+        try:
+            for i in range(ns.repeats):
+                for side, quant in variants:
+                    tree, is_new = (REPO, True) if side == "new" else (base, False)
+                    r = (_startup_once(tree) if ns.what == "startup"
+                         else _decode_once(tree, is_new, quant))
+                    runs[name[side, quant]].append(r)
+                    print(f"run {i + 1} {name[side, quant]} " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in r.items()), flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO)
+    first = next(iter(runs))
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    for k, figures in med.items():
+        print(f"median {k}: " + ", ".join(
+            f"{m} {v:.2f} ({v / med[first][m]:.2f}x {first})" for m, v in figures.items()))
+    if ns.result_json:
+        Path(ns.result_json).write_text(json.dumps(
+            {"what": ns.what, "base": ns.base, "runs": runs, "medians": med}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
