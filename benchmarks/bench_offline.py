@@ -23,10 +23,10 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (variant {i})." for i in range(n)]
 
 
-def run_loom(n: int, m: int) -> dict:
+def run_loom(n: int, m: int, quantization: str | None = None) -> dict:
     from loom import LLM, SamplingParams
 
-    llm = LLM(seed=0)
+    llm = LLM(seed=0, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts(n), params)
@@ -65,14 +65,23 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--result-json", default=None)
+    ap.add_argument("--loom-quantization", default=None, choices=["int8", "int4"],
+                    help="also run Loom with these weight-only kernels (same GGUF weights)")
     args = ap.parse_args()
     loom = in_fresh_process(run_loom, args.num_prompts, args.output_len)
+    quant = None
+    if args.loom_quantization:
+        quant = in_fresh_process(run_loom, args.num_prompts, args.output_len,
+                                 args.loom_quantization)
     ref = in_fresh_process(run_transformers, args.num_prompts, args.output_len, args.hf_batch_size)
     dump(args.result_json, {
         "config": vars(args), "loom": loom, "transformers": ref,
         "throughput_ratio_loom_over_transformers":
             loom["output_tokens_per_s"] / ref["output_tokens_per_s"],
         "peak_memory_ratio_loom_over_transformers": loom["peak_rss_mib"] / ref["peak_rss_mib"],
+        **({f"loom_{args.loom_quantization}": quant,
+            f"throughput_ratio_loom_{args.loom_quantization}_over_transformers":
+                quant["output_tokens_per_s"] / ref["output_tokens_per_s"]} if quant else {}),
         "machine": machine(),
     })
 
