@@ -23,14 +23,13 @@ from loom.entrypoints.openai.serving_common import (
     cancel_on_disconnect,
     check_stream_options,
     collect_final,
+    constraint_source,
     include_usage,
     logprob_value,
     merge_streams,
     new_id,
     sse,
-    constraint_source,
     sse_guard,
-    structured_outputs_from,
     usage,
 )
 from loom.entrypoints.openai.protocol import NamedToolChoice
@@ -79,9 +78,10 @@ def render_messages(
 
 
 def _tool_setup(
-    ctx: ServerContext, req: ChatCompletionRequest
+    ctx: ServerContext, req: ChatCompletionRequest, constrained: bool
 ) -> tuple[list[dict[str, Any]] | None, ToolParser | None, StructuredOutputsParams | None]:
-    """(tools for the prompt, parser for the output, constraint) from tools and tool_choice.
+    """(tools for the prompt, parser for the output, constraint) from tools and tool_choice;
+    `constrained`: the request already has an output constraint of its own.
 
     "none" (or no tools): no tools in the prompt, no parsing. "auto": the model decides; calls
     are parsed from its output. "required" / a named function: generation is constrained to
@@ -109,7 +109,7 @@ def _tool_setup(
         parallel = False
     else:
         chosen, parallel = tools, req.parallel_tool_calls is not False
-    if structured_outputs_from(req) is not None:
+    if constrained:
         raise bad_request("tool_choice 'required' or a named function cannot be combined with "
                           "response_format or another output constraint", "tool_choice")
     for tool in chosen:
@@ -146,7 +146,7 @@ async def _create(
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs)
-    tools, parser, constraint = _tool_setup(ctx, req)
+    tools, parser, constraint = _tool_setup(ctx, req, params.structured_outputs is not None)
     source = constraint_source(req)
     if constraint is not None:
         params, source = params.clone(structured_outputs=constraint), "tools"

@@ -120,18 +120,8 @@ def build_sampling_params(
         raise bad_request(str(e), e.param) from None
 
 
-def constraint_source(req: SamplingRequest) -> str:
-    """The request field that set its output constraint (for error messages)."""
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            return name
-    return "structured_outputs"
-
-
-def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's output constraint, from whichever one field sets it (400 if several)."""
+def _constraint_fields(req: SamplingRequest) -> list[tuple[str, dict[str, Any]]]:
+    """(request field, StructuredOutputsParams fields) for every field that sets a constraint."""
     found: list[tuple[str, dict[str, Any]]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -149,6 +139,18 @@ def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | N
         value = getattr(req, f"guided_{name}")
         if value is not None:
             found.append((f"guided_{name}", {name: value}))
+    return found
+
+
+def constraint_source(req: SamplingRequest) -> str:
+    """The request field that set its output constraint (for error messages)."""
+    found = _constraint_fields(req)
+    return found[0][0] if found else "structured_outputs"
+
+
+def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever one field sets it (400 if several)."""
+    found = _constraint_fields(req)
     if not found:
         return None
     if len(found) > 1:

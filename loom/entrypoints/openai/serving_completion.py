@@ -25,12 +25,12 @@ from loom.entrypoints.openai.serving_common import (
     cancel_on_disconnect,
     check_stream_options,
     collect_final,
+    constraint_source,
     include_usage,
     logprob_value,
     merge_streams,
     new_id,
     sse,
-    constraint_source,
     sse_guard,
     usage,
 )
