@@ -41,8 +41,8 @@ class ToolCallView:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-class _Invalid(Exception):
-    pass
+class _Invalid(ValueError):
+    """Text that cannot be a tool call in this format (a ValueError, as callers expect)."""
 
 
 def _skip_ws(t: str, i: int) -> int:
@@ -186,7 +186,7 @@ class ToolParser:
         JSON make the whole text plain content."""
         try:
             return self._view(text, final)
-        except (_Invalid, ValueError):
+        except ValueError:  # _Invalid, or json.loads on a malformed name or arguments
             if final:
                 return ToolCallView(text)
             raise

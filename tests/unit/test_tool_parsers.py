@@ -181,3 +181,17 @@ def test_native_template_gets_tools_and_dict_arguments() -> None:
     llama = "{%- if tools %}<|python_tag|>{{ '\"parameters\": ' }}{% endif %}"
     assert isinstance(parser_for_template(llama), Llama3JsonToolParser)
     assert isinstance(parser_for_template(CHATML), HermesToolParser)
+
+
+def test_stream_of_a_malformed_call_never_raises() -> None:
+    """Mid-stream, text that cannot be a call sends nothing; at the end it is plain content."""
+    from loom.entrypoints.openai.serving_chat import _ToolStream
+
+    text = "Sure.\n<tool_call>\nnot json at all\n</tool_call>"
+    stream = _ToolStream(HermesToolParser())
+    content = ""
+    for end in range(1, len(text) + 1):
+        delta = stream.delta(text[:end], final=end == len(text))
+        assert "tool_calls" not in delta
+        content += delta.get("content", "")
+    assert content == text and stream.num_calls == 0
