@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--result-json", default=None)
-    ap.add_argument("--loom-quantization", default=None, choices=["int8", "int4"],
+    ap.add_argument("--loom-quantization", default=None, choices=["fp16", "int8", "int4"],
                     help="also run Loom with these weight-only kernels (same GGUF weights)")
     args = ap.parse_args()
     loom = in_fresh_process(run_loom, args.num_prompts, args.output_len)

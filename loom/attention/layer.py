@@ -28,5 +28,7 @@ class Attention(nn.Module):
         torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
         mask = md.masks.get(self.sliding_window)
         if mask is None:
-            mask = md.masks[self.sliding_window] = torch_ref.build_mask(md, self.sliding_window)
+            mask = md.masks[self.sliding_window] = torch_ref.build_mask(
+                md, self.sliding_window, q.dtype
+            )
         return torch_ref.paged_attention(q, self.kv_cache, md, mask, self.scale)

@@ -11,7 +11,7 @@ import torch
 class EngineArgs:
     model: str | None = None  # .gguf path, HF folder, cached repo id; None = packaged SmolLM2
     dtype: str = "auto"
-    quantization: str | None = None  # "int8": weight-only INT8 linears (bf16 activations)
+    quantization: str | None = None  # "fp16" | "int8" | "int4": weight-only linears (loom.quant)
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256

@@ -22,11 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantized linear layers with bf16 activations, for faster "
-                        "CPU decode: int8 (per channel) or int4 (groups of 32, CPU only; near "
-                        "lossless for Q4_1 GGUF weights). ~98%% top-1 agreement with the "
-                        "unquantized model")
+    p.add_argument("--quantization", default=None, choices=["fp16", "int4", "int8"],
+                   help="weight-only quantized linear layers for faster CPU decode: fp16 "
+                        "(fbgemm, fp32 activations; near lossless, fastest from a few streams "
+                        "up), int4 (groups of 32, bf16 activations; fastest at one stream, near "
+                        "lossless for Q4_1 GGUF weights) or int8 (per channel). The output "
+                        "projection takes fp16 in all three")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")

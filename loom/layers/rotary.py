@@ -56,27 +56,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
     def build_cache(self, device: torch.device) -> None:
-        """Fill the cos/sin table in fp32; called once after the model is materialized."""
+        """Fill the cos/sin table in fp32; called once after the model is materialized.
+
+        Row p holds [cos, cos, -sin, sin] (each head_dim // 2 wide): cos for both halves of a
+        head, and sin carrying rotate-half's sign, so rotating is x * cos + swap_halves(x) * sin
+        with no negation or split per layer, bit for bit Hugging Face's q * cos + rotate_half(q)
+        * sin."""
         inv_freq, attn_scale = compute_inv_freq(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
-        cache = torch.cat([freqs.cos() * attn_scale, freqs.sin() * attn_scale], dim=-1)
-        self.cos_sin_cache = cache.to(device)  # [max_position, head_dim]
+        cos, sin = freqs.cos() * attn_scale, freqs.sin() * attn_scale
+        cache = torch.cat([cos, cos, -sin, sin], dim=-1)  # [max_position, 2 * head_dim]
+        self.cos_sin_cache = cache.to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim // 2] for `positions`; shared by every layer."""
-        return self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        """cos, signed sin [num_tokens, 1, head_dim] for `positions`; shared by every layer."""
+        rows = self.cos_sin_cache.index_select(0, positions).view(-1, 2, self.head_dim)
+        return rows[:, :1], rows[:, 1:]
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, heads, head_dim] (any mix of q and k heads) by `cos_sin`'s tables."""
     dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos + torch.cat([x2, x1], dim=-1) * sin
     return out.to(dtype)

@@ -17,7 +17,8 @@ from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
 from loom.layers.linear import Linear
-from loom.quant.base import QUANT_METHODS, quantize_linears_
+from loom.quant.base import QUANT_METHODS, quantize_model_
+from loom.quant.fp16 import fp16_available
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +83,16 @@ def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None,
 ) -> LoadedModel:
-    """Build, materialize and load a model; `quantization` ("int8", "int4") then converts the
-    linear layers (all but lm_head) to weight-only quantized ones (see loom.quant)."""
+    """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
+    the linear layers to weight-only quantized ones (see loom.quant)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     start = time.perf_counter()
     device = torch.device(device)
-    if quantization == "int4" and device.type != "cpu":
-        raise ConfigError(f"quantization 'int4' runs on the CPU only, not on {device.type}")
+    if quantization in ("int4", "fp16") and device.type != "cpu":
+        raise ConfigError(f"quantization {quantization!r} runs on the CPU only, not on {device.type}")
+    if quantization == "fp16" and not fp16_available():
+        raise ConfigError("quantization 'fp16' needs torch's fbgemm kernels (x86 CPUs)")
     torch_dtype = resolve_dtype(dtype, device)
     config, weight_iter = _open(source)
     model_cls = get_model_class(config)
@@ -103,7 +106,7 @@ def load_model(
         model.load_weights(weights)
     model.init_buffers(device)
     if quantization is not None:
-        quantize_linears_(model, quantization)
+        quantize_model_(model, quantization)
         # Beside the quantized kernels the oneDNN fp32 path measured slower end to end (int4,
         # 1 stream: 0.87x), though faster alone; the remaining fp32 linears keep F.linear.
         for module in model.modules():

@@ -75,9 +75,12 @@ def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
     assert run(13) == run(2048)
 
 
-def test_batched_vs_alone_smollm2(make_llm) -> None:
+# int4 is left out: its kernel (bf16 activations) sums a row differently in a batch than alone,
+# so near-ties can flip (seen on the second of these prompts).
+@pytest.mark.parametrize("quantization", [None, "fp16"])
+def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
     prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
-    llm = make_llm(None)
+    llm = make_llm(None, quantization=quantization)
     batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
     assert batched == alone

@@ -24,14 +24,19 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def build_mask(md: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
-    """[num_reqs, 1, max_query_len, max_seq_len] bool: True where a query may attend a key."""
+def build_mask(
+    md: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[num_reqs, 1, max_query_len, max_seq_len] additive mask in `dtype`: 0 where a query may
+    attend a key, -inf elsewhere. Additive rather than bool: SDPA turns a bool mask into this
+    one on every call, i.e. in every layer; built here once per step."""
     q_pos = md.query_positions[:, :, None]  # [num_reqs, max_q, 1]
     k_pos = md.key_positions[None, None, :]  # [1, 1, max_s]
-    mask = (k_pos <= q_pos) & (k_pos < md.seq_lens[:, None, None])
+    allowed = (k_pos <= q_pos) & (k_pos < md.seq_lens[:, None, None])
     if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask.unsqueeze(1)
+        allowed &= k_pos > q_pos - sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def paged_attention(
