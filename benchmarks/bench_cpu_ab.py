@@ -7,7 +7,7 @@ ratios mean something.
         --variant base: --variant new: --variant new:int4
 
 `startup`: `loom serve` until the first streamed token (`loom bench startup`), and
-`loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams
+`loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams (`--streams`)
 after a 150-token prompt, one fresh process per run. The base runs from a `git worktree` in a
 temporary folder (the working tree is never touched). `startup` runs each side's own CLI (with
 the OpenMP policy it sets); `decode` runs both sides under this process's environment.
@@ -38,11 +38,11 @@ sys.path.insert(0, os.getcwd())
 logging.disable(logging.INFO)
 from loom import LLM, SamplingParams
 llm = LLM(quantization=os.environ.get("LOOM_AB_QUANT") or None, max_model_len=1024,
-          kv_cache_memory=256 * 2**20)
+          kv_cache_memory=2**30)
 prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 out = {}
-for streams in (1, 8):
+for streams in json.loads(os.environ["LOOM_AB_STREAMS"]):
     llm.generate([prompt] * streams, one, use_tqdm=False)
     t = time.perf_counter(); llm.generate([prompt] * streams, one, use_tqdm=False)
     prefill = time.perf_counter() - t
@@ -77,8 +77,8 @@ def _startup_once(tree: Path) -> dict[str, float]:
     return {"serve_first_token_s": first, "generate_s": time.perf_counter() - t}
 
 
-def _decode_once(tree: Path, is_new: bool, quant: str) -> dict[str, float]:
-    env = {**_env(tree, is_new), "LOOM_AB_QUANT": quant}
+def _decode_once(tree: Path, is_new: bool, quant: str, streams: list[int]) -> dict[str, float]:
+    env = {**_env(tree, is_new), "LOOM_AB_QUANT": quant, "LOOM_AB_STREAMS": json.dumps(streams)}
     out = subprocess.run([PYTHON, "-c", _DECODE], cwd=tree, env=env, capture_output=True,
                          text=True, check=True).stdout
     res = json.loads(out.split("RESULT ", 1)[1])
@@ -91,9 +91,11 @@ def main() -> None:
     p.add_argument("--base", required=True, help="git revision to compare against")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
-                   help="decode: base: | new: | new:int8 | new:int4 (default: base: new:)")
+                   help="decode: base: | new: | new:fp16 | new:int8 | new:int4 (default: base: new:)")
+    p.add_argument("--streams", default="1,8", help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)
     ns = p.parse_args()
+    streams = [int(n) for n in ns.streams.split(",")]
     variants = [tuple(v.split(":", 1)) for v in (ns.variant or ["base:", "new:"])]
     if ns.what == "startup":
         variants = [("base", ""), ("new", "")]
@@ -108,7 +110,7 @@ def main() -> None:
                 for side, quant in variants:
                     tree, is_new = (REPO, True) if side == "new" else (base, False)
                     r = (_startup_once(tree) if ns.what == "startup"
-                         else _decode_once(tree, is_new, quant))
+                         else _decode_once(tree, is_new, quant, streams))
                     runs[name[side, quant]].append(r)
                     print(f"run {i + 1} {name[side, quant]} " + ", ".join(
                         f"{k} {v:.2f}" for k, v in r.items()), flush=True)

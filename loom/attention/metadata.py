@@ -26,9 +26,8 @@ class AttentionMetadata:
     # Derived once per step for the torch reference backend (shared by all layers):
     token_req_idx: torch.Tensor  # [num_tokens] request index of each flat token
     token_local_idx: torch.Tensor  # [num_tokens] position of each token within its query
-    kv_slots: torch.Tensor  # [num_reqs, max_seq_len] cache slot of every context position
     query_positions: torch.Tensor  # [num_reqs, max_query_len] absolute position of padded queries
-    key_positions: torch.Tensor  # [max_seq_len]
+    key_positions: torch.Tensor  # [max_blocks * block_size]: positions of the gathered blocks
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -72,12 +71,8 @@ def build_attention_metadata(
     slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
 
     max_q, max_s = int(query_lens.max()), int(seq_lens.max())
-    key_pos = np.arange(max_s)
-    clipped = np.minimum(key_pos // block_size, max_blocks - 1)
-    kv_slots = table[:, clipped] * block_size + key_pos % block_size  # [num_reqs, max_s]
-    # Padding positions (past a request's context) read the zeroed null block: never-written
-    # cache memory could hold NaN, which the mask's zero weight would not cancel.
-    kv_slots[key_pos[None, :] >= seq_lens[:, None]] = 0
+    # Attention gathers whole blocks: keys at positions 0 .. max_blocks * block_size - 1.
+    key_pos = np.arange(max_blocks * block_size)
     query_positions = computed[:, None] + np.arange(max_q)[None, :]  # [num_reqs, max_q]
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -93,7 +88,6 @@ def build_attention_metadata(
         max_seq_len=max_s,
         token_req_idx=t(req_idx),
         token_local_idx=t(local_idx),
-        kv_slots=t(kv_slots),
         query_positions=t(query_positions),
         key_positions=t(key_pos),
     )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import torch
 
 from loom.config import CacheConfig, ModelConfig
@@ -63,15 +65,19 @@ def allocate_kv_caches(
     model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, zeroed.
 
-    Left uninitialized (host pages are only committed when first written) except the null
-    block 0, which padding reads and must be zero.
+    Attention reads whole blocks, including slots no request has written yet (masked out, so
+    they must hold finite numbers). On the host the zeroes come from calloc, whose fresh pages
+    are zero without being touched: memory is only committed when first written.
     """
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
     caches = []
     for _ in range(model_config.num_hidden_layers):
-        cache = torch.empty(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
-        cache[:, 0].zero_()
+        if device.type == "cpu":
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
         caches.append(cache)
     return caches

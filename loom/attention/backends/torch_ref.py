@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch: correct on any device for mixed batches.
 
-Each step gathers every request's context from the paged cache into a padded
-[num_reqs, max_seq_len] layout, pads queries to [num_reqs, max_query_len], and runs one
+Each layer gathers every request's context from the paged cache, whole blocks at a time (one
+row copy per block, K and V apart: ~4x faster on CPU than per-slot or two-tensor gathers), into
+a padded [num_reqs, max_blocks * block_size] layout, pads queries to [num_reqs, max_query_len], and runs one
 scaled_dot_product_attention with a causal (and optional sliding-window) mask. No Python loop
 over tokens or requests.
 """
@@ -27,11 +28,11 @@ def write_kv(
 def build_mask(
     md: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[num_reqs, 1, max_query_len, max_seq_len] additive mask in `dtype`: 0 where a query may
+    """[num_reqs, 1, max_query_len, max_blocks * block_size] additive mask in `dtype`: 0 where a query may
     attend a key, -inf elsewhere. Additive rather than bool: SDPA turns a bool mask into this
     one on every call, i.e. in every layer; built here once per step."""
     q_pos = md.query_positions[:, :, None]  # [num_reqs, max_q, 1]
-    k_pos = md.key_positions[None, None, :]  # [1, 1, max_s]
+    k_pos = md.key_positions[None, None, :]  # [1, 1, num_keys]
     allowed = (k_pos <= q_pos) & (k_pos < md.seq_lens[:, None, None])
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
@@ -50,12 +51,15 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
     num_reqs = md.seq_lens.shape[0]
-    # K and V of every context position in one index_select (advanced indexing, `flat[slots]`,
-    # is several times slower on CPU).
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads * head_dim)
-    kv = flat.index_select(1, md.kv_slots.reshape(-1))  # [2, num_reqs * max_s, kv_heads * head_dim]
-    kv = kv.view(2, num_reqs, md.max_seq_len, kv_heads, head_dim).transpose(2, 3)
-    k, v = kv[0], kv[1]  # [num_reqs, kv_heads, max_s, head_dim]
+    # Positions past a request's context (the rest of its last block, padding blocks that point
+    # at the null block 0) are masked out; the cache is allocated zeroed, so what they hold is
+    # finite and its zero weight cancels it.
+    blocks = md.block_tables.view(-1)
+    k, v = (
+        kv_cache[i].view(num_blocks, -1).index_select(0, blocks)
+        .view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
+        for i in (0, 1)
+    )  # [num_reqs, kv_heads, max_blocks * block_size, head_dim]
     decode_only = md.max_query_len == 1  # token i is request i's only query: no padding
     if decode_only:
         q_pad = q.view(num_reqs, 1, num_heads, head_dim)
