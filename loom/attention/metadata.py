@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+
+class Workspace:
+    """One scratch buffer for the context each layer gathers, reused by every layer and step.
+
+    A fresh tensor per layer would cost a page fault per 4 KiB page each time on the host (glibc
+    serves allocations over 32 MiB with a new mmap): at 256 decodes of ~220 tokens the gather
+    measured 27 ms per call with fresh outputs and 7 ms into reused memory."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized [shape] tensor; valid until the next `take`."""
+        n = math.prod(shape)
+        buf = self._buf
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            # Headroom, so contexts growing block by block do not reallocate every step.
+            buf = self._buf = torch.empty(n + n // 4, dtype=dtype, device=device)
+        return buf[:n].view(shape)
 
 
 @dataclass
@@ -30,6 +51,7 @@ class AttentionMetadata:
     key_positions: torch.Tensor  # [max_blocks * block_size]: positions of the gathered blocks
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    workspace: Workspace = field(default_factory=Workspace)  # the runner passes a lasting one
 
 
 def compute_slot_mapping(
@@ -50,6 +72,7 @@ def build_attention_metadata(
     num_scheduled_tokens: list[int],
     block_size: int,
     device: torch.device,
+    workspace: Workspace | None = None,
 ) -> tuple[AttentionMetadata, np.ndarray]:
     """Build metadata for requests that each compute `num_scheduled_tokens[r]` new tokens after
     `num_computed_tokens[r]` already cached ones. Returns (metadata, positions[num_tokens])."""
@@ -90,5 +113,6 @@ def build_attention_metadata(
         token_local_idx=t(local_idx),
         query_positions=t(query_positions),
         key_positions=t(key_pos),
+        workspace=workspace or Workspace(),
     )
     return md, positions

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from loom.attention.forward_context import set_forward_context
-from loom.attention.metadata import build_attention_metadata
+from loom.attention.metadata import Workspace, build_attention_metadata
 from loom.config import ModelConfig
 from loom.core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from loom.sample.metadata import SamplingMetadata
@@ -54,6 +54,7 @@ class ModelRunner:
         for attn, cache in zip(model.attention_layers(), self.kv_caches):  # type: ignore[operator]
             attn.kv_cache = cache
         self.sampler = Sampler()
+        self.workspace = Workspace()
         self.requests: dict[str, CachedRequestState] = {}
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -100,7 +101,8 @@ class ModelRunner:
             dtype=np.int64, count=so.total_num_scheduled_tokens,
         )
         md, positions = build_attention_metadata(
-            [s.block_ids for s in states], computed, num_sched, self.block_size, self.device
+            [s.block_ids for s in states], computed, num_sched, self.block_size, self.device,
+            self.workspace,
         )
         with set_forward_context(md):
             hidden = self.model(

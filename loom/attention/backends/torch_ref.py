@@ -55,11 +55,12 @@ def paged_attention(
     # at the null block 0) are masked out; the cache is allocated zeroed, so what they hold is
     # finite and its zero weight cancels it.
     blocks = md.block_tables.view(-1)
-    k, v = (
-        kv_cache[i].view(num_blocks, -1).index_select(0, blocks)
-        .view(num_reqs, -1, kv_heads, head_dim).transpose(1, 2)
-        for i in (0, 1)
-    )  # [num_reqs, kv_heads, max_blocks * block_size, head_dim]
+    gathered = md.workspace.take((2, blocks.numel(), block_size * kv_heads * head_dim),
+                                 kv_cache.dtype, kv_cache.device)
+    for i in (0, 1):
+        torch.index_select(kv_cache[i].view(num_blocks, -1), 0, blocks, out=gathered[i])
+    k, v = gathered.view(2, num_reqs, -1, kv_heads, head_dim).transpose(2, 3)
+    # k, v [num_reqs, kv_heads, max_blocks * block_size, head_dim]
     decode_only = md.max_query_len == 1  # token i is request i's only query: no padding
     if decode_only:
         q_pad = q.view(num_reqs, 1, num_heads, head_dim)
