@@ -58,9 +58,13 @@ def _open(
     return model_config_from_hf(source.path), lambda: iter_safetensors(source.path)
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Give every meta parameter and buffer uninitialized memory (floating ones in `dtype`);
-    a parameter shared by two modules (tied embeddings) stays shared.
+def _materialize(
+    model: nn.Module, device: torch.device, dtype: torch.dtype,
+    linear_dtype: torch.dtype | None = None,
+) -> None:
+    """Give every meta parameter and buffer uninitialized memory (floating ones in `dtype`, the
+    weights of linear layers in `linear_dtype` when given); a parameter shared by two modules
+    (tied embeddings) stays shared, in the dtype of the first module that holds it.
 
     Direct `torch.empty` per tensor: `Module.to_empty` + `.to(dtype)` goes through torch's
     Python reference implementations and a second pass (~0.8 s for SmolLM2)."""
@@ -69,8 +73,11 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         for name, p in module._parameters.items():
             if p is not None:
                 if id(p) not in made:
+                    p_dtype = dtype
+                    if linear_dtype is not None and isinstance(module, nn.Linear) and name == "weight":
+                        p_dtype = linear_dtype
                     made[id(p)] = nn.Parameter(
-                        torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
+                        torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False
                     )
                 module._parameters[name] = made[id(p)]
         for name, b in module._buffers.items():
@@ -98,7 +105,9 @@ def load_model(
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
-    _materialize(model, device, torch_dtype)
+    # fp16 packing starts from fp16 weights (the same rounding): half the memory meanwhile.
+    _materialize(model, device, torch_dtype,
+                 linear_dtype=torch.float16 if quantization == "fp16" else None)
     weights = weight_iter()
     if progress:
         weights = tqdm(weights, desc=f"loading {source.path.name}", unit="tensor", leave=False)

@@ -50,6 +50,16 @@ def test_fp16_linear_matches_float_linear() -> None:
     assert rel_err(q(x[0, :1]), out[0, :1]) < 1e-6  # one row alone, same as in a batch
 
 
+def test_fp16_linear_packs_wide_layers_in_slices() -> None:
+    lin = torch.nn.Linear(64, 20000, bias=True)  # 8192 + 8192 + 3616 rows
+    q = Fp16Linear(lin)
+    x = torch.randn(4, 64)
+    assert len(q.packed) == 3
+    rounded = torch.nn.functional.linear(x, lin.weight.half().float(), lin.bias)
+    assert q(x).shape == (4, 20000) and rel_err(q(x), rounded) < 1e-5
+    assert q(x.to(torch.bfloat16)).dtype == torch.bfloat16  # outputs follow the activations
+
+
 def test_int4_linear_matches_float_linear() -> None:
     lin = torch.nn.Linear(128, 48, bias=True)
     q = Int4Linear(lin)
