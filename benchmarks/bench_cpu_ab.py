@@ -7,8 +7,8 @@ ratios mean something.
         --variant base: --variant new: --variant new:int4
 
 `startup`: `loom serve` until the first streamed token (`loom bench startup`), and
-`loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams (`--streams`)
-after a 150-token prompt, one fresh process per run. The base runs from a `git worktree` in a
+`loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams
+(`--streams`) after a 150-token prompt, one fresh process per run. The base runs from a `git worktree` in a
 temporary folder (the working tree is never touched). `startup` runs each side's own CLI (with
 the OpenMP policy it sets); `decode` runs both sides under this process's environment.
 """
@@ -92,7 +92,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
                    help="decode: base: | new: | new:fp16 | new:int8 | new:int4 (default: base: new:)")
-    p.add_argument("--streams", default="1,8", help="decode: concurrent streams, comma-separated")
+    p.add_argument("--streams", default="1,8",
+                   help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)
     ns = p.parse_args()
     streams = [int(n) for n in ns.streams.split(",")]

@@ -19,7 +19,9 @@ class Workspace:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """An uninitialized [shape] tensor; valid until the next `take`."""
         n = math.prod(shape)
         buf = self._buf

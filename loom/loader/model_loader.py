@@ -74,7 +74,8 @@ def _materialize(
             if p is not None:
                 if id(p) not in made:
                     p_dtype = dtype
-                    if linear_dtype is not None and isinstance(module, nn.Linear) and name == "weight":
+                    if (linear_dtype is not None and isinstance(module, nn.Linear)
+                            and name == "weight"):
                         p_dtype = linear_dtype
                     made[id(p)] = nn.Parameter(
                         torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False
@@ -97,7 +98,9 @@ def load_model(
     start = time.perf_counter()
     device = torch.device(device)
     if quantization in ("int4", "fp16") and device.type != "cpu":
-        raise ConfigError(f"quantization {quantization!r} runs on the CPU only, not on {device.type}")
+        raise ConfigError(
+            f"quantization {quantization!r} runs on the CPU only, not on {device.type}"
+        )
     if quantization == "fp16" and not fp16_available():
         raise ConfigError("quantization 'fp16' needs torch's fbgemm kernels (x86 CPUs)")
     torch_dtype = resolve_dtype(dtype, device)

@@ -2,7 +2,8 @@
 
 Each layer gathers every request's context from the paged cache, whole blocks at a time (one
 row copy per block, K and V apart: ~4x faster on CPU than per-slot or two-tensor gathers), into
-a padded [num_reqs, max_blocks * block_size] layout, pads queries to [num_reqs, max_query_len], and runs one
+a padded [num_reqs, max_blocks * block_size] layout, pads queries to [num_reqs, max_query_len],
+and runs one
 scaled_dot_product_attention with a causal (and optional sliding-window) mask. No Python loop
 over tokens or requests.
 """
@@ -28,9 +29,9 @@ def write_kv(
 def build_mask(
     md: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[num_reqs, 1, max_query_len, max_blocks * block_size] additive mask in `dtype`: 0 where a query may
-    attend a key, -inf elsewhere. Additive rather than bool: SDPA turns a bool mask into this
-    one on every call, i.e. in every layer; built here once per step."""
+    """[num_reqs, 1, max_query_len, max_blocks * block_size] additive mask in `dtype`: 0 where a
+    query may attend a key, -inf elsewhere. Additive rather than bool: SDPA turns a bool mask
+    into this one on every call, i.e. in every layer; built here once per step."""
     q_pos = md.query_positions[:, :, None]  # [num_reqs, max_q, 1]
     k_pos = md.key_positions[None, None, :]  # [1, 1, num_keys]
     allowed = (k_pos <= q_pos) & (k_pos < md.seq_lens[:, None, None])
