@@ -8,9 +8,10 @@ ratios mean something.
 
 `startup`: `loom serve` until the first streamed token (`loom bench startup`), and
 `loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams
-(`--streams`) after a 150-token prompt, one fresh process per run. The base runs from a `git worktree` in a
-temporary folder (the working tree is never touched). `startup` runs each side's own CLI (with
-the OpenMP policy it sets); `decode` runs both sides under this process's environment.
+(`--streams`) after a 150-token prompt, one fresh process per run. The base runs from a
+`git worktree` in a temporary folder (the working tree is never touched). `startup` runs each
+side's own CLI (with the OpenMP policy it sets); `decode` runs both sides under this process's
+environment.
 """
 
 from __future__ import annotations
@@ -54,12 +55,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _env(tree: Path, is_new: bool) -> dict[str, str]:
-    """Decode runs use the Python API, which sets no OpenMP policy: both sides inherit this
-    process's environment (export OMP_WAIT_POLICY to compare under one)."""
-    return dict(os.environ)
-
-
 def _startup_once(tree: Path) -> dict[str, float]:
     # The measuring `loom bench` sets OMP_WAIT_POLICY for itself: the server must not inherit it.
     serve = f"cd {tree} && exec env -u OMP_WAIT_POLICY {PYTHON} -m loom.entrypoints.cli serve " \
@@ -72,13 +67,14 @@ def _startup_once(tree: Path) -> dict[str, float]:
     first = float(re.search(r"first token after ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
     t = time.perf_counter()
     subprocess.run([PYTHON, "-m", "loom.entrypoints.cli", "generate", "The capital of France is",
-                    "--max-tokens", "1"], cwd=tree, env=_env(tree, is_new=False),
-                   capture_output=True, check=True)
+                    "--max-tokens", "1"], cwd=tree, capture_output=True, check=True)
     return {"serve_first_token_s": first, "generate_s": time.perf_counter() - t}
 
 
-def _decode_once(tree: Path, is_new: bool, quant: str, streams: list[int]) -> dict[str, float]:
-    env = {**_env(tree, is_new), "LOOM_AB_QUANT": quant, "LOOM_AB_STREAMS": json.dumps(streams)}
+def _decode_once(tree: Path, quant: str, streams: list[int]) -> dict[str, float]:
+    # The Python API sets no OpenMP policy: both sides run under this process's environment
+    # (export OMP_WAIT_POLICY to compare under one).
+    env = {**os.environ, "LOOM_AB_QUANT": quant, "LOOM_AB_STREAMS": json.dumps(streams)}
     out = subprocess.run([PYTHON, "-c", _DECODE], cwd=tree, env=env, capture_output=True,
                          text=True, check=True).stdout
     res = json.loads(out.split("RESULT ", 1)[1])
@@ -91,7 +87,8 @@ def main() -> None:
     p.add_argument("--base", required=True, help="git revision to compare against")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
-                   help="decode: base: | new: | new:fp16 | new:int8 | new:int4 (default: base: new:)")
+                   help="decode: base: | new: | new:fp16 | new:int8 | new:int4 "
+                        "(default: base: new:)")
     p.add_argument("--streams", default="1,8",
                    help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)
@@ -109,9 +106,9 @@ def main() -> None:
         try:
             for i in range(ns.repeats):
                 for side, quant in variants:
-                    tree, is_new = (REPO, True) if side == "new" else (base, False)
+                    tree = REPO if side == "new" else base
                     r = (_startup_once(tree) if ns.what == "startup"
-                         else _decode_once(tree, is_new, quant, streams))
+                         else _decode_once(tree, quant, streams))
                     runs[name[side, quant]].append(r)
                     print(f"run {i + 1} {name[side, quant]} " + ", ".join(
                         f"{k} {v:.2f}" for k, v in r.items()), flush=True)

@@ -45,15 +45,14 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (0 = null block)
     max_query_len: int
-    max_seq_len: int
     # Derived once per step for the torch reference backend (shared by all layers):
     token_req_idx: torch.Tensor  # [num_tokens] request index of each flat token
     token_local_idx: torch.Tensor  # [num_tokens] position of each token within its query
     query_positions: torch.Tensor  # [num_reqs, max_query_len] absolute position of padded queries
     key_positions: torch.Tensor  # [max_blocks * block_size]: positions of the gathered blocks
+    workspace: Workspace  # the gather buffer; the runner passes one that lasts across steps
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    workspace: Workspace = field(default_factory=Workspace)  # the runner passes a lasting one
 
 
 def compute_slot_mapping(
@@ -95,7 +94,7 @@ def build_attention_metadata(
     positions = computed[req_idx] + local_idx
     slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
 
-    max_q, max_s = int(query_lens.max()), int(seq_lens.max())
+    max_q = int(query_lens.max())
     # Attention gathers whole blocks: keys at positions 0 .. max_blocks * block_size - 1.
     key_pos = np.arange(max_blocks * block_size)
     query_positions = computed[:, None] + np.arange(max_q)[None, :]  # [num_reqs, max_q]
@@ -110,7 +109,6 @@ def build_attention_metadata(
         seq_lens=t(seq_lens),
         block_tables=t(table),
         max_query_len=max_q,
-        max_seq_len=max_s,
         token_req_idx=t(req_idx),
         token_local_idx=t(local_idx),
         query_positions=t(query_positions),

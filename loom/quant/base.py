@@ -33,27 +33,22 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = (HE
     make, supported = QUANT_METHODS[method]
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name not in skip and supported(m)]
-    for name, made in zip([n for n, _ in targets], _build(make, method, [m for _, m in targets])):
-        _replace(model, name, made)
+    linears = [m for _, m in targets]
+    built = _build_in_threads(make, linears) if make is Fp16Linear else map(make, linears)
+    for (name, _), module in zip(targets, built):
+        _replace(model, name, module)
     return len(targets)
 
 
-def _build(make: Callable[[nn.Linear], nn.Module], method: str,
-           linears: list[nn.Linear]) -> list[nn.Module]:
-    """fbgemm packs fp16 weights on one thread (SmolLM2: ~1 s in all) and
-    lets go of the GIL meanwhile: pack on one thread per core. The other methods run torch ops
-    that already use every core."""
-    if method != "fp16" or len(linears) < 2:
-        return [make(linear) for linear in linears]
-    made: list[nn.Module | None] = [None] * len(linears)
-
-    def build(i: int) -> None:
-        made[i] = make(linears[i])
-
-    biggest_first = sorted(range(len(linears)), key=lambda i: -linears[i].weight.numel())
+def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
+                      linears: list[nn.Linear]) -> list[nn.Module]:
+    """fbgemm packs fp16 weights on one thread (SmolLM2: ~1 s in all) and lets go of the GIL
+    meanwhile: pack on one thread per core, biggest first. (The other methods run torch ops that
+    already use every core.)"""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(build, biggest_first))
-    return made  # type: ignore[return-value]
+        futures = {i: pool.submit(make, linears[i])
+                   for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.numel())}
+        return [futures[i].result() for i in range(len(linears))]
 
 
 def quantize_model_(model: nn.Module, method: str) -> None:
@@ -64,9 +59,6 @@ def quantize_model_(model: nn.Module, method: str) -> None:
     fp32. fp16 weights with fp32 accumulation keep it near exact at a third of the fp32 time.
     """
     head = getattr(model, HEAD, None)
-    if isinstance(head, nn.Linear) and fp16_available():
-        if method == "fp16":  # packed beside the other layers
-            quantize_linears_(model, method, skip=())
-            return
+    if method != "fp16" and isinstance(head, nn.Linear) and fp16_available():
         _replace(model, HEAD, Fp16Linear(head))
-    quantize_linears_(model, method)
+    quantize_linears_(model, method, skip=() if method == "fp16" else (HEAD,))

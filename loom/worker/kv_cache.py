@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer: 2 * layers * block_size * kv_heads * head_dim * itemsize."""
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
-    per_token *= model_config.head_dim * torch.tensor([], dtype=dtype).element_size()
+    per_token *= model_config.head_dim * dtype.itemsize
     return per_token * block_size
 
 
@@ -75,7 +75,7 @@ def allocate_kv_caches(
     caches = []
     for _ in range(model_config.num_hidden_layers):
         if device.type == "cpu":
-            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
         else:
             cache = torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
