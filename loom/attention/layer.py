@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.attention.backends import torch_ref
+from loom.attention.backends import cpu_kernel, torch_ref
 from loom.attention.forward_context import get_forward_context
 
 
@@ -21,11 +21,16 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
+        self.use_kernel: bool | None = None  # the C kernel when it can run here; decided once
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         md = get_forward_context().attn_metadata
         torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
+        if self.use_kernel is None:
+            self.use_kernel = cpu_kernel.supported(q, self.kv_cache, self.num_heads, self.num_kv_heads)
+        if self.use_kernel:
+            return cpu_kernel.paged_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
         mask = md.masks.get(self.sliding_window)
         if mask is None:
             mask = md.masks[self.sliding_window] = torch_ref.build_mask(

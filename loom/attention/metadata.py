@@ -46,6 +46,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (0 = null block)
     max_query_len: int
     # Derived once per step for the torch reference backend (shared by all layers):
+    positions: torch.Tensor  # [num_tokens] int64 absolute position of each token
     token_req_idx: torch.Tensor  # [num_tokens] request index of each flat token
     token_local_idx: torch.Tensor  # [num_tokens] position of each token within its query
     query_positions: torch.Tensor  # [num_reqs, max_query_len] absolute position of padded queries
@@ -53,6 +54,8 @@ class AttentionMetadata:
     workspace: Workspace  # the gather buffer; the runner passes one that lasts across steps
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # The C kernel's work tiles, built on first use, keyed by tokens per tile; shared by layers.
+    tiles: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def compute_slot_mapping(
@@ -109,6 +112,7 @@ def build_attention_metadata(
         seq_lens=t(seq_lens),
         block_tables=t(table),
         max_query_len=max_q,
+        positions=t(positions),
         token_req_idx=t(req_idx),
         token_local_idx=t(local_idx),
         query_positions=t(query_positions),

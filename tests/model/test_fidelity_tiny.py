@@ -8,6 +8,7 @@ import torch
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
+from tests.cpu_kernels import require_cpu_kernels
 from tests.paged_batch import BLOCK, PagedBatch, rel_err
 from tests.tiny_models import ARCHS, make_tiny_model
 
@@ -22,9 +23,15 @@ def tiny(request, tmp_path_factory):
     return request.param, folder, ref
 
 
-def test_mixed_batch_matches_transformers(tiny) -> None:
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_mixed_batch_matches_transformers(tiny, backend) -> None:
+    """Both attention backends: the C kernel (the CPU default) and the torch reference."""
     name, folder, ref = tiny
     loaded = load_model(resolve_model(str(folder)), dtype="float32")
+    if backend == "kernel":
+        require_cpu_kernels()
+    for attn in loaded.model.attention_layers():
+        attn.use_kernel = backend == "kernel"
     g = torch.Generator().manual_seed(1)
     vocab = loaded.config.vocab_size
     a = torch.randint(0, vocab, (20,), generator=g).tolist()

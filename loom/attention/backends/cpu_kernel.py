@@ -1,0 +1,80 @@
+"""Paged attention through Loom's C kernel (loom/kernels/csrc/paged_attention.c) on the CPU.
+
+It reads K and V in place in the paged cache: no gather, no padded query copy, no mask tensor.
+Each token attends only its own request's context, so a request gets the same bits alone as in
+any batch. fp32 only; other dtypes, devices and shapes use the torch reference backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loom.attention.metadata import AttentionMetadata
+from loom.kernels import cpu_kernels
+
+ROWS_PER_TILE = 64  # query rows (tokens x heads) that share each K/V read
+MAX_TILE_FLOATS = 65536  # a one-token tile's rows x head_dim must fit the kernel's stack scratch
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, kv_heads: int) -> bool:
+    head_dim = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == kv_cache.dtype == torch.float32
+        and num_heads % kv_heads == 0
+        and num_heads * head_dim <= MAX_TILE_FLOATS
+        and cpu_kernels() is not None
+    )
+
+
+def tile_tokens(num_heads: int, head_dim: int) -> int:
+    return max(1, min(ROWS_PER_TILE // num_heads, MAX_TILE_FLOATS // (num_heads * head_dim)))
+
+
+def build_tiles(query_start_loc: np.ndarray, tokens: int) -> np.ndarray:
+    """[num_tiles, 3] int64 rows (request, first token, number of tokens): each request's query
+    tokens cut into runs of at most `tokens`.
+
+    Example: query_start_loc [0, 1, 13], tokens 8 -> [[0, 0, 1], [1, 1, 8], [1, 9, 4]]."""
+    starts, ends = query_start_loc[:-1], query_start_loc[1:]
+    counts = -(-(ends - starts) // tokens)  # tiles per request
+    req = np.repeat(np.arange(len(starts)), counts)
+    first_tile = np.cumsum(counts) - counts
+    k = np.arange(int(counts.sum())) - first_tile[req]
+    tok0 = starts[req] + k * tokens
+    ntok = np.minimum(tokens, ends[req] - tok0)
+    return np.ascontiguousarray(np.stack([req, tok0, ntok], axis=1), dtype=np.int64)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    tokens = tile_tokens(num_heads, head_dim)
+    tiles = md.tiles.get(tokens)
+    if tiles is None:  # shared by every layer of the step
+        tiles = md.tiles[tokens] = build_tiles(md.query_start_loc.numpy(), tokens)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+    k_ptr = kv_cache.data_ptr()
+    rc = cpu_kernels().loom_paged_attention_f32(
+        q.data_ptr(), q.stride(0),
+        k_ptr, k_ptr + kv_cache[0].numel() * kv_cache.element_size(),
+        md.block_tables.data_ptr(), md.block_tables.shape[1],
+        md.positions.data_ptr(),
+        tiles.ctypes.data, tiles.shape[0],
+        num_heads, kv_heads, head_dim, block_size,
+        sliding_window or 0, scale, torch.get_num_threads(),
+        out.data_ptr(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged attention kernel refused its shapes ({num_heads=}, {kv_heads=})")
+    return out

@@ -1,0 +1,18 @@
+"""Tests of the C kernels need them built: where a C compiler exists, a failed build fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from loom.kernels import ENV_SWITCH, cpu_kernels
+
+
+def require_cpu_kernels() -> None:
+    if os.environ.get(ENV_SWITCH) == "0":
+        pytest.skip(f"{ENV_SWITCH}=0")
+    if not shutil.which(os.environ.get("CC") or "cc"):
+        pytest.skip("no C compiler")
+    assert cpu_kernels() is not None, "a C compiler is present but the CPU kernels did not build"

@@ -1,0 +1,131 @@
+"""The C paged-attention kernel against a float64 per-token reference and the torch backend:
+mixed prefill/decode batches, prefix-cached contexts, GQA/MQA/MHA, head sizes, block sizes,
+sliding windows; a request's bits do not depend on its batch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from loom.attention.backends import cpu_kernel, torch_ref
+from loom.attention.metadata import build_attention_metadata
+from tests.cpu_kernels import require_cpu_kernels
+
+
+@pytest.fixture(autouse=True)
+def _kernels() -> None:
+    require_cpu_kernels()
+
+
+def make_batch(computed, qlens, num_heads, kv_heads, head_dim, block_size, seed=0):
+    """A cache with every request's context in shuffled blocks (block 0 left as the null block)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) for c, n in zip(computed, qlens)]
+    ids = (torch.randperm(sum(need) + 4, generator=g) + 1).tolist()  # blocks 1.., not in order
+    blocks, k = [], 0
+    for n in need:
+        blocks.append(ids[k : k + n])
+        k += n
+    cache = torch.randn(2, max(ids) + 1, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(sum(qlens), num_heads, head_dim, generator=g)
+    md, positions = build_attention_metadata(blocks, computed, qlens, block_size, torch.device("cpu"))
+    return cache, q, md, positions, blocks
+
+
+def reference(cache, q, blocks, computed, qlens, window):
+    """float64, one token and head at a time, straight from the definition."""
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    t = 0
+    for blk, c, n in zip(blocks, computed, qlens):
+        slots = torch.tensor([blk[p // block_size] * block_size + p % block_size for p in range(c + n)])
+        keys = cache[0].reshape(-1, kv_heads, cache.shape[-1])[slots].double()
+        vals = cache[1].reshape(-1, kv_heads, cache.shape[-1])[slots].double()
+        for i in range(n):
+            pos = c + i
+            lo = max(0, pos - window + 1) if window else 0
+            for h in range(q.shape[1]):
+                s = keys[lo : pos + 1, h // group] @ q[t, h].double() * q.shape[-1] ** -0.5
+                out[t, h] = torch.softmax(s, 0) @ vals[lo : pos + 1, h // group]
+            t += 1
+    return out
+
+
+CASES = [
+    # computed, query lens, heads, kv heads, head dim, block size, window
+    ([37], [1], 9, 3, 64, 16, None),  # one decode (SmolLM2's shape)
+    ([0, 100, 3, 17], [5, 1, 40, 1], 9, 3, 64, 16, None),  # prefills, decodes, cached prefixes
+    ([0, 21], [70, 1], 8, 8, 128, 16, 7),  # multi-head, sliding window shorter than a block
+    ([0, 5], [33, 2], 32, 4, 64, 32, 20),  # more heads than one tile row budget
+    ([0], [300], 4, 1, 96, 8, None),  # multi-query, head size with no specialization
+    ([15, 16, 17], [1, 16, 2], 2, 2, 80, 16, 16),  # block boundaries
+]
+
+
+@pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window", CASES)
+def test_kernel_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size, window):
+    cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
+    want = reference(cache, q, blocks, computed, qlens, window)
+    got = cpu_kernel.paged_attention(q, cache, md, head_dim**-0.5, window)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 2e-5
+    mask = torch_ref.build_mask(md, window, q.dtype)
+    ref = torch_ref.paged_attention(q, cache, md, mask, head_dim**-0.5)
+    assert (ref.double() - want).abs().max() < 2e-5
+
+
+def test_strided_query_view():
+    """q as the model passes it: a view into a wider qkv row."""
+    cache, q, md, _, _ = make_batch([10, 0], [1, 12], 9, 3, 64, 16)
+    wide = torch.randn(q.shape[0], 12, 64)
+    wide[:, :9] = q
+    view = wide[:, :9]
+    assert not view.is_contiguous()
+    got = cpu_kernel.paged_attention(view, cache, md, 0.125, None)
+    assert torch.equal(got, cpu_kernel.paged_attention(q, cache, md, 0.125, None))
+
+
+def test_same_bits_alone_as_in_a_batch():
+    """A request's output does not depend on its neighbours (not so for a padded SDPA)."""
+    computed, qlens = [40, 0, 200, 7], [1, 30, 1, 3]
+    cache, q, md, _, blocks = make_batch(computed, qlens, 9, 3, 64, 16)
+    batch = cpu_kernel.paged_attention(q, cache, md, 0.125, None)
+    starts = np.concatenate([[0], np.cumsum(qlens)])
+    for r in range(len(qlens)):
+        alone, _ = build_attention_metadata(
+            [blocks[r]], [computed[r]], [qlens[r]], 16, torch.device("cpu")
+        )
+        sl = slice(starts[r], starts[r + 1])
+        assert torch.equal(cpu_kernel.paged_attention(q[sl], cache, alone, 0.125, None), batch[sl])
+
+
+def test_build_tiles():
+    tiles = cpu_kernel.build_tiles(np.array([0, 1, 13]), 8)
+    assert tiles.tolist() == [[0, 0, 1], [1, 1, 8], [1, 9, 4]]
+    assert tiles.dtype == np.int64 and tiles.flags.c_contiguous
+    assert cpu_kernel.tile_tokens(9, 64) == 7 and cpu_kernel.tile_tokens(128, 128) == 1
+
+
+def test_supported_only_where_the_kernel_runs():
+    cache = torch.zeros(2, 4, 16, 3, 64)
+    q = torch.zeros(1, 9, 64)
+    assert cpu_kernel.supported(q, cache, 9, 3)
+    assert not cpu_kernel.supported(q.bfloat16(), cache.bfloat16(), 9, 3)
+    assert not cpu_kernel.supported(q, cache, 9, 4)
+
+
+def test_build_is_cached_and_switchable(tmp_path):
+    """A fresh cache folder gets one library; LOOM_CPU_KERNELS=0 turns the kernels off."""
+    code = "from loom.kernels import cpu_kernels, cache_dir; print(cpu_kernels() is not None, cache_dir())"
+    env = {"LOOM_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert on.stdout.split() == ["True", str(tmp_path / "kernels")], on.stderr
+    assert len(list((tmp_path / "kernels").glob("loom_cpu_*.so"))) == 1
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "LOOM_CPU_KERNELS": "0"},
+                         capture_output=True, text=True)
+    assert off.stdout.split()[0] == "False", off.stderr
