@@ -23,10 +23,14 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
         self.use_kernel: bool | None = None  # the C kernel when it can run here; decided once
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim] to write
+        into the cache first, or None when the caller already wrote them."""
         md = get_forward_context().attn_metadata
-        torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
+        if k is not None:
+            torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
         if self.use_kernel is None:
             self.use_kernel = cpu_kernel.supported(q, self.kv_cache, self.num_heads, self.num_kv_heads)
         if self.use_kernel:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -14,9 +16,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.usable(x) and x.dim() == 2:
+            out = x.clone(memory_format=torch.contiguous_format)
+            cpu_ops.add_rms_norm_(out, None, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:  # one call (17 vs 26 us here), same bits as the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add and the norm after it.
+        On the CPU in fp32 one C kernel does both in place, overwriting x and residual."""
+        if cpu_ops.usable(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+            cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual

@@ -75,6 +75,27 @@ class RotaryEmbedding(nn.Module):
         return rows[:, :1], rows[:, 1:]
 
 
+class Rope:
+    """One step's rotary inputs, shared by every layer: the fp32 table and token positions, and
+    (on first use) the cos / signed-sin rows the torch path multiplies by."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, fused: bool) -> None:
+        self.table = rotary.cos_sin_cache
+        self.positions = positions
+        self.fused = fused  # the C kernel rotates and writes K/V (CPU, fp32)
+        if fused and positions.numel() and int(positions.max()) >= self.table.shape[0]:
+            # The kernel reads table rows unchecked; index_select would have raised.
+            raise IndexError(f"position {int(positions.max())} past the rotary table "
+                             f"({self.table.shape[0]} positions)")
+        self._rotary = rotary
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self._rotary.cos_sin(self.positions)
+        return self._cos_sin
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [num_tokens, heads, head_dim] (any mix of q and k heads) by `cos_sin`'s tables."""
     dtype = x.dtype

@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.attention.forward_context import get_forward_context
 from loom.attention.layer import Attention
 from loom.config import ModelConfig
 from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
 from loom.layers.norm import RMSNorm
-from loom.layers.rotary import RotaryEmbedding, apply_rotary
+from loom.kernels import cpu_ops
+from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from loom.loader.weight_map import load_packed_weights
 
 
@@ -39,9 +41,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if rope.fused and not self.qk_norm:
+            # One C call rotates q and k in place and writes k, v to the cache.
+            md = get_forward_context().attn_metadata
+            cpu_ops.rope_write_kv_(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.table,
+                rope.positions, md.slot_mapping, self.attn.kv_cache,
+            )
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            out = self.attn(q)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -52,7 +64,7 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-        qk = apply_rotary(qk, *rope)
+        qk = apply_rotary(qk, *rope.cos_sin())
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -66,7 +78,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.usable(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -78,9 +93,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next layer's
+        norm adds the two (fused on the CPU), as Hugging Face's x + mlp(norm(x)) does."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_norm(x, residual)
+        x = self.self_attn(rope, x)
+        x, residual = self.post_attention_layernorm.add_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,10 +119,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = self.rotary_emb.cos_sin(positions)  # computed once, used by every layer
+        rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual)
+        return self.norm.add_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.kernels import cpu_ops
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from tests.cpu_kernels import require_cpu_kernels
@@ -24,12 +25,14 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["kernel", "torch"])
-def test_mixed_batch_matches_transformers(tiny, backend) -> None:
-    """Both attention backends: the C kernel (the CPU default) and the torch reference."""
+def test_mixed_batch_matches_transformers(tiny, backend, monkeypatch) -> None:
+    """Both paths: the C kernels (the CPU default) and torch's ops (CUDA, other dtypes)."""
     name, folder, ref = tiny
     loaded = load_model(resolve_model(str(folder)), dtype="float32")
     if backend == "kernel":
         require_cpu_kernels()
+    else:
+        monkeypatch.setattr(cpu_ops, "usable", lambda x: False)
     for attn in loaded.model.attention_layers():
         attn.use_kernel = backend == "kernel"
     g = torch.Generator().manual_seed(1)

@@ -1,0 +1,63 @@
+"""Fused decoder-layer ops through the C kernels (csrc/layer_ops.c): fp32 on the CPU only.
+
+`usable(x)` says whether they apply to activations `x`; the model keeps its torch path for every
+other case (CUDA, bf16/fp16 activations, no compiler, LOOM_CPU_KERNELS=0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.kernels import cpu_kernels
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels() is not None
+
+
+def add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: residual += x (if given), then x = rms_norm(residual or x) * weight.
+    x, residual [num_tokens, hidden], contiguous fp32."""
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    n, d = x.shape
+    cpu_kernels().loom_add_rms_norm_f32(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        n, d, eps, torch.get_num_threads(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] -> silu(gate) * up [num_tokens, d]."""
+    assert gate_up.is_contiguous()
+    n, d2 = gate_up.shape
+    out = torch.empty((n, d2 // 2), dtype=gate_up.dtype)
+    cpu_kernels().loom_silu_mul_f32(
+        gate_up.data_ptr(), out.data_ptr(), n, d2 // 2, torch.get_num_threads()
+    )
+    return out
+
+
+def rope_write_kv_(
+    qkv: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+) -> None:
+    """Rotate the q and k heads of packed qkv rows [num_tokens, (heads + 2 kv_heads) head_dim]
+    in place by `table` rows (loom/layers/rotary.py layout) at `positions`, then write k and v
+    into `kv_cache` [2, num_blocks, block_size, kv_heads, head_dim] at `slot_mapping`."""
+    assert qkv.stride(1) == 1 and table.is_contiguous() and kv_cache.is_contiguous()
+    assert positions.dtype == slot_mapping.dtype == torch.int64
+    assert positions.is_contiguous() and slot_mapping.is_contiguous()
+    k_ptr = kv_cache.data_ptr()
+    cpu_kernels().loom_rope_write_kv_f32(
+        qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, kv_heads, head_dim,
+        table.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+        k_ptr, k_ptr + kv_cache[0].numel() * kv_cache.element_size(), torch.get_num_threads(),
+    )
