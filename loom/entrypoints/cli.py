@@ -23,11 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--quantization", default=None, choices=["fp16", "int4", "int8"],
-                   help="weight-only quantized linear layers for faster CPU decode: fp16 "
-                        "(fbgemm, fp32 activations; near lossless, fastest from a few streams "
-                        "up), int4 (groups of 32, bf16 activations; fastest at one stream, near "
-                        "lossless for Q4_1 GGUF weights) or int8 (per channel). The output "
-                        "projection takes fp16 in all three")
+                   help="weight-only quantized linear layers for faster CPU decode: int8 "
+                        "(Loom's kernel: groups of 32 with scale and minimum, fp32 "
+                        "activations; keeps GGUF 4-bit weights exactly, fastest up to ~8 "
+                        "streams), fp16 (fbgemm, fp32 activations; near lossless, fastest "
+                        "from ~16 streams up) or int4 (groups of 32, bf16 activations). The "
+                        "output projection takes fp16 in all three")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")

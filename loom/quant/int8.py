@@ -1,8 +1,18 @@
-"""Weight-only INT8: per-output-channel symmetric int8 weights, bf16 activations.
+"""Weight-only INT8.
 
-Decode on a CPU is bound by reading weights; int8 reads a quarter of fp32's bytes, and torch's
-`_weight_int8pack_mm` kernel runs it directly. Outputs return in the model's dtype. Quality is
-tested against the unquantized reference by top-1 agreement and a logit-error bound.
+On the CPU (with Loom's C kernels, `loom/kernels/csrc/linear_q8.c`): 8-bit weights in groups of
+32 along the input dimension, each group with an fp32 scale and minimum (255 steps from the
+group's least to its greatest weight), fp32 activations and sums. Decode on a CPU is bound by
+reading weights: this reads a quarter of fp32's bytes (plus a quarter of that for scales and
+minimums). A GGUF 4-bit group (16 levels 15 steps apart) lands exactly on the grid, since
+255 = 15 * 17: a Q4_0/Q4_1 model keeps its weights. Every output is summed in the same order
+whatever the batch, so a request computes the same bits alone as batched.
+
+Elsewhere (CUDA, or no C compiler): per-output-channel int8 weights through torch's
+`_weight_int8pack_mm`, which takes and returns bf16.
+
+Outputs return in the activations' dtype. Quality is tested against the unquantized reference
+by top-1 agreement and a logit-error bound.
 """
 
 from __future__ import annotations
@@ -10,21 +20,70 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom.kernels import cpu_kernels
+
+GROUP = 32
+
+
+def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 32) -> (uint8 [N, K], fp32 scales and minimums [N, K / 32]):
+    w ~ q * scale + min, each group's least weight at 0 and greatest at 255."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (hi - lo) / 255.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # constant group: q = 0
+    q = torch.round((groups - lo[..., None]) / safe[..., None]).clamp(0, 255).to(torch.uint8)
+    return q.view(n, k).contiguous(), scales.contiguous(), lo.contiguous()
+
 
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()  # [out, in]
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.grouped = (
+            w.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels() is not None
+        )
+        if self.grouped:
+            q, scales, mins = quantize_groups(w)
+            self.register_buffer("weight_int8", q)  # uint8 here
+            self.register_buffer("scale", scales)  # [out, in / 32] fp32
+            self.register_buffer("min", mins)  # [out, in / 32] fp32
+        else:
+            w = w.float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self.register_buffer("weight_int8", q)
+            self.register_buffer("scale", scale.to(torch.bfloat16))
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(
+            bias.detach().float().clone() if self.grouped else bias.detach().clone()
+        )
         self.out_dtype = linear.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.grouped:
+            xf = x2.float()
+            if xf.stride(-1) != 1:
+                xf = xf.contiguous()
+            out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
+            rc = cpu_kernels().loom_linear_q8_f32(
+                xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
+                self.weight_int8.data_ptr(), self.scale.data_ptr(), self.min.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                self.out_features, out.data_ptr(), self.out_features, torch.get_num_threads(),
+            )
+            assert rc == 0
+            return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight_int8, self.scale
+            x2.to(torch.bfloat16), self.weight_int8, self.scale
         ).to(self.out_dtype)  # [num_tokens, out]
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        kind = "groups of 32, fp32 scales and minimums" if self.grouped else "per channel, bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({kind})"

@@ -77,7 +77,7 @@ def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
 
 # int4 is left out: its kernel (bf16 activations) sums a row differently in a batch than alone,
 # so near-ties can flip (seen on the second of these prompts).
-@pytest.mark.parametrize("quantization", [None, "fp16"])
+@pytest.mark.parametrize("quantization", [None, "fp16", "int8"])
 def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
     prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
     llm = make_llm(None, quantization=quantization)
