@@ -83,12 +83,17 @@ class Rope:
         self.table = rotary.cos_sin_cache
         self.positions = positions
         self.fused = fused  # the C kernel rotates and writes K/V (CPU, fp32)
-        if fused and positions.numel() and int(positions.max()) >= self.table.shape[0]:
-            # The kernel reads table rows unchecked; index_select would have raised.
-            raise IndexError(f"position {int(positions.max())} past the rotary table "
-                             f"({self.table.shape[0]} positions)")
+        if fused:
+            self.check(rotary, positions)
         self._rotary = rotary
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def check(rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        """C kernels read table rows unchecked (index_select would raise): check once a step."""
+        rows = rotary.cos_sin_cache.shape[0]
+        if positions.numel() and int(positions.max()) >= rows:
+            raise IndexError(f"position {int(positions.max())} past the rotary table ({rows} positions)")
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None:

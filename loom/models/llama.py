@@ -18,7 +18,7 @@ from loom.config import ModelConfig
 from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
 from loom.layers.norm import RMSNorm
-from loom.kernels import cpu_ops
+from loom.kernels import cpu_ops, decoder
 from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from loom.loader.weight_map import load_packed_weights
 
@@ -116,9 +116,16 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.stack: decoder.Q8Decoder | bool | None = None  # the one-call C stack, if it applies
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.stack is None:  # decided on the first step, after any quantization
+            self.stack = decoder.Q8Decoder(self) if decoder.eligible(self) else False
+        if self.stack and self.stack.usable(x):  # int8 on the CPU: every layer in one C call
+            Rope.check(self.rotary_emb, positions)
+            md = get_forward_context().attn_metadata
+            return self.stack.forward(x, positions, md, self.rotary_emb.cos_sin_cache)
         rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
         residual = None
         for layer in self.layers:

@@ -11,6 +11,7 @@ from gguf.quants import quantize
 from torch import nn
 
 from loom.config import ConfigError
+from loom.kernels.decoder import Q8Decoder
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.quant.base import quantize_linears_
@@ -18,8 +19,8 @@ from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import dequantize
 from loom.quant.int4 import Int4Linear
 from loom.quant.int8 import Int8Linear, quantize_groups
-from tests.cpu_kernels import require_cpu_kernels
 from loom.tokenizer.tokenizer import Tokenizer
+from tests.cpu_kernels import require_cpu_kernels
 from tests.paged_batch import PagedBatch, rel_err
 
 TEXTS = [
@@ -142,3 +143,23 @@ def test_unknown_quantization_is_rejected() -> None:
     for method in ("int4", "fp16"):
         with pytest.raises(ConfigError, match=f"'{method}' runs on the CPU only"):
             load_model(resolve_model(None), device="cuda", quantization=method)
+
+
+def test_int8_decoder_stack_matches_module_path() -> None:
+    """int8 on the CPU runs every layer in one C call: the same bits as module by module."""
+    require_cpu_kernels()
+    source = resolve_model(None)
+    tok = Tokenizer.from_source(source)
+    prompts = {str(i): tok.encode(t) for i, t in enumerate(TEXTS)}
+    loaded = load_model(source, "float32", quantization="int8")
+    runs = {}
+    for stack in (None, False):  # None: decided on the first step (the C stack); False: modules
+        loaded.model.model.stack = stack
+        batch = PagedBatch(loaded)
+        prefill = batch.step(prompts)
+        decode = batch.step({k: [int(v[-1].argmax())] for k, v in prefill.items()})
+        runs[stack] = (prefill, decode, loaded.model.model.stack)
+    assert isinstance(runs[None][2], Q8Decoder) and runs[False][2] is False
+    for k in prompts:
+        assert torch.equal(runs[None][0][k], runs[False][0][k])
+        assert torch.equal(runs[None][1][k], runs[False][1][k])

@@ -1,0 +1,117 @@
+"""The whole decoder stack of an int8 Llama-family model in one C call (csrc/decoder_q8.c).
+
+It runs the kernels the per-module path runs, in the same order, on the same buffers' values:
+the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
+linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
+kernel and the model has no q/k norm; otherwise the model keeps its per-module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from loom.attention.backends import cpu_kernel
+from loom.attention.metadata import AttentionMetadata
+from loom.kernels import cpu_kernels
+from loom.quant.int8 import Int8Linear
+
+
+class LayerQ8(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_m", "qkv_b", "o_w", "o_s", "o_m",
+        "gu_w", "gu_s", "gu_m", "d_w", "d_s", "d_m", "k_cache", "v_cache",
+    )] + [("window", ctypes.c_int64)]
+
+
+def _grouped(m: object, bias_ok: bool = False) -> bool:
+    return isinstance(m, Int8Linear) and m.grouped and (bias_ok or m.bias is None)
+
+
+def eligible(model: torch.nn.Module) -> bool:
+    """`model` is a LlamaModel whose layers the C stack can run (weights only; the step's
+    activations and cache are checked per call)."""
+    cfg = model.layers[0].self_attn
+    return (
+        not cfg.qk_norm
+        and all(
+            _grouped(layer.self_attn.qkv_proj, bias_ok=True) and _grouped(layer.self_attn.o_proj)
+            and _grouped(layer.mlp.gate_up_proj) and _grouped(layer.mlp.down_proj)
+            for layer in model.layers
+        )
+        and cpu_kernels() is not None
+    )
+
+
+class Q8Decoder:
+    """Built once per model; `forward` per step. Holds no tensors of its own: pointers into the
+    model's parameters and KV caches, rebuilt if the caches are rebound."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        attn0 = model.layers[0].self_attn
+        self.num_heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.hidden = model.norm.weight.shape[0]
+        self.inter = model.layers[0].mlp.intermediate_size
+        self.eps = model.norm.eps
+        self.scale = attn0.attn.scale
+        self.layers: ctypes.Array | None = None
+        self.cache_ptr = 0
+
+    def usable(self, x: torch.Tensor) -> bool:
+        attn = self.model.layers[0].self_attn.attn
+        return (
+            x.device.type == "cpu" and x.dtype == torch.float32
+            and cpu_kernel.supported(x.new_empty(1, self.num_heads, self.head_dim),
+                                     attn.kv_cache, self.num_heads, self.kv_heads)
+        )
+
+    def _build(self) -> None:
+        rows = []
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            cache = a.attn.kv_cache
+            assert cache.is_contiguous() and cache.dtype == torch.float32
+            rows.append(LayerQ8(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                a.qkv_proj.weight_int8.data_ptr(), a.qkv_proj.scale.data_ptr(), a.qkv_proj.min.data_ptr(),
+                None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
+                a.o_proj.weight_int8.data_ptr(), a.o_proj.scale.data_ptr(), a.o_proj.min.data_ptr(),
+                mlp.gate_up_proj.weight_int8.data_ptr(), mlp.gate_up_proj.scale.data_ptr(),
+                mlp.gate_up_proj.min.data_ptr(),
+                mlp.down_proj.weight_int8.data_ptr(), mlp.down_proj.scale.data_ptr(),
+                mlp.down_proj.min.data_ptr(),
+                cache.data_ptr(), cache.data_ptr() + cache[0].numel() * cache.element_size(),
+                a.attn.sliding_window or 0,
+            ))
+        self.layers = (LayerQ8 * len(rows))(*rows)
+        self.cache_ptr = self.model.layers[0].self_attn.attn.kv_cache.data_ptr()
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, table: torch.Tensor
+    ) -> torch.Tensor:
+        """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed
+        hidden states [num_tokens, hidden]."""
+        if self.layers is None or self.cache_ptr != self.model.layers[0].self_attn.attn.kv_cache.data_ptr():
+            self._build()
+        m, h, i = x.shape[0], self.hidden, self.inter
+        qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
+        buf_h = torch.empty((m, h))
+        scratch = [torch.empty((m, n)) for n in (qkv_n, self.num_heads * self.head_dim, 2 * i, i)]
+        tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
+        tiles = md.tiles.get(tokens)
+        if tiles is None:
+            tiles = md.tiles[tokens] = cpu_kernel.build_tiles(md.query_start_loc.numpy(), tokens)
+        assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
+        rc = cpu_kernels().loom_llama_forward_q8(
+            ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
+            h, i, self.num_heads, self.kv_heads, self.head_dim, self.model.layers[0].self_attn.attn.kv_cache.shape[2],
+            self.eps, self.scale, table.data_ptr(), m, x.data_ptr(), positions.data_ptr(),
+            md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
+            tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
+            *(t.data_ptr() for t in scratch), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"int8 decoder kernel failed ({rc})")
+        return buf_h
