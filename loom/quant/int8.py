@@ -37,6 +37,17 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.view(n, k).contiguous(), scales.contiguous(), lo.contiguous()
 
 
+def quantize_groups_fast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_groups` in one C pass (the same bits; ~10x faster at load)."""
+    n, k = w.shape
+    wf = w.float().contiguous()
+    q = torch.empty((n, k), dtype=torch.uint8)
+    scales, mins = torch.empty((n, k // GROUP)), torch.empty((n, k // GROUP))
+    cpu_kernels().loom_quantize_q8(wf.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(),
+                                   mins.data_ptr(), torch.get_num_threads())
+    return q, scales, mins
+
+
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -46,7 +57,7 @@ class Int8Linear(nn.Module):
             w.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels() is not None
         )
         if self.grouped:
-            q, scales, mins = quantize_groups(w)
+            q, scales, mins = quantize_groups_fast(w)
             self.register_buffer("weight_int8", q)  # uint8 here
             self.register_buffer("scale", scales)  # [out, in / 32] fp32
             self.register_buffer("min", mins)  # [out, in / 32] fp32

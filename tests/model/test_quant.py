@@ -18,7 +18,7 @@ from loom.quant.base import quantize_linears_
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import dequantize
 from loom.quant.int4 import Int4Linear
-from loom.quant.int8 import Int8Linear, quantize_groups
+from loom.quant.int8 import Int8Linear, quantize_groups, quantize_groups_fast
 from loom.tokenizer.tokenizer import Tokenizer
 from tests.cpu_kernels import require_cpu_kernels
 from tests.paged_batch import PagedBatch, rel_err
@@ -163,3 +163,14 @@ def test_int8_decoder_stack_matches_module_path() -> None:
     for k in prompts:
         assert torch.equal(runs[None][0][k], runs[False][0][k])
         assert torch.equal(runs[None][1][k], runs[False][1][k])
+
+
+def test_int8_quantizer_kernel_matches_torch() -> None:
+    """The load-time C quantizer gives quantize_groups' bits (random, constant, tiny groups)."""
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g) * 0.02
+    w[3, :32] = 0.25  # constant group: scale 0, q 0
+    w[4, 32:64] *= 1e-30  # denormal-scale group
+    for got, want in zip(quantize_groups_fast(w), quantize_groups(w)):
+        assert torch.equal(got, want)
