@@ -51,7 +51,8 @@ class Q8Decoder:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         attn0 = model.layers[0].self_attn
-        self.num_heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.num_heads, self.kv_heads = attn0.num_heads, attn0.num_kv_heads
+        self.head_dim = attn0.head_dim
         self.hidden = model.norm.weight.shape[0]
         self.inter = model.layers[0].mlp.intermediate_size
         self.eps = model.norm.eps
@@ -68,32 +69,34 @@ class Q8Decoder:
         )
 
     def _build(self) -> None:
+        def q8(linear: Int8Linear) -> tuple[int, int, int]:
+            return linear.weight_int8.data_ptr(), linear.scale.data_ptr(), linear.min.data_ptr()
+
         rows = []
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             cache = a.attn.kv_cache
             assert cache.is_contiguous() and cache.dtype == torch.float32
             rows.append(LayerQ8(
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                a.qkv_proj.weight_int8.data_ptr(), a.qkv_proj.scale.data_ptr(), a.qkv_proj.min.data_ptr(),
-                None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
-                a.o_proj.weight_int8.data_ptr(), a.o_proj.scale.data_ptr(), a.o_proj.min.data_ptr(),
-                mlp.gate_up_proj.weight_int8.data_ptr(), mlp.gate_up_proj.scale.data_ptr(),
-                mlp.gate_up_proj.min.data_ptr(),
-                mlp.down_proj.weight_int8.data_ptr(), mlp.down_proj.scale.data_ptr(),
-                mlp.down_proj.min.data_ptr(),
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                *q8(a.qkv_proj), None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
+                *q8(a.o_proj), *q8(mlp.gate_up_proj), *q8(mlp.down_proj),
                 cache.data_ptr(), cache.data_ptr() + cache[0].numel() * cache.element_size(),
                 a.attn.sliding_window or 0,
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
-        self.cache_ptr = self.model.layers[0].self_attn.attn.kv_cache.data_ptr()
+        self.cache_ptr = self._cache().data_ptr()
+
+    def _cache(self) -> torch.Tensor:
+        return self.model.layers[0].self_attn.attn.kv_cache
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, table: torch.Tensor
     ) -> torch.Tensor:
         """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed
         hidden states [num_tokens, hidden]."""
-        if self.layers is None or self.cache_ptr != self.model.layers[0].self_attn.attn.kv_cache.data_ptr():
+        if self.layers is None or self.cache_ptr != self._cache().data_ptr():
             self._build()
         m, h, i = x.shape[0], self.hidden, self.inter
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
@@ -106,7 +109,7 @@ class Q8Decoder:
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         rc = cpu_kernels().loom_llama_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
-            h, i, self.num_heads, self.kv_heads, self.head_dim, self.model.layers[0].self_attn.attn.kv_cache.shape[2],
+            h, i, self.num_heads, self.kv_heads, self.head_dim, self._cache().shape[2],
             self.eps, self.scale, table.data_ptr(), m, x.data_ptr(), positions.data_ptr(),
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),

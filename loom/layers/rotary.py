@@ -93,7 +93,9 @@ class Rope:
         """C kernels read table rows unchecked (index_select would raise): check once a step."""
         rows = rotary.cos_sin_cache.shape[0]
         if positions.numel() and int(positions.max()) >= rows:
-            raise IndexError(f"position {int(positions.max())} past the rotary table ({rows} positions)")
+            raise IndexError(
+                f"position {int(positions.max())} past the rotary table ({rows} positions)"
+            )
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None:
