@@ -10,8 +10,8 @@
 // Every output is summed in one fixed order, whatever M is: 8 lanes, acc += (q * scale + min) * x
 // over K in 8-wide pieces, then the lanes added. Up to 8 input rows convert and scale each
 // weight vector in registers and use it for every row; more rows convert a block of weight rows
-// once into a per-thread buffer (the same floats) and reuse it for 32 input rows at a time. So
-// a request's result does not depend on its batch.
+// once into a per-thread buffer (the same floats) and reuse it for 32 input rows at a time,
+// four x rows by two weight rows per tile. So a request's result does not depend on its batch.
 
 // Exact IEEE order here (the library is built with -ffast-math for the attention's expf): the
 // vector code below is explicit, and reassociation would sum the same output differently in
@@ -83,6 +83,35 @@ static inline __attribute__((always_inline)) void tile_4x2(
     y1[0] = hsum(a10); y1[1] = hsum(a11); y1[2] = hsum(a12); y1[3] = hsum(a13);
 }
 
+// Two weight rows against four x rows: eight sums, each in the same order as row_direct's.
+// PIN keeps each loaded vector in a register: gcc otherwise folded the loads into the FMAs,
+// re-loading x for every one (12 loads per 8 FMAs in tile_4x2). 1.2-1.4x tile_4x2's speed
+// from 16 rows up, measured over 30 layers streamed from memory.
+#ifdef __AVX__
+#define PIN(v) __asm__("" : "+x"(v))
+#else
+#define PIN(v) ((void)0)
+#endif
+static inline __attribute__((always_inline)) void tile_2x4(
+    const float *x0, int64_t ldx, const float *wb, int64_t K, float *y0, int64_t ldy)
+{
+    const float *w1b = wb + K, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+    v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    for (int64_t k = 0; k < K; k += 8) {
+        v8 w0 = load8(wb + k), w1 = load8(w1b + k);
+        v8 u0 = load8(x0 + k), u1 = load8(x1 + k), u2 = load8(x2 + k), u3 = load8(x3 + k);
+        PIN(w0); PIN(w1); PIN(u0); PIN(u1); PIN(u2); PIN(u3);
+        a00 += w0 * u0; a01 += w1 * u0;
+        a10 += w0 * u1; a11 += w1 * u1;
+        a20 += w0 * u2; a21 += w1 * u2;
+        a30 += w0 * u3; a31 += w1 * u3;
+    }
+    y0[0] = hsum(a00); y0[1] = hsum(a01);
+    y0[ldy] = hsum(a10); y0[ldy + 1] = hsum(a11);
+    y0[2 * ldy] = hsum(a20); y0[2 * ldy + 1] = hsum(a21);
+    y0[3 * ldy] = hsum(a30); y0[3 * ldy + 1] = hsum(a31);
+}
+
 // x: [M, K] rows ldx floats apart; w: [N, K] uint8; scales, mins: [N, K / 32]; bias: [N] or NULL;
 // y: [M, N] rows ldy floats apart. K must be a multiple of 32. Returns 0, or -1 on bad K.
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
@@ -124,9 +153,17 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                     *(v8 *)(wbuf + i) = cvt8(w + n0 * K + i) * scales[n0 * groups + i / GROUP]
                                         + mins[n0 * groups + i / GROUP];
                 for (int64_t i = nb * K; i < ((nb + 3) & ~(int64_t)3) * K; i++) wbuf[i] = 0.0f;
-                // Rows past nb in the last block, and a missing second x row, are computed
-                // from scratch values and dropped: every kept sum comes from tile_4x2.
-                for (int64_t m = m0; m < m1; m += 2) {
+                // Rows past nb in the last block (zeroed above), and a missing second x row,
+                // are computed and dropped: every kept sum comes from a tile, in one order.
+                int64_t m = m0;
+                for (; m + 4 <= m1; m += 4) {
+                    float t[4][16];  // a block has at most 16 rows
+                    for (int64_t r = 0; r < nb; r += 2)
+                        tile_2x4(x + m * ldx, ldx, wbuf + r * K, K, &t[0][r], 16);
+                    for (int64_t i = 0; i < 4; i++)
+                        for (int64_t j = 0; j < nb; j++) y[(m + i) * ldy + n0 + j] = t[i][j];
+                }
+                for (; m < m1; m += 2) {
                     const float *x0 = x + m * ldx, *x1 = m + 1 < m1 ? x0 + ldx : x0;
                     for (int64_t r = 0; r < nb; r += 4) {
                         float t0[4], t1[4];
