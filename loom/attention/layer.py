@@ -32,7 +32,9 @@ class Attention(nn.Module):
         if k is not None:
             torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
         if self.use_kernel is None:
-            self.use_kernel = cpu_kernel.supported(q, self.kv_cache, self.num_heads, self.num_kv_heads)
+            self.use_kernel = cpu_kernel.supported(
+                q, self.kv_cache, self.num_heads, self.num_kv_heads, self.head_dim
+            )
         if self.use_kernel:
             return cpu_kernel.paged_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
         mask = md.masks.get(self.sliding_window)

@@ -54,6 +54,13 @@ SIGNATURES = {
 }
 
 
+def kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """Addresses of K and V in a contiguous cache [2, num_blocks, block_size, kv_heads, head_dim]."""
+    assert kv_cache.is_contiguous()
+    k = kv_cache.data_ptr()
+    return k, k + kv_cache.numel() // 2 * kv_cache.element_size()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom"
@@ -110,7 +117,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler (cc or $CC): CPU kernels off, attention uses torch")
+        logger.warning("no C compiler (cc or $CC): CPU kernels off, Loom uses torch ops")
         return None
     sources = [Path(__file__).parent / "csrc" / s for s in SOURCES]
     try:
@@ -125,5 +132,5 @@ def cpu_kernels() -> ctypes.CDLL | None:
             _build(cc, sources, target)
         return _load(target)
     except Exception as e:  # a broken toolchain must not stop serving: torch paths still work
-        logger.warning("CPU kernels unavailable (%s); attention uses torch", e)
+        logger.warning("CPU kernels unavailable (%s); Loom uses torch ops", e)
         return None

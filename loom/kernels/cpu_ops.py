@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.kernels import cpu_kernels
+from loom.kernels import cpu_kernels, kv_pointers
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -52,12 +52,11 @@ def rope_write_kv_(
     """Rotate the q and k heads of packed qkv rows [num_tokens, (heads + 2 kv_heads) head_dim]
     in place by `table` rows (loom/layers/rotary.py layout) at `positions`, then write k and v
     into `kv_cache` [2, num_blocks, block_size, kv_heads, head_dim] at `slot_mapping`."""
-    assert qkv.stride(1) == 1 and table.is_contiguous() and kv_cache.is_contiguous()
+    assert qkv.stride(1) == 1 and table.is_contiguous()
     assert positions.dtype == slot_mapping.dtype == torch.int64
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
-    k_ptr = kv_cache.data_ptr()
     cpu_kernels().loom_rope_write_kv_f32(
         qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, kv_heads, head_dim,
         table.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-        k_ptr, k_ptr + kv_cache[0].numel() * kv_cache.element_size(), torch.get_num_threads(),
+        *kv_pointers(kv_cache), torch.get_num_threads(),
     )

@@ -13,8 +13,8 @@ import ctypes
 import torch
 
 from loom.attention.backends import cpu_kernel
-from loom.attention.metadata import AttentionMetadata
-from loom.kernels import cpu_kernels
+from loom.attention.forward_context import get_forward_context
+from loom.kernels import cpu_kernels, kv_pointers
 from loom.quant.int8 import Int8Linear
 
 
@@ -32,9 +32,8 @@ def _grouped(m: object, bias_ok: bool = False) -> bool:
 def eligible(model: torch.nn.Module) -> bool:
     """`model` is a LlamaModel whose layers the C stack can run (weights only; the step's
     activations and cache are checked per call)."""
-    cfg = model.layers[0].self_attn
     return (
-        not cfg.qk_norm
+        not model.layers[0].self_attn.qk_norm
         and all(
             _grouped(layer.self_attn.qkv_proj, bias_ok=True) and _grouped(layer.self_attn.o_proj)
             and _grouped(layer.mlp.gate_up_proj) and _grouped(layer.mlp.down_proj)
@@ -61,11 +60,8 @@ class Q8Decoder:
         self.cache_ptr = 0
 
     def usable(self, x: torch.Tensor) -> bool:
-        attn = self.model.layers[0].self_attn.attn
-        return (
-            x.device.type == "cpu" and x.dtype == torch.float32
-            and cpu_kernel.supported(x.new_empty(1, self.num_heads, self.head_dim),
-                                     attn.kv_cache, self.num_heads, self.kv_heads)
+        return cpu_kernel.supported(
+            x, self._cache(), self.num_heads, self.kv_heads, self.head_dim
         )
 
     def _build(self) -> None:
@@ -76,14 +72,12 @@ class Q8Decoder:
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             cache = a.attn.kv_cache
-            assert cache.is_contiguous() and cache.dtype == torch.float32
             rows.append(LayerQ8(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
                 *q8(a.qkv_proj), None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
                 *q8(a.o_proj), *q8(mlp.gate_up_proj), *q8(mlp.down_proj),
-                cache.data_ptr(), cache.data_ptr() + cache[0].numel() * cache.element_size(),
-                a.attn.sliding_window or 0,
+                *kv_pointers(cache), a.attn.sliding_window or 0,
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
         self.cache_ptr = self._cache().data_ptr()
@@ -91,26 +85,25 @@ class Q8Decoder:
     def _cache(self) -> torch.Tensor:
         return self.model.layers[0].self_attn.attn.kv_cache
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, table: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed
-        hidden states [num_tokens, hidden]."""
+        hidden states [num_tokens, hidden], for the step in the forward context."""
+        rotary = self.model.rotary_emb
+        rotary.check_positions(positions)
+        md = get_forward_context().attn_metadata
         if self.layers is None or self.cache_ptr != self._cache().data_ptr():
             self._build()
         m, h, i = x.shape[0], self.hidden, self.inter
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         buf_h = torch.empty((m, h))
         scratch = [torch.empty((m, n)) for n in (qkv_n, self.num_heads * self.head_dim, 2 * i, i)]
-        tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
-        tiles = md.tiles.get(tokens)
-        if tiles is None:
-            tiles = md.tiles[tokens] = cpu_kernel.build_tiles(md.query_start_loc.numpy(), tokens)
+        tiles = cpu_kernel.step_tiles(md, self.num_heads, self.head_dim)
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         rc = cpu_kernels().loom_llama_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
             h, i, self.num_heads, self.kv_heads, self.head_dim, self._cache().shape[2],
-            self.eps, self.scale, table.data_ptr(), m, x.data_ptr(), positions.data_ptr(),
+            self.eps, self.scale, rotary.cos_sin_cache.data_ptr(), m, x.data_ptr(),
+            positions.data_ptr(),
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),

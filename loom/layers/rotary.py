@@ -69,6 +69,14 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([cos, cos, -sin, sin], dim=-1)  # [max_position, 2 * head_dim]
         self.cos_sin_cache = cache.to(device)
 
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """C kernels read table rows unchecked (index_select would raise): check once a step."""
+        rows = self.cos_sin_cache.shape[0]
+        if positions.numel() and int(positions.max()) >= rows:
+            raise IndexError(
+                f"position {int(positions.max())} past the rotary table ({rows} positions)"
+            )
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [num_tokens, 1, head_dim] for `positions`; shared by every layer."""
         rows = self.cos_sin_cache.index_select(0, positions).view(-1, 2, self.head_dim)
@@ -84,18 +92,9 @@ class Rope:
         self.positions = positions
         self.fused = fused  # the C kernel rotates and writes K/V (CPU, fp32)
         if fused:
-            self.check(rotary, positions)
+            rotary.check_positions(positions)
         self._rotary = rotary
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @staticmethod
-    def check(rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
-        """C kernels read table rows unchecked (index_select would raise): check once a step."""
-        rows = rotary.cos_sin_cache.shape[0]
-        if positions.numel() and int(positions.max()) >= rows:
-            raise IndexError(
-                f"position {int(positions.max())} past the rotary table ({rows} positions)"
-            )
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None:

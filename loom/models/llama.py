@@ -123,9 +123,7 @@ class LlamaModel(nn.Module):
         if self.stack is None:  # decided on the first step, after any quantization
             self.stack = decoder.Q8Decoder(self) if decoder.eligible(self) else False
         if self.stack and self.stack.usable(x):  # int8 on the CPU: every layer in one C call
-            Rope.check(self.rotary_emb, positions)
-            md = get_forward_context().attn_metadata
-            return self.stack.forward(x, positions, md, self.rotary_emb.cos_sin_cache)
+            return self.stack.forward(x, positions)
         rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
         residual = None
         for layer in self.layers:

@@ -87,7 +87,8 @@ class Int8Linear(nn.Module):
                 None if self.bias is None else self.bias.data_ptr(),
                 self.out_features, out.data_ptr(), self.out_features, torch.get_num_threads(),
             )
-            assert rc == 0
+            if rc != 0:
+                raise RuntimeError(f"int8 linear kernel refused K={self.in_features}")
             return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(
             x2.to(torch.bfloat16), self.weight_int8, self.scale

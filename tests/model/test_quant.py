@@ -61,7 +61,7 @@ def test_int8_keeps_gguf_4bit_groups_exactly() -> None:
     w = (m + d * levels.view(8, 3, 32).float()).view(8, 96)
     q, scales, mins = quantize_groups(w)
     back = (q.float().view(8, 3, 32) * scales[..., None] + mins[..., None]).view(8, 96)
-    assert (back - w).abs().max() < 1e-6 * w.abs().max() * 10
+    assert (back - w).abs().max() < 1e-5 * w.abs().max()
     assert torch.equal(q.view(8, 3, 32) % 17, torch.zeros_like(q.view(8, 3, 32)))
 
 

@@ -114,9 +114,9 @@ def test_build_tiles():
 def test_supported_only_where_the_kernel_runs():
     cache = torch.zeros(2, 4, 16, 3, 64)
     q = torch.zeros(1, 9, 64)
-    assert cpu_kernel.supported(q, cache, 9, 3)
-    assert not cpu_kernel.supported(q.bfloat16(), cache.bfloat16(), 9, 3)
-    assert not cpu_kernel.supported(q, cache, 9, 4)
+    assert cpu_kernel.supported(q, cache, 9, 3, 64)
+    assert not cpu_kernel.supported(q.bfloat16(), cache.bfloat16(), 9, 3, 64)
+    assert not cpu_kernel.supported(q, cache, 9, 4, 64)
 
 
 def test_build_is_cached_and_switchable(tmp_path):

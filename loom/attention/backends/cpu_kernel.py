@@ -11,17 +11,20 @@ import numpy as np
 import torch
 
 from loom.attention.metadata import AttentionMetadata
-from loom.kernels import cpu_kernels
+from loom.kernels import cpu_kernels, kv_pointers
 
 ROWS_PER_TILE = 64  # query rows (tokens x heads) that share each K/V read
 MAX_TILE_FLOATS = 65536  # a one-token tile's rows x head_dim must fit the kernel's stack scratch
 
 
-def supported(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, kv_heads: int) -> bool:
-    head_dim = q.shape[-1]
+def supported(
+    x: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the kernel runs for activations like `x` (device, dtype) over `kv_cache`."""
     return (
-        q.device.type == "cpu"
-        and q.dtype == kv_cache.dtype == torch.float32
+        x.device.type == "cpu"
+        and x.dtype == kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
         and num_heads % kv_heads == 0
         and num_heads * head_dim <= MAX_TILE_FLOATS
         and cpu_kernels() is not None
@@ -30,6 +33,15 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, kv_heads:
 
 def tile_tokens(num_heads: int, head_dim: int) -> int:
     return max(1, min(ROWS_PER_TILE // num_heads, MAX_TILE_FLOATS // (num_heads * head_dim)))
+
+
+def step_tiles(md: AttentionMetadata, num_heads: int, head_dim: int) -> np.ndarray:
+    """This step's tiles for the model's head shape: built by the first layer, shared by all."""
+    tokens = tile_tokens(num_heads, head_dim)
+    tiles = md.tiles.get(tokens)
+    if tiles is None:
+        tiles = md.tiles[tokens] = build_tiles(md.query_start_loc.numpy(), tokens)
+    return tiles
 
 
 def build_tiles(query_start_loc: np.ndarray, tokens: int) -> np.ndarray:
@@ -56,18 +68,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    tokens = tile_tokens(num_heads, head_dim)
-    tiles = md.tiles.get(tokens)
-    if tiles is None:  # shared by every layer of the step
-        tiles = md.tiles[tokens] = build_tiles(md.query_start_loc.numpy(), tokens)
+    tiles = step_tiles(md, num_heads, head_dim)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
-    k_ptr = kv_cache.data_ptr()
     rc = cpu_kernels().loom_paged_attention_f32(
-        q.data_ptr(), q.stride(0),
-        k_ptr, k_ptr + kv_cache[0].numel() * kv_cache.element_size(),
+        q.data_ptr(), q.stride(0), *kv_pointers(kv_cache),
         md.block_tables.data_ptr(), md.block_tables.shape[1],
         md.positions.data_ptr(),
         tiles.ctypes.data, tiles.shape[0],

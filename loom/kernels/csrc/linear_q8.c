@@ -47,23 +47,19 @@ static inline __attribute__((always_inline)) float hsum(v8 a)
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-// Up to M_DIRECT rows of x against R weight rows (int8) from q on, each weight vector
-// converted and scaled in registers and used for every x row. R and M are constants at each
-// call site, so the loops unroll and the R x M sums stay in registers.
-static inline __attribute__((always_inline)) void rows_direct(
-    const float *x, const int M, const int R, int64_t ldx, const uint8_t *q, const float *sc,
+// Up to M_DIRECT rows of x against one weight row q (uint8), each weight vector converted and
+// scaled in registers and used for every x row. M is a constant at each call site, so the
+// loops unroll and the M sums stay in registers.
+static inline __attribute__((always_inline)) void row_direct(
+    const float *x, const int M, int64_t ldx, const uint8_t *q, const float *sc,
     const float *mn, int64_t K, float *out, int64_t ldy)
 {
-    const int64_t groups = K / GROUP;
-    v8 acc[4][M_DIRECT] = {{{0}}};
-    for (int64_t k = 0; k < K; k += 8)
-        for (int r = 0; r < R; r++) {
-            const int64_t g = r * groups + k / GROUP;
-            const v8 w = cvt8(q + r * K + k) * sc[g] + mn[g];
-            for (int m = 0; m < M; m++) acc[r][m] += w * load8(x + m * ldx + k);
-        }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[m * ldy + r] = hsum(acc[r][m]);
+    v8 acc[M_DIRECT] = {{0}};
+    for (int64_t k = 0; k < K; k += 8) {
+        const v8 w = cvt8(q + k) * sc[k / GROUP] + mn[k / GROUP];
+        for (int m = 0; m < M; m++) acc[m] += w * load8(x + m * ldx + k);
+    }
+    for (int m = 0; m < M; m++) out[m * ldy] = hsum(acc[m]);
 }
 
 // Four weight rows (converted and scaled, wb) against two rows of x: eight sums, each in the
@@ -126,8 +122,8 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t n = 0; n < N; n++)
             switch (M) {
-#define CASE(m) case m: rows_direct(x, m, 1, ldx, w + n * K, scales + n * groups, \
-                                        mins + n * groups, K, y + n, ldy); break;
+#define CASE(m) case m: row_direct(x, m, ldx, w + n * K, scales + n * groups, \
+                                       mins + n * groups, K, y + n, ldy); break;
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
             }
