@@ -55,7 +55,7 @@ SIGNATURES = {
 
 
 def kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
-    """Addresses of K and V in a contiguous cache [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Addresses of K and V in a contiguous cache [2, blocks, block_size, kv_heads, head_dim]."""
     assert kv_cache.is_contiguous()
     k = kv_cache.data_ptr()
     return k, k + kv_cache.numel() // 2 * kv_cache.element_size()
