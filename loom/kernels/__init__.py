@@ -130,6 +130,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
         if not target.exists():
             logger.info("building CPU kernels into %s", target)
             _build(cc, sources, target)
+            for old in target.parent.glob("loom_cpu_*.so"):  # other sources, flags or CPUs
+                if old != target:
+                    old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
         return _load(target)
     except Exception as e:  # a broken toolchain must not stop serving: torch paths still work
         logger.warning("CPU kernels unavailable (%s); Loom uses torch ops", e)
