@@ -8,7 +8,8 @@ ratios mean something.
 
 `startup`: `loom serve` until the first streamed token (`loom bench startup`), and
 `loom generate --max-tokens 1` until it exits. `decode`: greedy tokens/s of 1 and 8 streams
-(`--streams`) after a 150-token prompt, one fresh process per run. The base runs from a
+(`--streams`) after a 150-token prompt, and the time to prefill that many uncached 150-token
+prompts and sample one token (`prefill_ms`), one fresh process per run. The base runs from a
 `git worktree` in a temporary folder (the working tree is never touched). `startup` runs each
 side's own CLI (with the OpenMP policy it sets); `decode` runs both sides under this process's
 environment.
@@ -50,7 +51,13 @@ for streams in json.loads(os.environ["LOOM_AB_STREAMS"]):
     t = time.perf_counter()
     llm.generate([prompt] * streams, SamplingParams(temperature=0, max_tokens=65, ignore_eos=True),
                  use_tqdm=False)
-    out[streams] = streams * 64 / (time.perf_counter() - t - prefill)
+    s = "" if streams == 1 else "s"
+    out[f"tok_s_{streams}_stream{s}"] = streams * 64 / (time.perf_counter() - t - prefill)
+    # Prefill alone: prompts no earlier step has seen (a distinct first token each), so the
+    # prefix cache cannot serve them.
+    fresh = [[1000 + 64 * streams + i] + prompt[1:] for i in range(streams)]
+    t = time.perf_counter(); llm.generate(fresh, one, use_tqdm=False)
+    out[f"prefill_ms_{streams}_stream{s}"] = (time.perf_counter() - t) * 1e3
 print("RESULT " + json.dumps(out))
 """
 
@@ -77,8 +84,7 @@ def _decode_once(tree: Path, quant: str, streams: list[int]) -> dict[str, float]
     env = {**os.environ, "LOOM_AB_QUANT": quant, "LOOM_AB_STREAMS": json.dumps(streams)}
     out = subprocess.run([PYTHON, "-c", _DECODE], cwd=tree, env=env, capture_output=True,
                          text=True, check=True).stdout
-    res = json.loads(out.split("RESULT ", 1)[1])
-    return {f"tok_s_{k}_stream{'s' if k != '1' else ''}": v for k, v in res.items()}
+    return json.loads(out.split("RESULT ", 1)[1])
 
 
 def main() -> None:

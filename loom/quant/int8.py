@@ -88,7 +88,9 @@ class Int8Linear(nn.Module):
                 self.out_features, out.data_ptr(), self.out_features, torch.get_num_threads(),
             )
             if rc != 0:
-                raise RuntimeError(f"int8 linear kernel refused K={self.in_features}")
+                raise RuntimeError(
+                    f"int8 linear kernel failed ({rc}: -1 bad K={self.in_features}, -2 no memory)"
+                )
             return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(
             x2.to(torch.bfloat16), self.weight_int8, self.scale

@@ -51,6 +51,23 @@ def test_int8_linear_matches_float_linear() -> None:
     assert q(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("k, n, rows", [(2048, 100, 70), (576, 50, 13)])
+def test_int8_block_path_is_batch_invariant(k, n, rows) -> None:
+    """Several weight blocks per thread, x rows in several passes (K = 2048: 32 rows a pass), and
+    tiles cut short at both edges: each row still gets its bits alone."""
+    require_cpu_kernels()
+    lin = torch.nn.Linear(k, n, bias=False)
+    q = Int8Linear(lin)
+    x = torch.randn(rows, k)
+    out = q(x)
+    dequant = (q.weight_int8.float().view(n, k // 32, 32) * q.scale[..., None]
+               + q.min[..., None]).view(n, k)
+    assert rel_err(out, x @ dequant.t()) < 1e-5
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(q(x[i:i + 1]), out[i:i + 1])
+    assert torch.equal(q(x[:9]), out[:9])
+
+
 def test_int8_keeps_gguf_4bit_groups_exactly() -> None:
     """A Q4_1 group (min + d * i, i in 0..15) lands on the 255-step grid: 255 = 15 * 17."""
     g = torch.Generator().manual_seed(0)

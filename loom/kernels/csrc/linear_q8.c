@@ -10,8 +10,8 @@
 // Every output is summed in one fixed order, whatever M is: 8 lanes, acc += (q * scale + min) * x
 // over K in 8-wide pieces, then the lanes added. Up to 8 input rows convert and scale each
 // weight vector in registers and use it for every row; more rows convert a block of weight rows
-// once into a per-thread buffer (the same floats) and reuse it for 32 input rows at a time,
-// four x rows by two weight rows per tile. So a request's result does not depend on its batch.
+// once into a per-thread buffer (the same floats) and run every input row past it, four x rows
+// by three weight rows per tile. So a request's result does not depend on its batch.
 
 // Exact IEEE order here (the library is built with -ffast-math for the attention's expf): the
 // vector code below is explicit, and reassociation would sum the same output differently in
@@ -19,13 +19,14 @@
 #pragma GCC optimize("no-fast-math")
 
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #define GROUP 32
-#define BLOCK_FLOATS 16384  // converted block: rows * K floats (64 KiB)
-#define M_TILE 32           // input rows per pass over a converted block
+#define BLOCK_BYTES (128 * 1024)  // converted block (fp32), per thread
+#define X_BYTES (256 * 1024)      // x rows per pass: with the block, within a 512 KiB L2
 #define M_DIRECT 8          // up to this many rows convert in registers
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
@@ -47,6 +48,25 @@ static inline __attribute__((always_inline)) float hsum(v8 a)
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+// hsum of n vectors into out[0..n): the same order as hsum, four at a time with horizontal adds
+// ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)).
+static inline __attribute__((always_inline)) void hsum_many(const v8 *a, const int n, float *out)
+{
+#ifdef __AVX__
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128 s[4];
+        for (int j = 0; j < 4; j++)
+            s[j] = _mm_add_ps(_mm256_castps256_ps128((__m256)a[i + j]),
+                              _mm256_extractf128_ps((__m256)a[i + j], 1));
+        _mm_storeu_ps(out + i, _mm_hadd_ps(_mm_hadd_ps(s[0], s[1]), _mm_hadd_ps(s[2], s[3])));
+    }
+    for (; i < n; i++) out[i] = hsum(a[i]);
+#else
+    for (int i = 0; i < n; i++) out[i] = hsum(a[i]);
+#endif
+}
+
 // Up to M_DIRECT rows of x against one weight row q (uint8), each weight vector converted and
 // scaled in registers and used for every x row. M is a constant at each call site, so the
 // loops unroll and the M sums stay in registers.
@@ -62,54 +82,68 @@ static inline __attribute__((always_inline)) void row_direct(
     for (int m = 0; m < M; m++) out[m * ldy] = hsum(acc[m]);
 }
 
-// Four weight rows (converted and scaled, wb) against two rows of x: eight sums, each in the
-// same order as row_direct's.
-static inline __attribute__((always_inline)) void tile_4x2(
-    const float *x0, const float *x1, const float *wb, int64_t K, float *y0, float *y1)
-{
-    const float *w1b = wb + K, *w2b = w1b + K, *w3b = w2b + K;
-    v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
-    for (int64_t k = 0; k < K; k += 8) {
-        const v8 w0 = load8(wb + k), w1 = load8(w1b + k), w2 = load8(w2b + k), w3 = load8(w3b + k);
-        const v8 u = load8(x0 + k), v = load8(x1 + k);
-        a00 += w0 * u; a01 += w1 * u; a02 += w2 * u; a03 += w3 * u;
-        a10 += w0 * v; a11 += w1 * v; a12 += w2 * v; a13 += w3 * v;
-    }
-    y0[0] = hsum(a00); y0[1] = hsum(a01); y0[2] = hsum(a02); y0[3] = hsum(a03);
-    y1[0] = hsum(a10); y1[1] = hsum(a11); y1[2] = hsum(a12); y1[3] = hsum(a13);
-}
-
-// Two weight rows against four x rows: eight sums, each in the same order as row_direct's.
-// PIN keeps each loaded vector in a register: gcc otherwise folded the loads into the FMAs,
-// re-loading x for every one (12 loads per 8 FMAs in tile_4x2). 1.2-1.4x tile_4x2's speed
-// from 16 rows up, measured over 30 layers streamed from memory.
+// PIN keeps a loaded vector in a register: gcc otherwise folds the loads into the FMAs and
+// re-loads x for every one.
 #ifdef __AVX__
 #define PIN(v) __asm__("" : "+x"(v))
 #else
 #define PIN(v) ((void)0)
 #endif
-static inline __attribute__((always_inline)) void tile_2x4(
-    const float *x0, int64_t ldx, const float *wb, int64_t K, float *y0, int64_t ldy)
+
+// R (1..4, a constant at each call) x rows against three weight rows: 3R sums in registers
+// (12 + 3 weight vectors + 1 x vector: the 16 AVX registers at R = 4).
+static inline __attribute__((always_inline)) void tile_r3(
+    const float *x0, const int R, int64_t ldx, const float *wb, int64_t K, float t[4][3])
 {
-    const float *w1b = wb + K, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-    v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    const float *w1b = wb + K, *w2b = w1b + K;
+    v8 a[4][3] = {{{0}}};
     for (int64_t k = 0; k < K; k += 8) {
-        v8 w0 = load8(wb + k), w1 = load8(w1b + k);
-        v8 u0 = load8(x0 + k), u1 = load8(x1 + k), u2 = load8(x2 + k), u3 = load8(x3 + k);
-        PIN(w0); PIN(w1); PIN(u0); PIN(u1); PIN(u2); PIN(u3);
-        a00 += w0 * u0; a01 += w1 * u0;
-        a10 += w0 * u1; a11 += w1 * u1;
-        a20 += w0 * u2; a21 += w1 * u2;
-        a30 += w0 * u3; a31 += w1 * u3;
+        v8 w0 = load8(wb + k), w1 = load8(w1b + k), w2 = load8(w2b + k);
+        PIN(w0); PIN(w1); PIN(w2);
+        for (int r = 0; r < R; r++) {
+            v8 u = load8(x0 + r * ldx + k);
+            PIN(u);
+            a[r][0] += w0 * u; a[r][1] += w1 * u; a[r][2] += w2 * u;
+        }
     }
-    y0[0] = hsum(a00); y0[1] = hsum(a01);
-    y0[ldy] = hsum(a10); y0[ldy + 1] = hsum(a11);
-    y0[2 * ldy] = hsum(a20); y0[2 * ldy + 1] = hsum(a21);
-    y0[3 * ldy] = hsum(a30); y0[3 * ldy + 1] = hsum(a31);
+    hsum_many(&a[0][0], 3 * R, &t[0][0]);
+}
+
+// One block of nb_rows weight rows from n0 (fewer at the end of N): convert it into wbuf, then x
+// rows m0..m1 past it, four x rows by three weight rows a tile (padding rows computed, dropped).
+static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_t K,
+                     const uint8_t *w, const float *scales, const float *mins, const float *bias,
+                     int64_t N, int64_t n0, int64_t nb_rows, float *wbuf, float *y, int64_t ldy)
+{
+    const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+    for (int64_t i = 0; i < nb * K; i += 8)
+        *(v8 *)(wbuf + i) = cvt8(w + n0 * K + i) * scales[n0 * groups + i / GROUP]
+                            + mins[n0 * groups + i / GROUP];
+    const int64_t nbp = (nb + 2) / 3 * 3;
+    for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0.0f;
+    for (int64_t m = m0; m < m1; m += 4) {
+        const int64_t mr = m1 - m < 4 ? m1 - m : 4;
+        for (int64_t r = 0; r < nbp; r += 3) {
+            float t[4][3];
+            switch (mr) {
+            case 4: tile_r3(x + m * ldx, 4, ldx, wbuf + r * K, K, t); break;
+            case 3: tile_r3(x + m * ldx, 3, ldx, wbuf + r * K, K, t); break;
+            case 2: tile_r3(x + m * ldx, 2, ldx, wbuf + r * K, K, t); break;
+            default: tile_r3(x + m * ldx, 1, ldx, wbuf + r * K, K, t); break;
+            }
+            const int64_t cols = nb - r < 3 ? nb - r : 3;
+            for (int64_t i = 0; i < mr; i++)
+                for (int64_t j = 0; j < cols; j++) y[(m + i) * ldy + n0 + r + j] = t[i][j];
+        }
+    }
+    if (bias)
+        for (int64_t m = m0; m < m1; m++)
+            for (int64_t r = 0; r < nb; r++) y[m * ldy + n0 + r] += bias[n0 + r];
 }
 
 // x: [M, K] rows ldx floats apart; w: [N, K] uint8; scales, mins: [N, K / 32]; bias: [N] or NULL;
-// y: [M, N] rows ldy floats apart. K must be a multiple of 32. Returns 0, or -1 on bad K.
+// y: [M, N] rows ldy floats apart. K must be a multiple of 32. Returns 0, -1 on bad K, or -2
+// when the block buffer cannot be allocated.
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int num_threads)
@@ -132,51 +166,36 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                 for (int64_t n = 0; n < N; n++) y[m * ldy + n] += bias[n];
         return 0;
     }
-    int64_t rows = BLOCK_FLOATS / K;
-    rows = rows < 4 ? 4 : rows > 16 ? 16 : rows;
-    rows &= ~(int64_t)3;
-    const int64_t num_blocks = (N + rows - 1) / rows;
+    // Block path: each thread converts a block of weight rows (at most BLOCK_BYTES as fp32; a
+    // whole number of blocks per thread) and runs a chunk of x rows past it, four x rows by
+    // three weight rows a tile: the x tile stays in L1, the block and the chunk in L2.
+    const int64_t most = (BLOCK_BYTES / 4) / K < 3 ? 3 : (BLOCK_BYTES / 4) / K;
+    int64_t num_blocks = (N + most - 1) / most;
+    num_blocks = (num_blocks + num_threads - 1) / num_threads * num_threads;
+    const int64_t nb_rows = ((N + num_blocks - 1) / num_blocks + 2) / 3 * 3;
+    num_blocks = (N + nb_rows - 1) / nb_rows;
+    // x rows per pass over the blocks: as many as fit X_BYTES.
+    int64_t m_chunk = (X_BYTES / 4) / K & ~(int64_t)3;
+    m_chunk = m_chunk < 16 ? 16 : m_chunk;
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *wbuf = __builtin_alloca(rows * K * sizeof(float) + 64);
-        wbuf = (float *)(((uintptr_t)wbuf + 63) & ~(uintptr_t)63);
-        for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-            const int64_t m1 = M - m0 < M_TILE ? M : m0 + M_TILE;
+        float *wbuf = aligned_alloc(64, (nb_rows * K * sizeof(float) + 63) & ~(size_t)63);
+        if (!wbuf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+            const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < num_blocks; b++) {
-                const int64_t n0 = b * rows, nb = N - n0 < rows ? N - n0 : rows;
-                for (int64_t i = 0; i < nb * K; i += 8)
-                    *(v8 *)(wbuf + i) = cvt8(w + n0 * K + i) * scales[n0 * groups + i / GROUP]
-                                        + mins[n0 * groups + i / GROUP];
-                for (int64_t i = nb * K; i < ((nb + 3) & ~(int64_t)3) * K; i++) wbuf[i] = 0.0f;
-                // Rows past nb in the last block (zeroed above), and a missing second x row,
-                // are computed and dropped: every kept sum comes from a tile, in one order.
-                int64_t m = m0;
-                for (; m + 4 <= m1; m += 4) {
-                    float t[4][16];  // a block has at most 16 rows
-                    for (int64_t r = 0; r < nb; r += 2)
-                        tile_2x4(x + m * ldx, ldx, wbuf + r * K, K, &t[0][r], 16);
-                    for (int64_t i = 0; i < 4; i++)
-                        for (int64_t j = 0; j < nb; j++) y[(m + i) * ldy + n0 + j] = t[i][j];
-                }
-                for (; m < m1; m += 2) {
-                    const float *x0 = x + m * ldx, *x1 = m + 1 < m1 ? x0 + ldx : x0;
-                    for (int64_t r = 0; r < nb; r += 4) {
-                        float t0[4], t1[4];
-                        tile_4x2(x0, x1, wbuf + r * K, K, t0, t1);
-                        for (int64_t j = 0; j < 4 && r + j < nb; j++) {
-                            y[m * ldy + n0 + r + j] = t0[j];
-                            if (m + 1 < m1) y[(m + 1) * ldy + n0 + r + j] = t1[j];
-                        }
-                    }
-                }
-                if (bias)
-                    for (int64_t m = m0; m < m1; m++)
-                        for (int64_t r = 0; r < nb; r++) y[m * ldy + n0 + r] += bias[n0 + r];
+                if (wbuf) q8_block(x, m0, m1, ldx, K, w, scales, mins, bias, N, b * nb_rows,
+                                   nb_rows, wbuf, y, ldy);
             }
         }
+        free(wbuf);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 // The grid above from fp32 weights w [N, K]: per group of 32, min = least weight,
