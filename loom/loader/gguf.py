@@ -11,7 +11,8 @@ import torch
 
 from loom.config import ConfigError, ModelConfig
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from loom.quant.gguf_dequant import dequantize
+from loom.quant.gguf_dequant import TORCH_TYPES, dequantize, q8_groups
+from loom.quant.int8 import Q8Groups
 
 
 class GGUFError(ValueError):
@@ -130,8 +131,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf_tensors(
-    reader: GGUFFile, config: ModelConfig, arch: str
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader: GGUFFile, config: ModelConfig, arch: str, q8: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Q8Groups]]:
+    """(Hugging Face name, fp32 tensor) per tensor; with `q8`, 2-D tensors in a 32-wide block
+    format come as Loom's int8 grid instead (the same values, never materialized in fp32)."""
     permute = arch in _PERMUTED_QK
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -141,14 +144,25 @@ def iter_gguf_tensors(
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
         shape = t.shape
         try:
-            w = dequantize(t.data, t.tensor_type, shape)
+            w = (q8 and q8_groups(t.data, t.tensor_type, shape)) or dequantize(
+                t.data, t.tensor_type, shape)
         except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
             raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
+        heads = None
         if permute and name.endswith("q_proj.weight"):
-            w = _unpermute(w, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute(w, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        if heads is not None:
+            w = (Q8Groups(*(_unpermute(a, heads) for a in (w.q, w.scale, w.min)))
+                 if isinstance(w, Q8Groups) else _unpermute(w, heads))
         yield name, w
+
+
+def q8_tensors(reader: GGUFFile) -> set[str]:
+    """Hugging Face names of the tensors `iter_gguf_tensors(q8=True)` yields as int8 groups."""
+    return {hf_name(t.name) or t.name for t in reader.tensors
+            if len(t.shape) == 2 and t.tensor_type in TORCH_TYPES}
 
 
 def gguf_architecture(reader: GGUFFile) -> str:

@@ -17,8 +17,9 @@ from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
 from loom.layers.linear import Linear
-from loom.quant.base import QUANT_METHODS, quantize_model_
+from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import fp16_available
+from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_available
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,38 @@ class LoadedModel:
 
 
 def _open(
-    source: ModelSource,
-) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """(config, a function yielding the weights), reading a GGUF file's header only once."""
+    source: ModelSource, q8: bool = False,
+) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor | Q8Groups]]], set[str]]:
+    """(config, a function yielding the weights, the names it yields as int8 groups), reading a
+    GGUF file's header only once. `q8`: yield 32-wide GGUF block formats as int8 groups."""
     if source.kind == "gguf":
         reader = gguf_loader.open_gguf(source.path)
         config = gguf_loader.model_config_from_gguf(reader, source.path)
         arch = gguf_loader.gguf_architecture(reader)
-        return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch)
-    return model_config_from_hf(source.path), lambda: iter_safetensors(source.path)
+        grouped = gguf_loader.q8_tensors(reader) if q8 else set()
+        return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch, q8), grouped
+    return model_config_from_hf(source.path), lambda: iter_safetensors(source.path), set()
+
+
+def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: set[str]) -> None:
+    """int8 loaded straight into its layers, never whole in fp32: every linear the grouped
+    kernel takes becomes an empty Int8Linear (its `load_rows` copies checkpoint groups or
+    quantizes float rows). The token embedding, and the output projection, become int8 only
+    when the checkpoint already holds them on the grid (GGUF block formats: exact); otherwise
+    they stay float and the head takes fp16 later (quantize_model_)."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and name != HEAD and m.in_features % GROUP == 0:
+            replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
+                                                         m.bias is not None))
+    vocab, hidden = config.vocab_size, config.hidden_size
+    if EMBED + ".weight" in grouped and hidden % GROUP == 0:
+        embed = Int8Embedding(vocab, hidden)
+        replace_module(model, EMBED, embed)
+        if config.tie_word_embeddings:
+            replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, False, embed.groups))
+    if (not config.tie_word_embeddings and HEAD + ".weight" in grouped
+            and hidden % GROUP == 0):
+        replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, model.lm_head.bias is not None))
 
 
 def _materialize(
@@ -71,7 +95,7 @@ def _materialize(
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is not None:
+            if p is not None and p.is_meta:
                 if id(p) not in made:
                     p_dtype = dtype
                     if (linear_dtype is not None and isinstance(module, nn.Linear)
@@ -82,7 +106,7 @@ def _materialize(
                     )
                 module._parameters[name] = made[id(p)]
         for name, b in module._buffers.items():
-            if b is not None:
+            if b is not None and b.is_meta:
                 b_dtype = dtype if b.is_floating_point() else b.dtype
                 module._buffers[name] = torch.empty(b.shape, dtype=b_dtype, device=device)
 
@@ -104,10 +128,15 @@ def load_model(
     if quantization == "fp16" and not fp16_available():
         raise ConfigError("quantization 'fp16' needs torch's fbgemm kernels (x86 CPUs)")
     torch_dtype = resolve_dtype(dtype, device)
-    config, weight_iter = _open(source)
+    # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
+    direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
+                   and grouped_available(device, GROUP))
+    config, weight_iter, grouped = _open(source, q8=direct_int8)
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
+    if direct_int8:
+        _empty_int8_(model, config, grouped)
     # fp16 packing starts from fp16 weights (the same rounding): half the memory meanwhile.
     _materialize(model, device, torch_dtype,
                  linear_dtype=torch.float16 if quantization == "fp16" else None)

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from loom.quant.int8 import Q8Groups
+
 
 class WeightLoadError(ValueError):
     """Checkpoint tensors do not match the model: names the missing, unexpected or misshapen ones."""
@@ -27,13 +29,24 @@ def _shard_slice(param_name: str, shard: int, model: nn.Module) -> slice:
 
 def load_packed_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | Q8Groups]],
     packed_modules: dict[str, tuple[str, int]],
     skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> None:
+    """Copy each checkpoint tensor into its parameter (rows of a packed one). A module with
+    `load_rows` (int8 layers built empty) takes its `.weight` itself, float or already grouped;
+    grouped weights meant for a float parameter are dequantized."""
     params = dict(model.named_parameters())
+    rows_of = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
+    takers: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        # A tied output projection shares its embedding's tensors: the embedding takes them.
+        if hasattr(m, "load_rows") and all(t.weight_int8 is not m.weight_int8
+                                           for t in takers.values()):
+            takers[f"{name}.weight"] = m
+    rows_of.update({name: m.weight_int8.shape[0] for name, m in takers.items()})
     # Each parameter must be covered exactly: count loaded rows per parameter.
-    loaded_rows: dict[str, int] = {name: 0 for name in params}
+    loaded_rows: dict[str, int] = {name: 0 for name in rows_of}
     unexpected: list[str] = []
     for name, tensor in weights:
         if name in skip or name.endswith("rotary_emb.inv_freq"):
@@ -44,10 +57,18 @@ def load_packed_weights(
                 target = name.replace(f".{frag}.", f".{packed}.")
                 rows = _shard_slice(target, shard, model)
                 break
+        if target in takers:
+            try:
+                loaded_rows[target] += takers[target].load_rows(rows, tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name!r}: {e}") from None
+            continue
         param = params.get(target)
         if param is None:
             unexpected.append(name)
             continue
+        if isinstance(tensor, Q8Groups):
+            tensor = tensor.dequantize()
         dest = param.data if rows is None else param.data[rows]
         if dest.shape != tensor.shape:
             raise WeightLoadError(
@@ -57,6 +78,6 @@ def load_packed_weights(
         loaded_rows[target] += dest.shape[0] if dest.dim() else 1
     if unexpected:
         raise WeightLoadError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:20]}")
-    missing = [n for n, p in params.items() if loaded_rows[n] != (p.shape[0] if p.dim() else 1)]
+    missing = [n for n, r in rows_of.items() if loaded_rows[n] != r]
     if missing:
         raise WeightLoadError(f"checkpoint is missing tensors for parameters: {missing[:20]}")

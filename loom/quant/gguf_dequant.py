@@ -1,4 +1,4 @@
-"""Dequantize GGUF tensors to float32.
+"""Dequantize GGUF tensors to float32, or convert them to Loom's int8 grid.
 
 The common block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are unpacked with vectorized torch ops;
 every other type the `gguf` package knows (K-quants, IQ types, BF16 ...) goes through its
@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+
+from loom.quant.int8 import Q8Groups
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -66,6 +68,40 @@ TORCH_TYPES = {
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1,
 }
+
+
+def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
+    """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
+    w = q * scale + min with q * scale exact (a small integer times an fp16 scale)."""
+    d = _f16(blocks, 0)
+    if qtype == GGMLQuantizationType.Q8_0:  # d * i, i in -127..127: q = i + 128
+        q = blocks[:, 2:].view(torch.int8).to(torch.int16).add_(128).to(torch.uint8)
+        return Q8Groups(q, d, d * -128.0)
+    if qtype == GGMLQuantizationType.Q4_0:  # d * (i - 8)
+        return Q8Groups(_low_high_nibbles(blocks[:, 2:]), d, d * -8.0)
+    if qtype == GGMLQuantizationType.Q4_1:  # d * i + m
+        return Q8Groups(_low_high_nibbles(blocks[:, 4:]), d, _f16(blocks, 2))
+    if qtype == GGMLQuantizationType.Q5_0:  # d * (i - 16)
+        q = _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6])
+        return Q8Groups(q.to(torch.uint8), d, d * -16.0)
+    if qtype == GGMLQuantizationType.Q5_1:
+        q = _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8])
+        return Q8Groups(q.to(torch.uint8), d, _f16(blocks, 2))
+    raise AssertionError(qtype)
+
+
+def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
+              shape: tuple[int, ...]) -> Q8Groups | None:
+    """Raw GGUF data of a 2-D tensor [rows, cols] in a 32-wide block format -> Loom's int8 grid
+    (loom.quant.int8), holding the same values `dequantize` gives; None for other types."""
+    if qtype not in TORCH_TYPES or len(shape) != 2:
+        return None
+    rows, cols = shape
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    raw = _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
+    g = _q8_groups_of_blocks(qtype, raw)
+    return Q8Groups(g.q.reshape(rows, cols), g.scale.reshape(rows, cols // 32),
+                    g.min.reshape(rows, cols // 32))
 
 
 def _as_torch(a: np.ndarray) -> torch.Tensor:

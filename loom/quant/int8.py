@@ -17,6 +17,8 @@ by top-1 agreement and a logit-error bound.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -48,14 +50,92 @@ def quantize_groups_fast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, scales, mins
 
 
-class Int8Linear(nn.Module):
+@dataclass
+class Q8Groups:
+    """Weights already on the grid above: uint8 q [N, K], fp32 scales and minimums [N, K / 32].
+    GGUF's 4-, 5- and 8-bit block formats convert to it exactly (loom.quant.gguf_dequant)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def rows(self, index: torch.Tensor | slice) -> Q8Groups:
+        return Q8Groups(self.q[index], self.scale[index], self.min[index])
+
+    def dequantize(self, index: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """fp32 weights (rows `index`): q * scale + min. The kernels fuse the multiply-add; the
+        values agree wherever q * scale is exact, as for every GGUF block format."""
+        g = self if index is None else self.rows(index)
+        n, k = g.q.shape
+        w = g.q.float().view(n, k // GROUP, GROUP)
+        return w.mul_(g.scale[..., None]).add_(g.min[..., None]).view(n, k)
+
+
+def grouped_available(device: torch.device, in_features: int) -> bool:
+    """Whether Loom's grouped int8 kernel takes a layer with `in_features` inputs on `device`."""
+    return device.type == "cpu" and in_features % GROUP == 0 and cpu_kernels() is not None
+
+
+def load_group_rows(groups: Q8Groups, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
+    """Fill rows `rows` (all when None) of `groups` from a checkpoint tensor: grouped weights
+    are copied as they are, float ones quantized. Returns the row count."""
+    dest = groups if rows is None else groups.rows(rows)
+    if tuple(w.shape) != tuple(dest.shape):
+        raise ValueError(f"shape {tuple(w.shape)}, expected {tuple(dest.shape)}")
+    src = w if isinstance(w, Q8Groups) else Q8Groups(*quantize_groups_fast(w))
+    dest.q.copy_(src.q)
+    dest.scale.copy_(src.scale)
+    dest.min.copy_(src.min)
+    return dest.shape[0]
+
+
+def _empty_groups(rows: int, cols: int) -> Q8Groups:
+    return Q8Groups(torch.empty((rows, cols), dtype=torch.uint8),
+                    torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)))
+
+
+class _OnGrid:
+    """Buffers weight_int8 / scale / min on the grid, filled row ranges at a time at load."""
+
+    weight_int8: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+
+    @property
+    def groups(self) -> Q8Groups:
+        return Q8Groups(self.weight_int8, self.scale, self.min)
+
+    def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
+        return load_group_rows(self.groups, rows, w)
+
+
+class Int8Embedding(_OnGrid, nn.Module):
+    """Token embeddings on the int8 grid, rows dequantized as they are looked up. From GGUF's
+    block formats they hold the file's values exactly (the fp32 reference's embeddings, bit for
+    bit) in ~30% of fp32's bytes; a tied output projection shares the tensors."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        groups = _empty_groups(num_embeddings, embedding_dim)
+        self.register_buffer("weight_int8", groups.q)
+        self.register_buffer("scale", groups.scale)
+        self.register_buffer("min", groups.min)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.groups.dequantize(input_ids)  # [num_tokens, embedding_dim]
+
+
+class Int8Linear(_OnGrid, nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.grouped = (
-            w.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels() is not None
-        )
+        self.grouped = grouped_available(w.device, self.in_features)
         if self.grouped:
             q, scales, mins = quantize_groups_fast(w)
             self.register_buffer("weight_int8", q)  # uint8 here
@@ -69,9 +149,26 @@ class Int8Linear(nn.Module):
             self.register_buffer("scale", scale.to(torch.bfloat16))
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(
-            bias.detach().float().clone() if self.grouped else bias.detach().clone()
+            bias.detach().float().clone() if self.grouped else bias.detach().clone(),
+            requires_grad=False,
         )
         self.out_dtype = linear.weight.dtype
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool,
+              groups: Q8Groups | None = None) -> Int8Linear:
+        """A grouped layer (CPU) whose weights `load_rows` fills from a checkpoint, without an
+        fp32 copy; or one over `groups`' tensors, shared (a tied output projection)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features = in_features, out_features
+        m.grouped, m.out_dtype = True, torch.float32
+        groups = _empty_groups(out_features, in_features) if groups is None else groups
+        m.register_buffer("weight_int8", groups.q)
+        m.register_buffer("scale", groups.scale)
+        m.register_buffer("min", groups.min)
+        m.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

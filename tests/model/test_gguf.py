@@ -17,7 +17,11 @@ from loom.config import ConfigError
 from loom.loader.gguf import GGUFError
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
-from loom.quant.gguf_dequant import TORCH_TYPES, dequantize
+from loom.layers.embedding import VocabEmbedding
+from loom.quant.fp16 import Fp16Linear
+from loom.quant.gguf_dequant import TORCH_TYPES, dequantize, q8_groups
+from loom.quant.int8 import Int8Embedding, Int8Linear
+from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
 from tests.paged_batch import PagedBatch, rel_err
 from tests.tiny_models import make_tiny_model
@@ -207,3 +211,50 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path) -> None:
     w.close()
     with pytest.raises(GGUFError, match="token_embd.weight.*I32.*not supported"):
         load_model(resolve_model(str(path)))
+
+
+@pytest.mark.parametrize("qtype", sorted(TORCH_TYPES, key=lambda t: t.value))
+def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
+    """int8 loads GGUF's 32-wide block formats onto its grid as they are: the same floats."""
+    x = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
+    raw = quantize(x, qtype)
+    groups = q8_groups(raw, qtype, (6, 128))
+    assert groups.q.dtype == torch.uint8 and groups.scale.shape == groups.min.shape == (6, 4)
+    torch.testing.assert_close(groups.dequantize(), dequantize(raw, qtype, (6, 128)), rtol=0, atol=0)
+
+
+def test_q8_groups_only_take_32_wide_block_formats() -> None:
+    x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+    block, size = GGML_QUANT_SIZES[T.Q6_K]
+    q6k = np.random.default_rng(4).integers(0, 256, (4, size * (256 // block)), dtype=np.uint8)
+    assert q8_groups(q6k, T.Q6_K, (4, 256)) is None
+    assert q8_groups(x.astype(np.float16), T.F16, (4, 256)) is None
+    assert q8_groups(quantize(x[0], T.Q8_0), T.Q8_0, (256,)) is None
+
+
+@pytest.mark.parametrize("name,arch,qtype", [
+    ("llama", "llama", T.Q4_0),  # untied head, permuted q/k rows
+    ("qwen2", "qwen2", T.Q8_0),  # tied embedding and head, q/k/v biases
+    ("qwen3", "qwen3", T.Q5_1),  # q/k norms: the per-module path
+    ("llama-tied", "llama", T.F16),  # no block format: float rows quantized as they load
+])
+def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype) -> None:
+    require_cpu_kernels()
+    folder = make_tiny_model(name, tmp_path / "hf")
+    source = resolve_model(str(write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype)))
+    ref = load_model(source, dtype="float32")
+    q8 = load_model(source, dtype="float32", quantization="int8")
+    linears = [m for m in q8.model.model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 2 * 4 and all(m.grouped for m in linears)
+    embed, head = q8.model.model.embed_tokens, q8.model.lm_head
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    out_ref, out_q8 = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(q8).step({"r": ids})["r"]
+    if qtype == T.F16:  # requantized: close, not exact; the head stays fp16
+        assert isinstance(embed, VocabEmbedding) and isinstance(head, Fp16Linear)
+        assert rel_err(out_q8, out_ref) < 0.02
+        return
+    assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
+    assert (head.weight_int8 is embed.weight_int8) == q8.config.tie_word_embeddings
+    torch.testing.assert_close(embed(torch.tensor(ids)), ref.model.model.embed_tokens(
+        torch.tensor(ids)), rtol=0, atol=0)
+    assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order
