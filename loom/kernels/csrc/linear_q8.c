@@ -152,8 +152,10 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     const int64_t groups = K / GROUP;
     if (M <= M_DIRECT) {
         // One weight row per call: two or four rows at once in one thread measured 2.5x
-        // slower, streamed from memory, than one.
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+        // slower, streamed from memory, than one. Guided chunks, not a fixed half each: a
+        // thread the OS lends to someone else (the server's event loop, a client on the same
+        // cores) leaves its rows to the others instead of holding up the step.
+#pragma omp parallel for schedule(guided, 16) num_threads(num_threads)
         for (int64_t n = 0; n < N; n++)
             switch (M) {
 #define CASE(m) case m: row_direct(x, m, ldx, w + n * K, scales + n * groups, \
@@ -187,7 +189,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         }
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
             for (int64_t b = 0; b < num_blocks; b++) {
                 if (wbuf) q8_block(x, m0, m1, ldx, K, w, scales, mins, bias, N, b * nb_rows,
                                    nb_rows, wbuf, y, ldy);
