@@ -17,6 +17,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None  # bytes; None: half the free memory, capped at need
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16
     enable_prefix_caching: bool = True
     block_size: int = 16
     num_gpu_blocks_override: int | None = None

@@ -27,7 +27,7 @@ from loom.structured.backend import CompiledGrammar, GrammarError
 from loom.structured.manager import StructuredOutputManager
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
-from loom.worker.kv_cache import bytes_per_block, determine_num_blocks
+from loom.worker.kv_cache import bytes_per_block, determine_num_blocks, kv_cache_dtype
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class LLMEngine:
         source = resolve_model(args.model)
         self.model_name = args.served_model_name or source.name
         loaded = load_model(source, args.dtype, device, progress=True, quantization=args.quantization)
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
         if args.chat_template is not None:
@@ -102,7 +103,7 @@ class LLMEngine:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
         num_blocks = determine_num_blocks(
-            cache_config, loaded.config, loaded.dtype, device,
+            cache_config, loaded.config, self.kv_dtype, device,
             max_needed_tokens=2 * args.max_num_seqs * max_model_len,
         )
         self._log_cache(num_blocks, cache_config, loaded, max_model_len)
@@ -112,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size)
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
-            loaded.dtype, device,
+            self.kv_dtype, device,
         )
         self.structured = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size)
         self.num_blocks = num_blocks
@@ -124,11 +125,11 @@ class LLMEngine:
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size
-        size = num_blocks * bytes_per_block(loaded.config, cache.block_size, loaded.dtype)
+        size = num_blocks * bytes_per_block(loaded.config, cache.block_size, self.kv_dtype)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), %d tokens, max concurrency %.1fx at "
-            "max_model_len %d", num_blocks, cache.block_size, size / 2**20, tokens,
-            tokens / max_model_len, max_model_len,
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s), %d tokens, max concurrency %.1fx at "
+            "max_model_len %d", num_blocks, cache.block_size, size / 2**20,
+            str(self.kv_dtype).removeprefix("torch."), tokens, tokens / max_model_len, max_model_len,
         )
 
     # ---- requests -------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         "activations; keeps GGUF 4-bit weights exactly, fastest up to ~8 "
                         "streams), fp16 (fbgemm, fp32 activations; near lossless, fastest "
                         "from ~16 streams up) or int4 (groups of 32, bf16 activations). The "
-                        "output projection takes fp16 in all three")
+                        "output projection takes fp16, or int8 when int8 loads it from a GGUF "
+                        "block format"),
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
@@ -36,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="token budget of one step (prefill chunks + decodes)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache (default: half the free memory, capped at need)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="K/V storage: auto (the model's dtype) or float16 (half the bytes, like "
+                        "llama.cpp's default; attention still computes in fp32 on the CPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -58,7 +62,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         dtype=ns.dtype, device=ns.device, quantization=ns.quantization,
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        kv_cache_memory=ns.kv_cache_memory, enable_prefix_caching=ns.enable_prefix_caching,
+        kv_cache_memory=ns.kv_cache_memory, kv_cache_dtype=ns.kv_cache_dtype,
+        enable_prefix_caching=ns.enable_prefix_caching,
         block_size=ns.block_size, num_gpu_blocks_override=ns.num_gpu_blocks_override,
         seed=ns.seed, chat_template=template,
     )

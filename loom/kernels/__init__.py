@@ -36,7 +36,7 @@ SIGNATURES = {
     "loom_paged_attention_f32": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-         _i64, _i64, _i64, _i64, _i64, _f32, _int, _ptr],
+         _i64, _i64, _i64, _i64, _i64, _f32, _int, _int, _ptr],
     ),
     "loom_linear_q8_f32": (
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int]
@@ -44,12 +44,13 @@ SIGNATURES = {
     "loom_quantize_q8": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
     "loom_llama_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
-               _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+               _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int,
+               _int]
     ),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_rope_write_kv_f32": (
-        None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
+        None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
     ),
 }
 

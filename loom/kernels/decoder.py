@@ -107,6 +107,7 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
+            self._cache().dtype == torch.float16,
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

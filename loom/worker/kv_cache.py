@@ -8,9 +8,21 @@ import math
 import numpy as np
 import torch
 
-from loom.config import CacheConfig, ModelConfig
+from loom.config import CacheConfig, ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for `--kv-cache-dtype name`: auto is the model's."""
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"unsupported kv_cache_dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

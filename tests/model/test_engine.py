@@ -4,8 +4,10 @@ n > 1 block sharing, aborts. Every pair must produce identical tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loom import SamplingParams
+from loom.config import ConfigError
 from loom.engine.llm_engine import InvalidRequestError
 from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
 
@@ -211,3 +213,25 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
         llm.generate([[10**7]], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])  # module path; int8's one-call stack
+def test_fp16_kv_cache_doubles_the_blocks_and_keeps_the_answers(make_llm, quantization) -> None:
+    """--kv-cache-dtype float16 on the default model: twice the blocks in the same bytes, and
+    greedy answers that match the fp32 cache's (K/V rounded to fp16; attention in fp32)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    runs = {}
+    for kv in ("auto", "float16"):
+        llm = make_llm(None, kv_cache_memory=64 * 2**20, kv_cache_dtype=kv,
+                       quantization=quantization)
+        runs[kv] = (llm.engine.num_blocks, token_ids(llm.chat(chats()[:6], params, use_tqdm=False)))
+        assert llm.engine.runner.kv_caches[0].dtype == (torch.float16 if kv == "float16"
+                                                        else torch.float32)
+    assert runs["float16"][0] == 2 * runs["auto"][0]
+    same = sum(a == b for a, b in zip(runs["auto"][1], runs["float16"][1]))
+    assert same >= 5, same
+
+
+def test_kv_cache_dtype_is_checked(make_llm) -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'int3'"):
+        make_llm(None, kv_cache_dtype="int3")

@@ -79,6 +79,23 @@ def test_kernel_matches_reference(computed, qlens, heads, kv_heads, head_dim, bl
     assert (ref.double() - want).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window",
+                         [CASES[1], CASES[2], CASES[4]])
+def test_fp16_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size,
+                                      window):
+    """--kv-cache-dtype float16: K/V stored in fp16, attention still in fp32. Against the
+    reference over the same fp16 values, both backends stay as close as with an fp32 cache."""
+    cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
+    half = cache.half()
+    want = reference(half.float(), q, blocks, computed, qlens, window)
+    assert cpu_kernel.supported(q, half, heads, kv_heads, head_dim)
+    got = cpu_kernel.paged_attention(q, half, md, head_dim**-0.5, window)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 2e-5
+    mask = torch_ref.build_mask(md, window, q.dtype)
+    ref = torch_ref.paged_attention(q, half, md, mask, head_dim**-0.5)
+    assert ref.dtype == torch.float32 and (ref.double() - want).abs().max() < 2e-5
+
+
 def test_strided_query_view():
     """q as the model passes it: a view into a wider qkv row."""
     cache, q, md, _, _ = make_batch([10, 0], [1, 12], 9, 3, 64, 16)

@@ -64,6 +64,11 @@ def test_rope_write_kv(n, heads, kv_heads, head_dim):
     torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
     assert torch.equal(view[:, k_end:], qkv[:, k_end:])  # v untouched
     assert torch.equal(wide[:, qkv.shape[1]:], torch.zeros(n, 7))  # nothing past the view
+    # an fp16 cache (--kv-cache-dtype float16) takes the same K/V rounded to nearest
+    half = torch.zeros(2, 8, 16, kv_heads, head_dim, dtype=torch.float16)
+    cpu_ops.rope_write_kv_(qkv.clone(), heads, kv_heads, head_dim, rotary.cos_sin_cache,
+                           positions, slots, half)
+    assert torch.equal(half, cache.half())
 
 
 def test_rope_rejects_positions_past_the_table():

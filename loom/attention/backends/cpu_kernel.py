@@ -2,7 +2,8 @@
 
 It reads K and V in place in the paged cache: no gather, no padded query copy, no mask tensor.
 Each token attends only its own request's context, so a request gets the same bits alone as in
-any batch. fp32 only; other dtypes, devices and shapes use the torch reference backend.
+any batch. fp32 activations over an fp32 or fp16 cache; other dtypes, devices and shapes use
+the torch reference backend.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def supported(
     """Whether the kernel runs for activations like `x` (device, dtype) over `kv_cache`."""
     return (
         x.device.type == "cpu"
-        and x.dtype == kv_cache.dtype == torch.float32
+        and x.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.float16)
         and kv_cache.is_contiguous()
         and num_heads % kv_heads == 0
         and num_heads * head_dim <= MAX_TILE_FLOATS
@@ -79,7 +81,7 @@ def paged_attention(
         md.positions.data_ptr(),
         tiles.ctypes.data, tiles.shape[0],
         num_heads, kv_heads, head_dim, block_size,
-        sliding_window or 0, scale, torch.get_num_threads(),
+        sliding_window or 0, scale, torch.get_num_threads(), kv_cache.dtype == torch.float16,
         out.data_ptr(),
     )
     if rc != 0:

@@ -22,8 +22,8 @@ def write_kv(
     """kv_cache [2, num_blocks, block_size, kv_heads, head_dim]; k, v [num_tokens, kv, head_dim]."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))  # an fp16 cache rounds here
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 def build_mask(
@@ -60,7 +60,7 @@ def paged_attention(
                                  kv_cache.dtype, kv_cache.device)
     for i in (0, 1):
         torch.index_select(kv_cache[i].view(num_blocks, -1), 0, blocks, out=gathered[i])
-    k, v = gathered.view(2, num_reqs, -1, kv_heads, head_dim).transpose(2, 3)
+    k, v = gathered.view(2, num_reqs, -1, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
     # k, v [num_reqs, kv_heads, max_blocks * block_size, head_dim]
     decode_only = md.max_query_len == 1  # token i is request i's only query: no padding
     if decode_only:

@@ -12,7 +12,7 @@ typedef struct {
     const uint8_t *o_w; const float *o_s, *o_m;
     const uint8_t *gu_w; const float *gu_s, *gu_m;
     const uint8_t *d_w; const float *d_s, *d_m;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t window;  // sliding window, 0 for none
 } LoomLayerQ8;
 
@@ -24,25 +24,26 @@ void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64
 void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
 void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads,
                             int64_t kv_heads, int64_t D, const float *table,
-                            const int64_t *positions, const int64_t *slots, float *k_cache,
-                            float *v_cache, int num_threads);
-int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const float *k_cache,
-                             const float *v_cache, const int64_t *block_tables, int64_t max_blocks,
+                            const int64_t *positions, const int64_t *slots, void *k_cache,
+                            void *v_cache, int num_threads, int kv_f16);
+int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const void *k_cache,
+                             const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
                              const int64_t *positions, const int64_t *tiles, int64_t num_tiles,
                              int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t window, float scale, int num_threads,
-                             float *out);
+                             int kv_f16, float *out);
 
 // hidden [M, H]: the embeddings in, the residual stream after. Returns the final-normed hidden
 // states in buf_h [M, H]. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D],
-// buf_gu [M, 2 I], buf_act [M, I]. Returns 0, or the first kernel's error.
+// buf_gu [M, 2 I], buf_act [M, I]. kv_f16: the caches hold fp16. Returns 0, or the first
+// kernel's error.
 int loom_llama_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
     const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
     int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt)
+    float *buf_act, int nt, int kv_f16)
 {
     const int64_t qkv_n = (num_heads + 2 * kv_heads) * D, q_n = num_heads * D;
     int rc;
@@ -56,11 +57,11 @@ int loom_llama_forward_q8(
                                      qkv_n, buf_qkv, qkv_n, nt)))
             return rc;
         loom_rope_write_kv_f32(buf_qkv, qkv_n, M, num_heads, kv_heads, D, rope_table, positions,
-                               slots, L->k_cache, L->v_cache, nt);
+                               slots, L->k_cache, L->v_cache, nt, kv_f16);
         if ((rc = loom_paged_attention_f32(buf_qkv, qkv_n, L->k_cache, L->v_cache, block_tables,
                                            max_blocks, positions, tiles, num_tiles, num_heads,
                                            kv_heads, D, block_size, L->window, scale, nt,
-                                           buf_attn)))
+                                           kv_f16, buf_attn)))
             return rc;
         if ((rc = loom_linear_q8_f32(buf_attn, M, q_n, q_n, L->o_w, L->o_s, L->o_m, NULL, H,
                                      buf_h, H, nt)))

@@ -3,6 +3,9 @@
 // 576 floats) with one call. Parallel over tokens when there are enough of them.
 
 #include <stdint.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #include <math.h>
 
 #define PAR_MIN_TOKENS 16
@@ -39,14 +42,27 @@ void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, i
     }
 }
 
+// n fp32 values -> fp16, rounded to nearest even (as torch's .half()).
+static inline void f32_to_f16(const float *src, int64_t n, _Float16 *dst)
+{
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = (_Float16)src[i];
+}
+
 // Rotary embedding of the q and k heads of packed qkv rows, in place, then the rotated k and
 // the v heads written to their cache slots. qkv: [n] rows `stride` floats apart, each
 // [num_heads q | kv_heads k | kv_heads v] x D. table: row p = [cos | cos | -sin | sin], each
-// D/2 wide (loom/layers/rotary.py). Cache: [num_slots, kv_heads, D] for K and for V.
+// D/2 wide (loom/layers/rotary.py). Cache: [num_slots, kv_heads, D] for K and for V, fp32, or
+// fp16 when kv_f16 (rounded to nearest).
 void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads,
                             int64_t kv_heads, int64_t D, const float *table,
-                            const int64_t *positions, const int64_t *slots, float *k_cache,
-                            float *v_cache, int num_threads)
+                            const int64_t *positions, const int64_t *slots, void *k_cache,
+                            void *v_cache, int num_threads, int kv_f16)
 {
     const int64_t half = D / 2;
 #pragma omp parallel for num_threads(num_threads) if (n >= PAR_MIN_TOKENS)
@@ -62,7 +78,13 @@ void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_h
             }
         }
         const float *k = row + num_heads * D, *v = k + kv_heads * D;
-        float *kc = k_cache + slots[t] * kv_heads * D, *vc = v_cache + slots[t] * kv_heads * D;
-        for (int64_t i = 0; i < kv_heads * D; i++) { kc[i] = k[i]; vc[i] = v[i]; }
+        const int64_t at = slots[t] * kv_heads * D;
+        if (kv_f16) {
+            f32_to_f16(k, kv_heads * D, (_Float16 *)k_cache + at);
+            f32_to_f16(v, kv_heads * D, (_Float16 *)v_cache + at);
+        } else {
+            float *kc = (float *)k_cache + at, *vc = (float *)v_cache + at;
+            for (int64_t i = 0; i < kv_heads * D; i++) { kc[i] = k[i]; vc[i] = v[i]; }
+        }
     }
 }
