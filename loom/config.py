@@ -56,6 +56,10 @@ class ModelConfig:
             raise ConfigError(f"model config: unsupported hidden_act {self.hidden_act!r}")
 
 
+# --kv-cache-dtype: auto is the model's dtype (loom.worker.kv_cache maps the names to torch's).
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -18,7 +18,7 @@ from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import RequestRejectedError, Scheduler
 from loom.engine.args import EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from loom.loader.model_loader import load_model
+from loom.loader.model_loader import load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
 from loom.request import Request, RequestStatus
 from loom.sample.metadata import check_token_ids_in_vocab
@@ -78,8 +78,9 @@ class LLMEngine:
             torch.manual_seed(args.seed)
         source = resolve_model(args.model)
         self.model_name = args.served_model_name or source.name
+        # Checked before the (slow) load: a bad name fails at once.
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device))
         loaded = load_model(source, args.dtype, device, progress=True, quantization=args.quantization)
-        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
         if args.chat_template is not None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loom.config import KV_CACHE_DTYPES
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.threads import default_openmp_env, set_num_threads
 
@@ -37,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="token budget of one step (prefill chunks + decodes)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache (default: half the free memory, capped at need)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V storage: auto (the model's dtype) or float16 (half the bytes, like "
                         "llama.cpp's default; attention still computes in fp32 on the CPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -91,7 +91,8 @@ class Q8Decoder:
         rotary = self.model.rotary_emb
         rotary.check_positions(positions)
         md = get_forward_context().attn_metadata
-        if self.layers is None or self.cache_ptr != self._cache().data_ptr():
+        cache = self._cache()
+        if self.layers is None or self.cache_ptr != cache.data_ptr():
             self._build()
         m, h, i = x.shape[0], self.hidden, self.inter
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
@@ -101,13 +102,13 @@ class Q8Decoder:
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         rc = cpu_kernels().loom_llama_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
-            h, i, self.num_heads, self.kv_heads, self.head_dim, self._cache().shape[2],
+            h, i, self.num_heads, self.kv_heads, self.head_dim, cache.shape[2],
             self.eps, self.scale, rotary.cos_sin_cache.data_ptr(), m, x.data_ptr(),
             positions.data_ptr(),
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            self._cache().dtype == torch.float16,
+            cache.dtype == torch.float16,
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

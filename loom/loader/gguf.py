@@ -11,7 +11,7 @@ import torch
 
 from loom.config import ConfigError, ModelConfig
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from loom.quant.gguf_dequant import TORCH_TYPES, dequantize, q8_groups
+from loom.quant.gguf_dequant import dequantize, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
 
 
@@ -144,8 +144,9 @@ def iter_gguf_tensors(
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
         shape = t.shape
         try:
-            w = (q8 and q8_groups(t.data, t.tensor_type, shape)) or dequantize(
-                t.data, t.tensor_type, shape)
+            w = q8_groups(t.data, t.tensor_type, shape) if q8 else None
+            if w is None:
+                w = dequantize(t.data, t.tensor_type, shape)
         except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
             raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
         heads = None
@@ -161,8 +162,7 @@ def iter_gguf_tensors(
 
 def q8_tensors(reader: GGUFFile) -> set[str]:
     """Hugging Face names of the tensors `iter_gguf_tensors(q8=True)` yields as int8 groups."""
-    return {hf_name(t.name) or t.name for t in reader.tensors
-            if len(t.shape) == 2 and t.tensor_type in TORCH_TYPES}
+    return {hf_name(t.name) or t.name for t in reader.tensors if groupable(t.tensor_type, t.shape)}
 
 
 def gguf_architecture(reader: GGUFFile) -> str:

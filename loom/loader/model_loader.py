@@ -72,14 +72,17 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: set[str]) -> No
             replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
                                                          m.bias is not None))
     vocab, hidden = config.vocab_size, config.hidden_size
-    if EMBED + ".weight" in grouped and hidden % GROUP == 0:
+    if hidden % GROUP:
+        return
+    tied = config.tie_word_embeddings
+    if EMBED + ".weight" in grouped:
         embed = Int8Embedding(vocab, hidden)
         replace_module(model, EMBED, embed)
-        if config.tie_word_embeddings:
+        if tied:
             replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, False, embed.groups))
-    if (not config.tie_word_embeddings and HEAD + ".weight" in grouped
-            and hidden % GROUP == 0):
-        replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, model.lm_head.bias is not None))
+    if not tied and HEAD + ".weight" in grouped:
+        bias = model.get_submodule(HEAD).bias is not None
+        replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, bias))
 
 
 def _materialize(

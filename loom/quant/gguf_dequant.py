@@ -39,26 +39,48 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     return (bits << 4).to(torch.int16)
 
 
+def _unpack(
+    qtype: GGMLQuantizationType, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+    """blocks [n, type_size] uint8 -> (integers [n, 32], d [n, 1], zero, m [n, 1] or None): each
+    weight is d * (integer - zero), plus m where the format has one."""
+    d = _f16(blocks, 0)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return blocks[:, 2:].view(torch.int8), d, 0, None
+    if qtype == GGMLQuantizationType.Q4_0:
+        return _low_high_nibbles(blocks[:, 2:]), d, 8, None
+    if qtype == GGMLQuantizationType.Q4_1:
+        return _low_high_nibbles(blocks[:, 4:]), d, 0, _f16(blocks, 2)
+    if qtype == GGMLQuantizationType.Q5_0:
+        return _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6]), \
+            d, 16, None
+    if qtype == GGMLQuantizationType.Q5_1:
+        return _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8]), \
+            d, 0, _f16(blocks, 2)
+    raise AssertionError(qtype)
+
+
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, type_size] uint8 -> [n, 32] float32.
 
     In-place float ops on one fresh buffer keep start-up to a few passes over the weights; the
     order of operations (and so the rounding) is the `gguf` reference's: d * q, then + m.
     """
-    d = _f16(blocks, 0)
-    if qtype == GGMLQuantizationType.Q8_0:
-        return blocks[:, 2:].view(torch.int8).float().mul_(d)
-    if qtype == GGMLQuantizationType.Q4_0:
-        return _low_high_nibbles(blocks[:, 2:]).float().sub_(8).mul_(d)
-    if qtype == GGMLQuantizationType.Q4_1:
-        return _low_high_nibbles(blocks[:, 4:]).float().mul_(d).add_(_f16(blocks, 2))
-    if qtype == GGMLQuantizationType.Q5_0:
-        q = _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6])
-        return q.float().sub_(16).mul_(d)
-    if qtype == GGMLQuantizationType.Q5_1:
-        q = _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8])
-        return q.float().mul_(d).add_(_f16(blocks, 2))
-    raise AssertionError(qtype)
+    q, d, zero, m = _unpack(qtype, blocks)
+    w = q.float()
+    if zero:
+        w.sub_(zero)
+    w.mul_(d)
+    return w if m is None else w.add_(m)
+
+
+def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
+    """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
+    scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d)."""
+    q, d, zero, m = _unpack(qtype, blocks)
+    if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255
+        q, zero = q.to(torch.int16).add_(128), zero + 128
+    return Q8Groups(q.to(torch.uint8), d, d * -float(zero) if m is None else m)
 
 
 TORCH_TYPES = {
@@ -90,16 +112,25 @@ def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q
     raise AssertionError(qtype)
 
 
+def groupable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
+    """Whether `q8_groups` takes a tensor: 2-D, in a 32-wide block format."""
+    return qtype in TORCH_TYPES and len(shape) == 2
+
+
+def _blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Raw GGUF data -> [n, type_size] uint8 blocks."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
+
+
 def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
               shape: tuple[int, ...]) -> Q8Groups | None:
     """Raw GGUF data of a 2-D tensor [rows, cols] in a 32-wide block format -> Loom's int8 grid
-    (loom.quant.int8), holding the same values `dequantize` gives; None for other types."""
-    if qtype not in TORCH_TYPES or len(shape) != 2:
+    (loom.quant.int8), holding the same values `dequantize` gives; None for other tensors."""
+    if not groupable(qtype, shape):
         return None
     rows, cols = shape
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    raw = _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
-    g = _q8_groups_of_blocks(qtype, raw)
+    g = _q8_groups_of_blocks(qtype, _blocks(data, qtype))
     return Q8Groups(g.q.reshape(rows, cols), g.scale.reshape(rows, cols // 32),
                     g.min.reshape(rows, cols // 32))
 
@@ -117,9 +148,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     if qtype == GGMLQuantizationType.F16:
         return _as_torch(np.asarray(data)).view(torch.float16).float().reshape(shape)
     if qtype in TORCH_TYPES:
-        _, type_size = GGML_QUANT_SIZES[qtype]
-        raw = _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
-        return _dequant_blocks(qtype, raw).reshape(shape)
+        return _dequant_blocks(qtype, _blocks(data, qtype)).reshape(shape)
     try:
         out = gguf_dequantize(data, qtype)
     except NotImplementedError:

@@ -59,6 +59,11 @@ class Q8Groups:
     scale: torch.Tensor
     min: torch.Tensor
 
+    @classmethod
+    def empty(cls, rows: int, cols: int) -> Q8Groups:
+        return cls(torch.empty((rows, cols), dtype=torch.uint8),
+                   torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)))
+
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
@@ -80,24 +85,6 @@ def grouped_available(device: torch.device, in_features: int) -> bool:
     return device.type == "cpu" and in_features % GROUP == 0 and cpu_kernels() is not None
 
 
-def load_group_rows(groups: Q8Groups, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
-    """Fill rows `rows` (all when None) of `groups` from a checkpoint tensor: grouped weights
-    are copied as they are, float ones quantized. Returns the row count."""
-    dest = groups if rows is None else groups.rows(rows)
-    if tuple(w.shape) != tuple(dest.shape):
-        raise ValueError(f"shape {tuple(w.shape)}, expected {tuple(dest.shape)}")
-    src = w if isinstance(w, Q8Groups) else Q8Groups(*quantize_groups_fast(w))
-    dest.q.copy_(src.q)
-    dest.scale.copy_(src.scale)
-    dest.min.copy_(src.min)
-    return dest.shape[0]
-
-
-def _empty_groups(rows: int, cols: int) -> Q8Groups:
-    return Q8Groups(torch.empty((rows, cols), dtype=torch.uint8),
-                    torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)))
-
-
 class _OnGrid:
     """Buffers weight_int8 / scale / min on the grid, filled row ranges at a time at load."""
 
@@ -105,12 +92,26 @@ class _OnGrid:
     scale: torch.Tensor
     min: torch.Tensor
 
+    def _hold(self, groups: Q8Groups) -> None:
+        self.register_buffer("weight_int8", groups.q)  # type: ignore[attr-defined]
+        self.register_buffer("scale", groups.scale)  # type: ignore[attr-defined]
+        self.register_buffer("min", groups.min)  # type: ignore[attr-defined]
+
     @property
     def groups(self) -> Q8Groups:
         return Q8Groups(self.weight_int8, self.scale, self.min)
 
     def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
-        return load_group_rows(self.groups, rows, w)
+        """Fill rows `rows` (all when None) from a checkpoint tensor: grouped weights are
+        copied as they are, float ones quantized. Returns the row count."""
+        dest = self.groups if rows is None else self.groups.rows(rows)
+        if tuple(w.shape) != tuple(dest.shape):
+            raise ValueError(f"shape {tuple(w.shape)}, expected {tuple(dest.shape)}")
+        src = w if isinstance(w, Q8Groups) else Q8Groups(*quantize_groups_fast(w))
+        dest.q.copy_(src.q)
+        dest.scale.copy_(src.scale)
+        dest.min.copy_(src.min)
+        return dest.shape[0]
 
 
 class Int8Embedding(_OnGrid, nn.Module):
@@ -121,10 +122,7 @@ class Int8Embedding(_OnGrid, nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        groups = _empty_groups(num_embeddings, embedding_dim)
-        self.register_buffer("weight_int8", groups.q)
-        self.register_buffer("scale", groups.scale)
-        self.register_buffer("min", groups.min)
+        self._hold(Q8Groups.empty(num_embeddings, embedding_dim))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.groups.dequantize(input_ids)  # [num_tokens, embedding_dim]
@@ -136,11 +134,8 @@ class Int8Linear(_OnGrid, nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self.grouped = grouped_available(w.device, self.in_features)
-        if self.grouped:
-            q, scales, mins = quantize_groups_fast(w)
-            self.register_buffer("weight_int8", q)  # uint8 here
-            self.register_buffer("scale", scales)  # [out, in / 32] fp32
-            self.register_buffer("min", mins)  # [out, in / 32] fp32
+        if self.grouped:  # uint8 [out, in]; fp32 scales and minimums [out, in / 32]
+            self._hold(Q8Groups(*quantize_groups_fast(w)))
         else:
             w = w.float()
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
@@ -163,10 +158,7 @@ class Int8Linear(_OnGrid, nn.Module):
         nn.Module.__init__(m)
         m.in_features, m.out_features = in_features, out_features
         m.grouped, m.out_dtype = True, torch.float32
-        groups = _empty_groups(out_features, in_features) if groups is None else groups
-        m.register_buffer("weight_int8", groups.q)
-        m.register_buffer("scale", groups.scale)
-        m.register_buffer("min", groups.min)
+        m._hold(Q8Groups.empty(out_features, in_features) if groups is None else groups)
         m.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         return m
 

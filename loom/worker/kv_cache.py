@@ -8,12 +8,9 @@ import math
 import numpy as np
 import torch
 
-from loom.config import CacheConfig, ConfigError, ModelConfig
+from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -22,7 +19,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         raise ConfigError(
             f"unsupported kv_cache_dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
         )
-    return KV_CACHE_DTYPES[name] or model_dtype
+    return model_dtype if name == "auto" else getattr(torch, name)
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
