@@ -25,8 +25,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(
     hf_folder: Path, out: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-    override_arch: str | None = None,
+    override_arch: str | None = None, overrides: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
+    """`overrides`: another type for the 2-D tensors whose GGUF name holds `.{key}.`."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -62,8 +63,9 @@ def write_gguf(
                 a = _permute(a, heads)
             elif arch == "llama" and module == "self_attn.k_proj" and kind == "weight":
                 a = _permute(a, kv)
-        if a.ndim == 2 and qtype != GGMLQuantizationType.F32:
-            w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
+        qt = next((t for key, t in (overrides or {}).items() if f".{key}." in gname), qtype)
+        if a.ndim == 2 and qt != GGMLQuantizationType.F32:
+            w.add_tensor(gname, quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, a)
     w.write_header_to_file()

@@ -39,7 +39,7 @@ SIGNATURES = {
          _i64, _i64, _i64, _i64, _i64, _f32, _int, _int, _ptr],
     ),
     "loom_linear_q8_f32": (
-        _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int]
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_quantize_q8": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
     "loom_llama_forward_q8": (

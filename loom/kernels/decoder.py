@@ -22,7 +22,9 @@ class LayerQ8(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_m", "qkv_b", "o_w", "o_s", "o_m",
         "gu_w", "gu_s", "gu_m", "d_w", "d_s", "d_m", "k_cache", "v_cache",
-    )] + [("window", ctypes.c_int64)]
+    )] + [(name, ctypes.c_int64) for name in (
+        "window", "qkv_bits", "o_bits", "gu_bits", "d_bits",
+    )]
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
@@ -78,6 +80,7 @@ class Q8Decoder:
                 *q8(a.qkv_proj), None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
                 *q8(a.o_proj), *q8(mlp.gate_up_proj), *q8(mlp.down_proj),
                 *kv_pointers(cache), a.attn.sliding_window or 0,
+                *(m.bits for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
         self.cache_ptr = self._cache().data_ptr()

@@ -11,7 +11,7 @@ import torch
 
 from loom.config import ConfigError, ModelConfig
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from loom.quant.gguf_dequant import dequantize, groupable, q8_groups
+from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
 
 
@@ -155,14 +155,16 @@ def iter_gguf_tensors(
         elif permute and name.endswith("k_proj.weight"):
             heads = config.num_key_value_heads
         if heads is not None:
-            w = (Q8Groups(*(_unpermute(a, heads) for a in (w.q, w.scale, w.min)))
+            w = (w.map_rows(lambda a: _unpermute(a, heads))
                  if isinstance(w, Q8Groups) else _unpermute(w, heads))
         yield name, w
 
 
-def q8_tensors(reader: GGUFFile) -> set[str]:
-    """Hugging Face names of the tensors `iter_gguf_tensors(q8=True)` yields as int8 groups."""
-    return {hf_name(t.name) or t.name for t in reader.tensors if groupable(t.tensor_type, t.shape)}
+def q8_tensors(reader: GGUFFile) -> dict[str, int]:
+    """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True)` yields as
+    int8 groups."""
+    return {hf_name(t.name) or t.name: group_bits(t.tensor_type)
+            for t in reader.tensors if groupable(t.tensor_type, t.shape)}
 
 
 def gguf_architecture(reader: GGUFFile) -> str:

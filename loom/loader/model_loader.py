@@ -47,42 +47,54 @@ class LoadedModel:
     load_seconds: float
 
 
-def _open(
-    source: ModelSource, q8: bool = False,
-) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor | Q8Groups]]], set[str]]:
-    """(config, a function yielding the weights, the names it yields as int8 groups), reading a
-    GGUF file's header only once. `q8`: yield 32-wide GGUF block formats as int8 groups."""
+Weights = Callable[[], Iterator[tuple[str, torch.Tensor | Q8Groups]]]
+
+
+def _open(source: ModelSource, q8: bool = False) -> tuple[ModelConfig, Weights, dict[str, int]]:
+    """(config, a function yielding the weights, the names it yields as int8 groups -> their
+    bits a weight), reading a GGUF file's header only once. `q8`: yield 32-wide GGUF block
+    formats as int8 groups."""
     if source.kind == "gguf":
         reader = gguf_loader.open_gguf(source.path)
         config = gguf_loader.model_config_from_gguf(reader, source.path)
         arch = gguf_loader.gguf_architecture(reader)
-        grouped = gguf_loader.q8_tensors(reader) if q8 else set()
+        grouped = gguf_loader.q8_tensors(reader) if q8 else {}
         return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch, q8), grouped
-    return model_config_from_hf(source.path), lambda: iter_safetensors(source.path), set()
+    return model_config_from_hf(source.path), lambda: iter_safetensors(source.path), {}
 
 
-def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: set[str]) -> None:
+def _sources(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint weights a linear layer `name` loads from (several for a packed one)."""
+    parent, _, leaf = name.rpartition(".")
+    frags = [frag for frag, (packed, _) in model.packed_modules.items() if packed == leaf]
+    return [f"{parent}.{frag}.weight" for frag in frags] or [f"{name}.weight"]
+
+
+def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int]) -> None:
     """int8 loaded straight into its layers, never whole in fp32: every linear the grouped
     kernel takes becomes an empty Int8Linear (its `load_rows` copies checkpoint groups or
-    quantizes float rows). The token embedding, and the output projection, become int8 only
-    when the checkpoint already holds them on the grid (GGUF block formats: exact); otherwise
-    they stay float and the head takes fp16 later (quantize_model_)."""
+    quantizes float rows), 4 bits a weight where all its sources are 4-bit GGUF blocks. The
+    token embedding, and the output projection, become int8 only when the checkpoint already
+    holds them on the grid (GGUF block formats: exact); otherwise they stay float and the head
+    takes fp16 later (quantize_model_)."""
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear) and name != HEAD and m.in_features % GROUP == 0:
+            bits = 4 if all(grouped.get(s) == 4 for s in _sources(model, name)) else 8
             replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
-                                                         m.bias is not None))
+                                                         m.bias is not None, bits=bits))
     vocab, hidden = config.vocab_size, config.hidden_size
     if hidden % GROUP:
         return
     tied = config.tie_word_embeddings
     if EMBED + ".weight" in grouped:
-        embed = Int8Embedding(vocab, hidden)
+        embed = Int8Embedding(vocab, hidden, grouped[EMBED + ".weight"])
         replace_module(model, EMBED, embed)
         if tied:
             replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, False, embed.groups))
     if not tied and HEAD + ".weight" in grouped:
         bias = model.get_submodule(HEAD).bias is not None
-        replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, bias))
+        replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, bias,
+                                                     bits=grouped[HEAD + ".weight"]))
 
 
 def _materialize(

@@ -74,9 +74,18 @@ def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.
     return w if m is None else w.add_(m)
 
 
+# 4-bit block formats, and where their 16 bytes of nibbles start in a block
+NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+
 def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
     """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
-    scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d)."""
+    scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
+    Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
+    if qtype in NIBBLE_TYPES:
+        start = NIBBLE_TYPES[qtype]
+        d = _f16(blocks, 0)
+        m = _f16(blocks, 2) if qtype == GGMLQuantizationType.Q4_1 else d * -8.0
+        return Q8Groups(blocks[:, start:start + 16], d, m, bits=4)
     q, d, zero, m = _unpack(qtype, blocks)
     if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255
         q, zero = q.to(torch.int16).add_(128), zero + 128
@@ -90,26 +99,6 @@ TORCH_TYPES = {
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1,
 }
-
-
-def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
-    """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
-    w = q * scale + min with q * scale exact (a small integer times an fp16 scale)."""
-    d = _f16(blocks, 0)
-    if qtype == GGMLQuantizationType.Q8_0:  # d * i, i in -127..127: q = i + 128
-        q = blocks[:, 2:].view(torch.int8).to(torch.int16).add_(128).to(torch.uint8)
-        return Q8Groups(q, d, d * -128.0)
-    if qtype == GGMLQuantizationType.Q4_0:  # d * (i - 8)
-        return Q8Groups(_low_high_nibbles(blocks[:, 2:]), d, d * -8.0)
-    if qtype == GGMLQuantizationType.Q4_1:  # d * i + m
-        return Q8Groups(_low_high_nibbles(blocks[:, 4:]), d, _f16(blocks, 2))
-    if qtype == GGMLQuantizationType.Q5_0:  # d * (i - 16)
-        q = _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6])
-        return Q8Groups(q.to(torch.uint8), d, d * -16.0)
-    if qtype == GGMLQuantizationType.Q5_1:
-        q = _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8])
-        return Q8Groups(q.to(torch.uint8), d, _f16(blocks, 2))
-    raise AssertionError(qtype)
 
 
 def groupable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
@@ -131,8 +120,13 @@ def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
         return None
     rows, cols = shape
     g = _q8_groups_of_blocks(qtype, _blocks(data, qtype))
-    return Q8Groups(g.q.reshape(rows, cols), g.scale.reshape(rows, cols // 32),
-                    g.min.reshape(rows, cols // 32))
+    return Q8Groups(g.q.reshape(rows, -1), g.scale.reshape(rows, cols // 32),
+                    g.min.reshape(rows, cols // 32), g.bits)
+
+
+def group_bits(qtype: GGMLQuantizationType) -> int:
+    """Bits a weight of `q8_groups`' result for a tensor of `qtype` (a `groupable` type)."""
+    return 4 if qtype in NIBBLE_TYPES else 8
 
 
 def _as_torch(a: np.ndarray) -> torch.Tensor:

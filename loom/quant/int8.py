@@ -17,6 +17,7 @@ by top-1 agreement and a logit-error bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,31 +53,62 @@ def quantize_groups_fast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 @dataclass
 class Q8Groups:
-    """Weights already on the grid above: uint8 q [N, K], fp32 scales and minimums [N, K / 32].
-    GGUF's 4-, 5- and 8-bit block formats convert to it exactly (loom.quant.gguf_dequant)."""
+    """Weights already on the grid above: q [N, K], fp32 scales and minimums [N, K / 32].
+    GGUF's 4-, 5- and 8-bit block formats convert to it exactly (loom.quant.gguf_dequant).
+
+    q holds one uint8 per weight (`bits` 8), or, where every q is below 16 (GGUF's Q4_0 and
+    Q4_1), two (`bits` 4): q is then uint8 [N, K / 2] in GGUF's order, each group of 32 in 16
+    bytes whose low nibbles are its first 16 values and whose high nibbles are its last 16. The
+    kernels give the same bits for either: the values are the same."""
 
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor
+    bits: int = 8
 
     @classmethod
-    def empty(cls, rows: int, cols: int) -> Q8Groups:
-        return cls(torch.empty((rows, cols), dtype=torch.uint8),
-                   torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)))
+    def empty(cls, rows: int, cols: int, bits: int = 8) -> Q8Groups:
+        return cls(torch.empty((rows, cols * bits // 8), dtype=torch.uint8),
+                   torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)), bits)
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.q.shape[0], self.q.shape[1] * 8 // self.bits))
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q8Groups:
+        """`fn` (an indexing or a permutation of rows) applied to q, scales and minimums."""
+        return Q8Groups(fn(self.q), fn(self.scale), fn(self.min), self.bits)
 
     def rows(self, index: torch.Tensor | slice) -> Q8Groups:
-        return Q8Groups(self.q[index], self.scale[index], self.min[index])
+        return self.map_rows(lambda t: t[index])
+
+    def values(self) -> torch.Tensor:
+        """q as uint8 [N, K], one value per weight."""
+        if self.bits == 8:
+            return self.q
+        n, half = self.q.shape
+        nib = self.q.reshape(n, half // 16, 1, 16)
+        return torch.cat((nib & 0x0F, nib >> 4), dim=2).view(n, half * 2)
+
+    def to_bits(self, bits: int) -> Q8Groups:
+        """The same values in `bits` per weight; 4 needs every q below 16 (ValueError)."""
+        if bits == self.bits:
+            return self
+        if bits == 8:
+            return Q8Groups(self.values(), self.scale, self.min)
+        if bool((self.q > 15).any()):
+            raise ValueError("weights have more than 16 levels per group: they need 8 bits")
+        n, k = self.q.shape
+        v = self.q.reshape(n, k // 32, 2, 16)
+        return Q8Groups((v[:, :, 0] | v[:, :, 1] << 4).reshape(n, k // 2), self.scale,
+                        self.min, 4)
 
     def dequantize(self, index: torch.Tensor | slice | None = None) -> torch.Tensor:
         """fp32 weights (rows `index`): q * scale + min. The kernels fuse the multiply-add; the
         values agree wherever q * scale is exact, as for every GGUF block format."""
         g = self if index is None else self.rows(index)
-        n, k = g.q.shape
-        w = g.q.float().view(n, k // GROUP, GROUP)
+        n, k = g.shape
+        w = g.values().float().view(n, k // GROUP, GROUP)
         return w.mul_(g.scale[..., None]).add_(g.min[..., None]).view(n, k)
 
 
@@ -91,15 +123,17 @@ class _OnGrid:
     weight_int8: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor
+    bits: int
 
     def _hold(self, groups: Q8Groups) -> None:
+        self.bits = groups.bits  # per stored weight: 8, or 4 (two a byte; see Q8Groups)
         self.register_buffer("weight_int8", groups.q)  # type: ignore[attr-defined]
         self.register_buffer("scale", groups.scale)  # type: ignore[attr-defined]
         self.register_buffer("min", groups.min)  # type: ignore[attr-defined]
 
     @property
     def groups(self) -> Q8Groups:
-        return Q8Groups(self.weight_int8, self.scale, self.min)
+        return Q8Groups(self.weight_int8, self.scale, self.min, self.bits)
 
     def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
         """Fill rows `rows` (all when None) from a checkpoint tensor: grouped weights are
@@ -108,6 +142,7 @@ class _OnGrid:
         if tuple(w.shape) != tuple(dest.shape):
             raise ValueError(f"shape {tuple(w.shape)}, expected {tuple(dest.shape)}")
         src = w if isinstance(w, Q8Groups) else Q8Groups(*quantize_groups_fast(w))
+        src = src.to_bits(dest.bits)
         dest.q.copy_(src.q)
         dest.scale.copy_(src.scale)
         dest.min.copy_(src.min)
@@ -119,10 +154,10 @@ class Int8Embedding(_OnGrid, nn.Module):
     block formats they hold the file's values exactly (the fp32 reference's embeddings, bit for
     bit) in ~30% of fp32's bytes; a tied output projection shares the tensors."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self._hold(Q8Groups.empty(num_embeddings, embedding_dim))
+        self._hold(Q8Groups.empty(num_embeddings, embedding_dim, bits))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.groups.dequantize(input_ids)  # [num_tokens, embedding_dim]
@@ -137,6 +172,7 @@ class Int8Linear(_OnGrid, nn.Module):
         if self.grouped:  # uint8 [out, in]; fp32 scales and minimums [out, in / 32]
             self._hold(Q8Groups(*quantize_groups_fast(w)))
         else:
+            self.bits = 8
             w = w.float()
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -151,14 +187,15 @@ class Int8Linear(_OnGrid, nn.Module):
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool,
-              groups: Q8Groups | None = None) -> Int8Linear:
+              groups: Q8Groups | None = None, bits: int = 8) -> Int8Linear:
         """A grouped layer (CPU) whose weights `load_rows` fills from a checkpoint, without an
-        fp32 copy; or one over `groups`' tensors, shared (a tied output projection)."""
+        fp32 copy, `bits` a weight; or one over `groups`' tensors, shared (a tied output
+        projection)."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.in_features, m.out_features = in_features, out_features
         m.grouped, m.out_dtype = True, torch.float32
-        m._hold(Q8Groups.empty(out_features, in_features) if groups is None else groups)
+        m._hold(Q8Groups.empty(out_features, in_features, bits) if groups is None else groups)
         m.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         return m
 
@@ -174,7 +211,8 @@ class Int8Linear(_OnGrid, nn.Module):
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
                 self.weight_int8.data_ptr(), self.scale.data_ptr(), self.min.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr(),
-                self.out_features, out.data_ptr(), self.out_features, torch.get_num_threads(),
+                self.out_features, out.data_ptr(), self.out_features, self.bits,
+                torch.get_num_threads(),
             )
             if rc != 0:
                 raise RuntimeError(
@@ -188,5 +226,6 @@ class Int8Linear(_OnGrid, nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        kind = "groups of 32, fp32 scales and minimums" if self.grouped else "per channel, bf16"
+        kind = (f"{self.bits}-bit values in groups of 32, fp32 scales and minimums"
+                if self.grouped else "per channel, bf16")
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({kind})"

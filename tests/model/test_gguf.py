@@ -220,6 +220,9 @@ def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
     raw = quantize(x, qtype)
     groups = q8_groups(raw, qtype, (6, 128))
     assert groups.q.dtype == torch.uint8 and groups.scale.shape == groups.min.shape == (6, 4)
+    # Q4_0 and Q4_1 keep their nibbles, two weights a byte
+    bits = 4 if qtype in (T.Q4_0, T.Q4_1) else 8
+    assert groups.bits == bits and groups.q.shape == (6, 128 * bits // 8)
     torch.testing.assert_close(groups.dequantize(), dequantize(raw, qtype, (6, 128)), rtol=0, atol=0)
 
 
@@ -232,20 +235,28 @@ def test_q8_groups_only_take_32_wide_block_formats() -> None:
     assert q8_groups(quantize(x[0], T.Q8_0), T.Q8_0, (256,)) is None
 
 
-@pytest.mark.parametrize("name,arch,qtype", [
-    ("llama", "llama", T.Q4_0),  # untied head, permuted q/k rows
-    ("qwen2", "qwen2", T.Q8_0),  # tied embedding and head, q/k/v biases
-    ("qwen3", "qwen3", T.Q5_1),  # q/k norms: the per-module path
-    ("llama-tied", "llama", T.F16),  # no block format: float rows quantized as they load
+@pytest.mark.parametrize("name,arch,qtype,overrides", [
+    ("llama", "llama", T.Q4_0, {}),  # untied head, permuted q/k rows; 4 bits a weight
+    # 4-bit where every source of a layer is: qkv and down take 8 bits, o and gate_up 4
+    ("llama", "llama", T.Q4_1, {"attn_v": T.Q8_0, "ffn_down": T.Q5_0}),
+    ("qwen2", "qwen2", T.Q8_0, {}),  # tied embedding and head, q/k/v biases
+    ("qwen3", "qwen3", T.Q5_1, {}),  # q/k norms: the per-module path
+    ("llama-tied", "llama", T.F16, {}),  # no block format: float rows quantized as they load
 ])
-def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype) -> None:
+def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overrides) -> None:
     require_cpu_kernels()
     folder = make_tiny_model(name, tmp_path / "hf")
-    source = resolve_model(str(write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype)))
+    source = resolve_model(str(write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype,
+                                          overrides=overrides)))
     ref = load_model(source, dtype="float32")
     q8 = load_model(source, dtype="float32", quantization="int8")
-    linears = [m for m in q8.model.model.modules() if isinstance(m, Int8Linear)]
-    assert len(linears) == 2 * 4 and all(m.grouped for m in linears)
+    linears = {n: m for n, m in q8.model.model.named_modules() if isinstance(m, Int8Linear)}
+    assert len(linears) == 2 * 4 and all(m.grouped for m in linears.values())
+    nibbles = {"qkv_proj": "attn_v" not in overrides, "o_proj": True, "gate_up_proj": True,
+               "down_proj": "ffn_down" not in overrides}
+    for n, m in linears.items():
+        bits = 4 if qtype in (T.Q4_0, T.Q4_1) and nibbles[n.rpartition(".")[2]] else 8
+        assert m.bits == bits and m.weight_int8.shape[1] == m.in_features * bits // 8
     embed, head = q8.model.model.embed_tokens, q8.model.lm_head
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     out_ref, out_q8 = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(q8).step({"r": ids})["r"]
@@ -255,6 +266,7 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype) -> Non
         return
     assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
     assert (head.weight_int8 is embed.weight_int8) == q8.config.tie_word_embeddings
+    assert embed.bits == head.bits == (4 if qtype in (T.Q4_0, T.Q4_1) else 8)
     torch.testing.assert_close(embed(torch.tensor(ids)), ref.model.model.embed_tokens(
         torch.tensor(ids)), rtol=0, atol=0)
     assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order

@@ -18,7 +18,13 @@ from loom.quant.base import quantize_linears_
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import dequantize
 from loom.quant.int4 import Int4Linear
-from loom.quant.int8 import Int8Embedding, Int8Linear, quantize_groups, quantize_groups_fast
+from loom.quant.int8 import (
+    Int8Embedding,
+    Int8Linear,
+    Q8Groups,
+    quantize_groups,
+    quantize_groups_fast,
+)
 from loom.tokenizer.tokenizer import Tokenizer
 from tests.cpu_kernels import require_cpu_kernels
 from tests.paged_batch import PagedBatch, rel_err
@@ -66,6 +72,36 @@ def test_int8_block_path_is_batch_invariant(k, n, rows) -> None:
     for i in (0, rows // 2, rows - 1):
         assert torch.equal(q(x[i:i + 1]), out[i:i + 1])
     assert torch.equal(q(x[:9]), out[:9])
+
+
+@pytest.mark.parametrize("k, n", [(576, 50), (2048, 100)])
+def test_int8_4bit_storage_gives_the_same_bits(k, n) -> None:
+    """Values below 16 (GGUF's Q4_0 / Q4_1) stored two a byte in GGUF's order: every batch size
+    and path gives the bits one a byte gives; more levels are refused."""
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    groups = Q8Groups(q, torch.rand(n, k // 32, generator=g) * 0.01,
+                      torch.randn(n, k // 32, generator=g) * 0.01)
+    packed = groups.to_bits(4)
+    assert packed.bits == 4 and packed.q.shape == (n, k // 2) and packed.shape == (n, k)
+    assert torch.equal(packed.values(), q) and torch.equal(packed.to_bits(8).q, q)
+    # a group's byte j holds its values j (low nibble) and j + 16 (high)
+    assert int(packed.q[1, 16 + 3]) == int(q[1, 32 + 3]) | int(q[1, 32 + 16 + 3]) << 4
+    torch.testing.assert_close(packed.dequantize(), groups.dequantize(), rtol=0, atol=0)
+    one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=4)
+    for layer in (one, two):
+        layer.load_rows(None, groups)  # `two` packs them
+    assert two.weight_int8.shape == (n, k // 2)
+    one.bias.copy_(torch.randn(n, generator=g))
+    two.bias.copy_(one.bias)
+    x = torch.randn(70, k, generator=g)
+    for rows in (1, 3, 8, 9, 70):
+        assert torch.equal(two(x[:rows]), one(x[:rows]))
+    assert rel_err(two(x), x @ groups.dequantize().t() + one.bias) < 1e-5
+    with pytest.raises(ValueError, match="more than 16 levels"):
+        two.load_rows(slice(0, 1), Q8Groups(q[:1] + 1 + q[:1] * 16, groups.scale[:1],
+                                            groups.min[:1]))
 
 
 def test_int8_keeps_gguf_4bit_groups_exactly() -> None:
@@ -147,6 +183,9 @@ def test_quantized_smollm2_agrees_with_reference(method, kind, head, min_agree, 
         embed = quant.model.model.embed_tokens
         assert isinstance(embed, Int8Embedding)
         assert quant.model.lm_head.weight_int8 is embed.weight_int8
+        # the file's Q4_1 layers keep 4 bits a weight; its Q8_0 embedding 8
+        assert {m.bits for m in quant.model.model.layers.modules()
+                if isinstance(m, Int8Linear)} == {4} and embed.bits == 8
     got = PagedBatch(quant).step(prompts)
     agree = sum(int((ref[k].argmax(-1) == got[k].argmax(-1)).sum()) for k in prompts)
     total = sum(len(p) for p in prompts.values())

@@ -14,11 +14,12 @@ typedef struct {
     const uint8_t *d_w; const float *d_s, *d_m;
     void *k_cache, *v_cache;
     int64_t window;  // sliding window, 0 for none
+    int64_t qkv_bits, o_bits, gu_bits, d_bits;  // bits per stored weight: 8 or 4
 } LoomLayerQ8;
 
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
-                       float *y, int64_t ldy, int num_threads);
+                       float *y, int64_t ldy, int bits, int num_threads);
 void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64_t n, int64_t d,
                            float eps, int num_threads);
 void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
@@ -54,7 +55,7 @@ int loom_llama_forward_q8(
         if (l > 0)  // hidden += the last MLP's output; buf_h = norm(hidden)
             loom_add_rms_norm_f32(buf_h, hidden, L->in_norm, M, H, eps, nt);
         if ((rc = loom_linear_q8_f32(buf_h, M, H, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_b,
-                                     qkv_n, buf_qkv, qkv_n, nt)))
+                                     qkv_n, buf_qkv, qkv_n, (int)L->qkv_bits, nt)))
             return rc;
         loom_rope_write_kv_f32(buf_qkv, qkv_n, M, num_heads, kv_heads, D, rope_table, positions,
                                slots, L->k_cache, L->v_cache, nt, kv_f16);
@@ -64,15 +65,15 @@ int loom_llama_forward_q8(
                                            kv_f16, buf_attn)))
             return rc;
         if ((rc = loom_linear_q8_f32(buf_attn, M, q_n, q_n, L->o_w, L->o_s, L->o_m, NULL, H,
-                                     buf_h, H, nt)))
+                                     buf_h, H, (int)L->o_bits, nt)))
             return rc;
         loom_add_rms_norm_f32(buf_h, hidden, L->post_norm, M, H, eps, nt);
         if ((rc = loom_linear_q8_f32(buf_h, M, H, H, L->gu_w, L->gu_s, L->gu_m, NULL, 2 * I,
-                                     buf_gu, 2 * I, nt)))
+                                     buf_gu, 2 * I, (int)L->gu_bits, nt)))
             return rc;
         loom_silu_mul_f32(buf_gu, buf_act, M, I, nt);
         if ((rc = loom_linear_q8_f32(buf_act, M, I, I, L->d_w, L->d_s, L->d_m, NULL, H, buf_h,
-                                     H, nt)))
+                                     H, (int)L->d_bits, nt)))
             return rc;
     }
     loom_add_rms_norm_f32(buf_h, hidden, final_norm, M, H, eps, nt);

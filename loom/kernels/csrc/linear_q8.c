@@ -2,8 +2,9 @@
 //
 // Weights are uint8 in groups of 32 along K, each group with an fp32 scale and minimum:
 // w[n, k] ~ q[n, k] * scales[n, k / 32] + mins[n, k / 32]. 255 steps between a group's least and
-// greatest weight hold GGUF's 4-bit groups (16 levels, 15 steps apart: 255 = 15 * 17) exactly.
-// Activations and sums stay fp32.
+// greatest weight hold GGUF's 4-bit groups (16 levels, 15 steps apart: 255 = 15 * 17) exactly;
+// those (q below 16) can also be stored two to a byte, which halves the bytes decode reads and
+// leaves every result the same. Activations and sums stay fp32.
 // Decode reads weights from memory once per step, so about a quarter of fp32's bytes is the
 // point.
 //
@@ -43,6 +44,26 @@ static inline __attribute__((always_inline)) v8 cvt8(const uint8_t *p)
     return __builtin_convertvector(__builtin_convertvector(*(const v8u8 *)p, v8i32), v8);
 #endif
 }
+// Weights 32 g + j .. 32 g + j + 7 (j = 0, 8, 16 or 24: a constant where this inlines) of a row
+// q holding `bits` per weight: 8, one byte each, or 4, GGUF's order: group g's 16 bytes at 16 g
+// hold its values 0..15 in their low nibbles and 16..31 in their high ones. The same floats
+// either way.
+static inline __attribute__((always_inline)) v8 cvt_part(const uint8_t *q, const int bits,
+                                                         const int64_t g, const int j)
+{
+    if (bits == 8) return cvt8(q + g * GROUP + j);
+    const uint8_t *p = q + g * (GROUP / 2) + (j & 8);
+#ifdef __AVX2__
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return (v8)_mm256_cvtepi32_ps(j < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F))
+                                         : _mm256_srli_epi32(b, 4));
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++) r[i] = (float)(j < 16 ? p[i] & 0x0F : p[i] >> 4);
+    return r;
+#endif
+}
+
 static inline __attribute__((always_inline)) float hsum(v8 a)
 {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
@@ -71,14 +92,15 @@ static inline __attribute__((always_inline)) void hsum_many(const v8 *a, const i
 // scaled in registers and used for every x row. M is a constant at each call site, so the
 // loops unroll and the M sums stay in registers.
 static inline __attribute__((always_inline)) void row_direct(
-    const float *x, const int M, int64_t ldx, const uint8_t *q, const float *sc,
+    const float *x, const int M, int64_t ldx, const uint8_t *q, const int bits, const float *sc,
     const float *mn, int64_t K, float *out, int64_t ldy)
 {
     v8 acc[M_DIRECT] = {{0}};
-    for (int64_t k = 0; k < K; k += 8) {
-        const v8 w = cvt8(q + k) * sc[k / GROUP] + mn[k / GROUP];
-        for (int m = 0; m < M; m++) acc[m] += w * load8(x + m * ldx + k);
-    }
+    for (int64_t g = 0; g < K / GROUP; g++)
+        for (int j = 0; j < GROUP; j += 8) {
+            const v8 w = cvt_part(q, bits, g, j) * sc[g] + mn[g];
+            for (int m = 0; m < M; m++) acc[m] += w * load8(x + m * ldx + g * GROUP + j);
+        }
     for (int m = 0; m < M; m++) out[m * ldy] = hsum(acc[m]);
 }
 
@@ -112,13 +134,14 @@ static inline __attribute__((always_inline)) void tile_r3(
 // One block of nb_rows weight rows from n0 (fewer at the end of N): convert it into wbuf, then x
 // rows m0..m1 past it, four x rows by three weight rows a tile (padding rows computed, dropped).
 static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_t K,
-                     const uint8_t *w, const float *scales, const float *mins, const float *bias,
+                     const uint8_t *w, const int bits, const float *scales, const float *mins, const float *bias,
                      int64_t N, int64_t n0, int64_t nb_rows, float *wbuf, float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-    for (int64_t i = 0; i < nb * K; i += 8)
-        *(v8 *)(wbuf + i) = cvt8(w + n0 * K + i) * scales[n0 * groups + i / GROUP]
-                            + mins[n0 * groups + i / GROUP];
+    for (int64_t g = n0 * groups; g < (n0 + nb) * groups; g++)  // rows are whole groups
+        for (int j = 0; j < GROUP; j += 8)
+            *(v8 *)(wbuf + (g - n0 * groups) * GROUP + j) = cvt_part(w, bits, g, j) * scales[g]
+                                                            + mins[g];
     const int64_t nbp = (nb + 2) / 3 * 3;
     for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0.0f;
     for (int64_t m = m0; m < m1; m += 4) {
@@ -141,14 +164,16 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
             for (int64_t r = 0; r < nb; r++) y[m * ldy + n0 + r] += bias[n0 + r];
 }
 
-// x: [M, K] rows ldx floats apart; w: [N, K] uint8; scales, mins: [N, K / 32]; bias: [N] or NULL;
-// y: [M, N] rows ldy floats apart. K must be a multiple of 32. Returns 0, -1 on bad K, or -2
-// when the block buffer cannot be allocated.
+// x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8) or [N, K / 2] (bits 4, see
+// cvt_part); scales, mins: [N, K / 32]; bias: [N] or NULL; y: [M, N] rows ldy floats apart. K
+// must be a multiple of 32. Returns 0, -1 on bad K or bits, or -2 when the block buffer cannot
+// be allocated.
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
-                       float *y, int64_t ldy, int num_threads)
+                       float *y, int64_t ldy, int bits, int num_threads)
 {
-    if (K % GROUP != 0 || K <= 0) return -1;
+    if (K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4)) return -1;
+    const int64_t row_bytes = K * bits / 8;
     const int64_t groups = K / GROUP;
     if (M <= M_DIRECT) {
         // One weight row per call: two or four rows at once in one thread measured 2.5x
@@ -156,13 +181,21 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         // thread the OS lends to someone else (the server's event loop, a client on the same
         // cores) leaves its rows to the others instead of holding up the step.
 #pragma omp parallel for schedule(guided, 16) num_threads(num_threads)
-        for (int64_t n = 0; n < N; n++)
-            switch (M) {
-#define CASE(m) case m: row_direct(x, m, ldx, w + n * K, scales + n * groups, \
-                                       mins + n * groups, K, y + n, ldy); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        for (int64_t n = 0; n < N; n++) {
+#define CASE(m, b) case m: row_direct(x, m, ldx, w + n * row_bytes, b, scales + n * groups, \
+                                          mins + n * groups, K, y + n, ldy); break;
+            if (bits == 4)
+                switch (M) {
+                CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
+                CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
+                }
+            else
+                switch (M) {
+                CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
+                CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
+                }
 #undef CASE
-            }
+        }
         if (bias)
             for (int64_t m = 0; m < M; m++)
                 for (int64_t n = 0; n < N; n++) y[m * ldy + n] += bias[n];
@@ -191,7 +224,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
             const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t b = 0; b < num_blocks; b++) {
-                if (wbuf) q8_block(x, m0, m1, ldx, K, w, scales, mins, bias, N, b * nb_rows,
+                if (wbuf) q8_block(x, m0, m1, ldx, K, w, bits, scales, mins, bias, N, b * nb_rows,
                                    nb_rows, wbuf, y, ldy);
             }
         }
