@@ -29,6 +29,10 @@
 #define BLOCK_BYTES (128 * 1024)  // converted block (fp32), per thread
 #define X_BYTES (256 * 1024)      // x rows per pass: with the block, within a 512 KiB L2
 #define M_DIRECT 8          // up to this many rows convert in registers
+#define R_MAX 2             // weight rows at once there
+// Two 4-bit weight rows at once for one or two x rows (~1.5x, in cache and out); 8-bit rows
+// stream from memory at full speed one at a time and measured slower two at a time.
+#define R_OF(m, bits) ((bits) == 4 && (m) <= 2 ? 2 : 1)
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint8_t v8u8 __attribute__((vector_size(8), aligned(1)));
@@ -88,20 +92,47 @@ static inline __attribute__((always_inline)) void hsum_many(const v8 *a, const i
 #endif
 }
 
-// Up to M_DIRECT rows of x against one weight row q (uint8), each weight vector converted and
-// scaled in registers and used for every x row. M is a constant at each call site, so the
-// loops unroll and the M sums stay in registers.
-static inline __attribute__((always_inline)) void row_direct(
-    const float *x, const int M, int64_t ldx, const uint8_t *q, const int bits, const float *sc,
-    const float *mn, int64_t K, float *out, int64_t ldy)
+// Up to M_DIRECT rows of x against R weight rows from q (rows row_bytes apart, scales and
+// minimums `groups` apart), each weight vector converted and scaled in registers and used for
+// every x row. M and R are constants at each call site, so the loops unroll and the M * R sums
+// stay in registers. Each sum is one chain of dependent adds; R rows at once keep several
+// chains in flight where M alone is too few (one x row: one chain, bound by the add's latency,
+// not by memory).
+static inline __attribute__((always_inline)) void rows_direct(
+    const float *x, const int M, int64_t ldx, const uint8_t *q, int64_t row_bytes,
+    const int bits, const float *sc, const float *mn, int64_t groups, const int R, int64_t K,
+    float *out, int64_t ldy)
 {
-    v8 acc[M_DIRECT] = {{0}};
+    v8 acc[M_DIRECT] = {{0}};  // [r * M + m]: one flat array stays in registers
     for (int64_t g = 0; g < K / GROUP; g++)
         for (int j = 0; j < GROUP; j += 8) {
-            const v8 w = cvt_part(q, bits, g, j) * sc[g] + mn[g];
-            for (int m = 0; m < M; m++) acc[m] += w * load8(x + m * ldx + g * GROUP + j);
+            v8 w[R_MAX];
+            for (int r = 0; r < R; r++)
+                w[r] = cvt_part(q + r * row_bytes, bits, g, j) * sc[r * groups + g]
+                       + mn[r * groups + g];
+            for (int m = 0; m < M; m++) {
+                const v8 u = load8(x + m * ldx + g * GROUP + j);
+                for (int r = 0; r < R; r++) acc[r * M + m] += w[r] * u;
+            }
         }
-    for (int m = 0; m < M; m++) out[m * ldy] = hsum(acc[m]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[m * ldy + r] = hsum(acc[r * M + m]);
+}
+
+// Weight rows n .. n + R - 1 (fewer at the end of N: one at a time) for M x rows.
+static inline __attribute__((always_inline)) void unit_direct(
+    const float *x, const int M, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+    const int bits, const float *scales, const float *mins, int64_t groups, const int R,
+    int64_t K, int64_t n, int64_t N, float *y, int64_t ldy)
+{
+    if (n + R <= N) {
+        rows_direct(x, M, ldx, w + n * row_bytes, row_bytes, bits, scales + n * groups,
+                    mins + n * groups, groups, R, K, y + n, ldy);
+        return;
+    }
+    for (; n < N; n++)
+        rows_direct(x, M, ldx, w + n * row_bytes, row_bytes, bits, scales + n * groups,
+                    mins + n * groups, groups, 1, K, y + n, ldy);
 }
 
 // PIN keeps a loaded vector in a register: gcc otherwise folds the loads into the FMAs and
@@ -134,8 +165,9 @@ static inline __attribute__((always_inline)) void tile_r3(
 // One block of nb_rows weight rows from n0 (fewer at the end of N): convert it into wbuf, then x
 // rows m0..m1 past it, four x rows by three weight rows a tile (padding rows computed, dropped).
 static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_t K,
-                     const uint8_t *w, const int bits, const float *scales, const float *mins, const float *bias,
-                     int64_t N, int64_t n0, int64_t nb_rows, float *wbuf, float *y, int64_t ldy)
+                     const uint8_t *w, const int bits, const float *scales, const float *mins,
+                     const float *bias, int64_t N, int64_t n0, int64_t nb_rows, float *wbuf,
+                     float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
     for (int64_t g = n0 * groups; g < (n0 + nb) * groups; g++)  // rows are whole groups
@@ -176,14 +208,14 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     const int64_t row_bytes = K * bits / 8;
     const int64_t groups = K / GROUP;
     if (M <= M_DIRECT) {
-        // One weight row per call: two or four rows at once in one thread measured 2.5x
-        // slower, streamed from memory, than one. Guided chunks, not a fixed half each: a
+        // R_OF(M, bits) weight rows a unit, in guided chunks, not a fixed half each: a
         // thread the OS lends to someone else (the server's event loop, a client on the same
         // cores) leaves its rows to the others instead of holding up the step.
-#pragma omp parallel for schedule(guided, 16) num_threads(num_threads)
-        for (int64_t n = 0; n < N; n++) {
-#define CASE(m, b) case m: row_direct(x, m, ldx, w + n * row_bytes, b, scales + n * groups, \
-                                          mins + n * groups, K, y + n, ldy); break;
+        const int R = R_OF(M, bits), chunk = 16 / R;
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
+        for (int64_t u = 0; u < (N + R - 1) / R; u++) {
+#define CASE(m, b) case m: unit_direct(x, m, ldx, w, row_bytes, b, scales, mins, groups, \
+                                           R_OF(m, b), K, u * R, N, y, ldy); break;
             if (bits == 4)
                 switch (M) {
                 CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
