@@ -5,8 +5,9 @@ On the CPU (with Loom's C kernels, `loom/kernels/csrc/linear_q8.c`): 8-bit weigh
 group's least to its greatest weight), fp32 activations and sums. Decode on a CPU is bound by
 reading weights: this reads a quarter of fp32's bytes (plus a quarter of that for scales and
 minimums). A GGUF 4-bit group (16 levels 15 steps apart) lands exactly on the grid, since
-255 = 15 * 17: a Q4_0/Q4_1 model keeps its weights. Every output is summed in the same order
-whatever the batch, so a request computes the same bits alone as batched.
+255 = 15 * 17: a Q4_0/Q4_1 model keeps its weights, and keeps them two a byte (GGUF's own
+nibbles; see Q8Groups), so decode reads 6 bits a weight. Every output is summed in the same
+order whatever the batch, so a request computes the same bits alone as batched.
 
 Elsewhere (CUDA, or no C compiler): per-output-channel int8 weights through torch's
 `_weight_int8pack_mm`, which takes and returns bf16.

@@ -240,6 +240,7 @@ def test_q8_groups_only_take_32_wide_block_formats() -> None:
     # 4-bit where every source of a layer is: qkv and down take 8 bits, o and gate_up 4
     ("llama", "llama", T.Q4_1, {"attn_v": T.Q8_0, "ffn_down": T.Q5_0}),
     ("qwen2", "qwen2", T.Q8_0, {}),  # tied embedding and head, q/k/v biases
+    ("llama-tied", "llama", T.Q4_0, {}),  # a tied head on 4-bit embeddings
     ("qwen3", "qwen3", T.Q5_1, {}),  # q/k norms: the per-module path
     ("llama-tied", "llama", T.F16, {}),  # no block format: float rows quantized as they load
 ])
