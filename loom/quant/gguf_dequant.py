@@ -12,7 +12,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from loom.quant.int8 import Q8Groups
+from loom.quant.int8 import Q8Groups, unpack_nibbles
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -23,14 +23,6 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # [n, 1]
 
 
-def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> [n, 32] uint8 values: low nibbles are elements 0..15, high are 16..31."""
-    out = torch.empty(qs.shape[0], 2, 16, dtype=torch.uint8)
-    torch.bitwise_and(qs, 0x0F, out=out[:, 0])
-    torch.bitwise_right_shift(qs, 4, out=out[:, 1])
-    return out.view(-1, 32)
-
-
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """[n, 4] bytes (little-endian uint32) -> [n, 32] bit j of that word, as 0/16."""
     word = qh.to(torch.int64)
@@ -39,23 +31,30 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     return (bits << 4).to(torch.int16)
 
 
+# 4-bit block formats -> where their 16 bytes of nibbles start in a block
+NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+
+
 def _unpack(
-    qtype: GGMLQuantizationType, blocks: torch.Tensor
+    qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """blocks [n, type_size] uint8 -> (integers [n, 32], d [n, 1], zero, m [n, 1] or None): each
-    weight is d * (integer - zero), plus m where the format has one."""
+    weight is d * (integer - zero), plus m where the format has one. `packed`: a 4-bit format's
+    integers stay its 16 bytes of nibbles [n, 16], in GGUF's order."""
     d = _f16(blocks, 0)
+    if qtype in NIBBLE_TYPES:
+        qs = blocks[:, NIBBLE_TYPES[qtype]:]
+        q = qs if packed else unpack_nibbles(qs)
+        if qtype == GGMLQuantizationType.Q4_0:
+            return q, d, 8, None
+        return q, d, 0, _f16(blocks, 2)
     if qtype == GGMLQuantizationType.Q8_0:
         return blocks[:, 2:].view(torch.int8), d, 0, None
-    if qtype == GGMLQuantizationType.Q4_0:
-        return _low_high_nibbles(blocks[:, 2:]), d, 8, None
-    if qtype == GGMLQuantizationType.Q4_1:
-        return _low_high_nibbles(blocks[:, 4:]), d, 0, _f16(blocks, 2)
     if qtype == GGMLQuantizationType.Q5_0:
-        return _low_high_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6]), \
+        return unpack_nibbles(blocks[:, 6:]).to(torch.int16) | _fifth_bits(blocks[:, 2:6]), \
             d, 16, None
     if qtype == GGMLQuantizationType.Q5_1:
-        return _low_high_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8]), \
+        return unpack_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8]), \
             d, 0, _f16(blocks, 2)
     raise AssertionError(qtype)
 
@@ -74,22 +73,14 @@ def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.
     return w if m is None else w.add_(m)
 
 
-# 4-bit block formats, and where their 16 bytes of nibbles start in a block
-NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
-
 def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
     """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
     Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
-    if qtype in NIBBLE_TYPES:
-        start = NIBBLE_TYPES[qtype]
-        d = _f16(blocks, 0)
-        m = _f16(blocks, 2) if qtype == GGMLQuantizationType.Q4_1 else d * -8.0
-        return Q8Groups(blocks[:, start:start + 16], d, m, bits=4)
-    q, d, zero, m = _unpack(qtype, blocks)
+    q, d, zero, m = _unpack(qtype, blocks, packed=True)
     if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255
         q, zero = q.to(torch.int16).add_(128), zero + 128
-    return Q8Groups(q.to(torch.uint8), d, d * -float(zero) if m is None else m)
+    return Q8Groups(q.to(torch.uint8), d, d * -float(zero) if m is None else m, group_bits(qtype))
 
 
 TORCH_TYPES = {

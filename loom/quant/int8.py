@@ -52,6 +52,15 @@ def quantize_groups_fast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, scales, mins
 
 
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes (a GGUF 4-bit group) -> [n, 32] uint8 values: low nibbles are elements
+    0..15, high are 16..31."""
+    out = torch.empty(qs.shape[0], 2, 16, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=out[:, 1])
+    return out.view(-1, 32)
+
+
 @dataclass
 class Q8Groups:
     """Weights already on the grid above: q [N, K], fp32 scales and minimums [N, K / 32].
@@ -87,9 +96,7 @@ class Q8Groups:
         """q as uint8 [N, K], one value per weight."""
         if self.bits == 8:
             return self.q
-        n, half = self.q.shape
-        nib = self.q.reshape(n, half // 16, 1, 16)
-        return torch.cat((nib & 0x0F, nib >> 4), dim=2).view(n, half * 2)
+        return unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(self.shape)
 
     def to_bits(self, bits: int) -> Q8Groups:
         """The same values in `bits` per weight; 4 needs every q below 16 (ValueError)."""
