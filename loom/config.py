@@ -56,8 +56,9 @@ class ModelConfig:
             raise ConfigError(f"model config: unsupported hidden_act {self.hidden_act!r}")
 
 
-# --kv-cache-dtype: auto is the model's dtype (loom.worker.kv_cache maps the names to torch's).
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+# --kv-cache-dtype: auto is the model's dtype (loom.worker.kv_cache maps the names to torch's;
+# int8 holds each head's K and V rows as 8-bit groups of 32 with an fp32 scale and minimum).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ BLOCK = 16
 class PagedBatch:
     """Drives Loom's model directly: each request owns blocks; steps mix prefill and decode."""
 
-    def __init__(self, loaded, num_blocks: int = 64, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, loaded, num_blocks: int = 64, device: torch.device = torch.device("cpu"),
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = loaded.model
         self.device = device
-        caches = allocate_kv_caches(loaded.config, num_blocks, BLOCK, loaded.dtype, device)
+        caches = allocate_kv_caches(loaded.config, num_blocks, BLOCK, kv_dtype or loaded.dtype,
+                                    device)
         for attn, cache in zip(self.model.attention_layers(), caches):
             attn.kv_cache = cache
         self.next_block = 1  # block 0 is the null block

@@ -39,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache (default: half the free memory, capped at need)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="K/V storage: auto (the model's dtype) or float16 (half the bytes, like "
-                        "llama.cpp's default; attention still computes in fp32 on the CPU)")
+                   help="K/V storage: auto (the model's dtype), float16 (half the bytes, like "
+                        "llama.cpp's default) or int8 (groups of 32 with an fp32 scale and minimum: "
+                        "62.5%% of float16's bytes); attention computes in fp32")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

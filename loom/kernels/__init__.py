@@ -55,8 +55,16 @@ SIGNATURES = {
 }
 
 
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # the kernels' kv_type
+
+
+def kv_type(kv_cache: torch.Tensor) -> int:
+    """What the C kernels call the cache's dtype (fp32, fp16, or int8 rows: torch_ref)."""
+    return KV_TYPES[kv_cache.dtype]
+
+
 def kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
-    """Addresses of K and V in a contiguous cache [2, blocks, block_size, kv_heads, head_dim]."""
+    """Addresses of K and V in a contiguous cache [2, blocks, block_size, kv_heads, row]."""
     assert kv_cache.is_contiguous()
     k = kv_cache.data_ptr()
     return k, k + kv_cache.numel() // 2 * kv_cache.element_size()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.kernels import cpu_kernels, kv_pointers
+from loom.kernels import KV_TYPES, cpu_kernels, kv_pointers, kv_type
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -51,14 +51,14 @@ def rope_write_kv_(
 ) -> None:
     """Rotate the q and k heads of packed qkv rows [num_tokens, (heads + 2 kv_heads) head_dim]
     in place by `table` rows (loom/layers/rotary.py layout) at `positions`, then write k and v
-    into `kv_cache` [2, num_blocks, block_size, kv_heads, head_dim] (fp32 or fp16) at
+    into `kv_cache` [2, num_blocks, block_size, kv_heads, row] (fp32, fp16 or int8) at
     `slot_mapping`."""
     assert qkv.stride(1) == 1 and table.is_contiguous()
-    assert kv_cache.dtype in (torch.float32, torch.float16)
+    assert kv_cache.dtype in KV_TYPES
     assert positions.dtype == slot_mapping.dtype == torch.int64
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
     cpu_kernels().loom_rope_write_kv_f32(
         qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, kv_heads, head_dim,
         table.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-        *kv_pointers(kv_cache), torch.get_num_threads(), kv_cache.dtype == torch.float16,
+        *kv_pointers(kv_cache), torch.get_num_threads(), kv_type(kv_cache),
     )

@@ -14,7 +14,7 @@ import torch
 
 from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
-from loom.kernels import cpu_kernels, kv_pointers
+from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.quant.int8 import Int8Linear
 
 
@@ -111,7 +111,7 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            cache.dtype == torch.float16,
+            kv_type(cache),
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+from loom.attention.backends.torch_ref import KV_GROUP
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -22,10 +23,22 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else getattr(torch, name)
 
 
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of the cache's last dimension per (slot, kv head): head_dim, or for int8 the
+    head_dim values and then head_dim / 32 fp32 scales and minimums, 4 bytes each
+    (torch_ref.quantize_kv)."""
+    if dtype != torch.int8:
+        return head_dim
+    if head_dim % KV_GROUP != 0:
+        raise ConfigError(f"kv_cache_dtype int8 needs a head_dim divisible by {KV_GROUP}, "
+                          f"not {head_dim}")
+    return head_dim + head_dim // KV_GROUP * 8
+
+
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 * layers * block_size * kv_heads * head_dim * itemsize."""
+    """K and V for every layer: 2 * layers * block_size * kv_heads * row * itemsize."""
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
-    per_token *= model_config.head_dim * dtype.itemsize
+    per_token *= row_width(model_config.head_dim, dtype) * dtype.itemsize
     return per_token * block_size
 
 
@@ -74,13 +87,14 @@ def allocate_kv_caches(
     model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, zeroed.
+    """One [2, num_blocks, block_size, kv_heads, row_width] tensor per layer, zeroed.
 
     Attention reads whole blocks, including slots no request has written yet (masked out, so
     they must hold finite numbers). On the host the zeroes come from calloc, whose fresh pages
     are zero without being touched: memory is only committed when first written.
     """
-    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    shape = (2, num_blocks, block_size, model_config.num_key_value_heads,
+             row_width(model_config.head_dim, dtype))
     caches = []
     for _ in range(model_config.num_hidden_layers):
         if device.type == "cpu":

@@ -236,3 +236,36 @@ def test_int8_quantizer_kernel_matches_torch() -> None:
     w[4, 32:64] *= 1e-30  # denormal-scale group
     for got, want in zip(quantize_groups_fast(w), quantize_groups(w)):
         assert torch.equal(got, want)
+
+
+def test_int8_kv_cache_agrees_with_reference() -> None:
+    """--kv-cache-dtype int8 (K/V as 8-bit groups of 32 with an fp32 scale and minimum) on the
+    default model, with fp32 and with int8 weights, teacher-forced over 16 chats and the fp32
+    reference's 48-token greedy continuations (1495 positions). Measured: 1484 and 1489 of 1495
+    top-1 agree (99.3%, 99.6%), logit error 0.024 / 0.018; K's rounding is most of it (a
+    symmetric max|x| / 127 grid measured 98.9%). The 91-position TEXTS set is too small for a 99%
+    bar here: its prompt 0 holds a near-tie (top-2 gap 0.022) that flips."""
+    from tests.model.test_engine import chats
+
+    source = resolve_model(None)
+    tok = Tokenizer.from_source(source)
+    ref_model = load_model(source, "float32")
+    seqs = {str(i): tok.encode_chat(c) for i, c in enumerate(chats())}
+    gen = PagedBatch(ref_model, num_blocks=256)
+    work = seqs
+    for _ in range(48):  # the reference's greedy answers, every chat one token a step
+        logits = gen.step(work)
+        work = {k: [int(logits[k][-1].argmax())] for k in seqs}
+        for k in seqs:
+            seqs[k] = seqs[k] + work[k]
+    seqs = {k: s[:-1] for k, s in seqs.items()}  # the last token was never fed
+    ref = PagedBatch(ref_model, num_blocks=256).step(seqs)
+    total = sum(len(s) for s in seqs.values())
+    assert total == 1495
+    for model in (ref_model, load_model(source, "float32", quantization="int8")):
+        batch = PagedBatch(model, num_blocks=256, kv_dtype=torch.int8)
+        assert batch.model.model.layers[0].self_attn.attn.kv_cache.dtype == torch.int8
+        got = batch.step(seqs)
+        agree = sum(int((ref[k].argmax(-1) == got[k].argmax(-1)).sum()) for k in seqs)
+        assert agree / total >= 0.99, agree
+        assert max(rel_err(got[k], ref[k]) for k in seqs) < 0.05

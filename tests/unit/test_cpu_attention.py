@@ -79,21 +79,59 @@ def test_kernel_matches_reference(computed, qlens, heads, kv_heads, head_dim, bl
     assert (ref.double() - want).abs().max() < 2e-5
 
 
+def both_backends_match(q, stored, values, md, blocks, computed, qlens, window) -> None:
+    """Both backends over the cache `stored` against the reference over the `values` it holds:
+    as close as with an fp32 cache."""
+    heads, head_dim = q.shape[1:]
+    want = reference(values, q, blocks, computed, qlens, window)
+    assert cpu_kernel.supported(q, stored, heads, stored.shape[3], head_dim)
+    got = cpu_kernel.paged_attention(q, stored, md, head_dim**-0.5, window)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 2e-5
+    mask = torch_ref.build_mask(md, window, q.dtype)
+    ref = torch_ref.paged_attention(q, stored, md, mask, head_dim**-0.5)
+    assert ref.dtype == torch.float32 and (ref.double() - want).abs().max() < 2e-5
+
+
 @pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window",
                          [CASES[1], CASES[2], CASES[4]])
 def test_fp16_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size,
                                       window):
-    """--kv-cache-dtype float16: K/V stored in fp16, attention still in fp32. Against the
-    reference over the same fp16 values, both backends stay as close as with an fp32 cache."""
+    """--kv-cache-dtype float16: K/V stored in fp16, attention still in fp32."""
     cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
     half = cache.half()
-    want = reference(half.float(), q, blocks, computed, qlens, window)
-    assert cpu_kernel.supported(q, half, heads, kv_heads, head_dim)
-    got = cpu_kernel.paged_attention(q, half, md, head_dim**-0.5, window)
-    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 2e-5
-    mask = torch_ref.build_mask(md, window, q.dtype)
-    ref = torch_ref.paged_attention(q, half, md, mask, head_dim**-0.5)
-    assert ref.dtype == torch.float32 and (ref.double() - want).abs().max() < 2e-5
+    both_backends_match(q, half, half.float(), md, blocks, computed, qlens, window)
+
+
+@pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window",
+                         [CASES[0], CASES[1], CASES[2], CASES[3]])
+def test_int8_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size,
+                                      window):
+    """--kv-cache-dtype int8: K/V stored as 8-bit groups of 32 with an fp32 scale and minimum,
+    attention in fp32. The stored values are within half a step of the fp32 ones."""
+    cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
+    rows = torch_ref.quantize_kv(cache)
+    assert rows.dtype == torch.int8 and rows.shape[-1] == head_dim + head_dim // 4
+    values = torch_ref.dequantize_kv(rows, head_dim, torch.float32)
+    groups = cache.view(*cache.shape[:-1], -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 255
+    assert ((values - cache).view(groups.shape).abs() <= step[..., None] * 0.5001 + 1e-6).all()
+    both_backends_match(q, rows, values, md, blocks, computed, qlens, window)
+
+
+def test_int8_cache_of_constants_and_extremes():
+    """A constant group stores zeros, a zero scale and the constant as its minimum (exact); a
+    group's least and greatest values map to 0 and 255, and come back exactly."""
+    x = torch.zeros(2, 64)
+    x[0, 32:] = 1.5
+    x[1, :32] = torch.linspace(-3, 2, 32)
+    rows = torch_ref.quantize_kv(x)
+    params = rows[:, 64:].contiguous().view(torch.float32)  # [scale 0, scale 1, min 0, min 1]
+    assert rows[0, :64].eq(0).all() and params[0].tolist() == [0.0, 0.0, 0.0, 1.5]
+    q = rows[1, :32].view(torch.uint8)
+    assert q[0] == 0 and q[31] == 255 and params[1, 2].item() == -3.0
+    back = torch_ref.dequantize_kv(rows, 64, torch.float32)
+    assert torch.equal(back[0], x[0]) and back[1, 0] == -3.0
+    assert back[1, 31].item() == pytest.approx(2.0, abs=1e-6)
 
 
 def test_strided_query_view():

@@ -69,6 +69,12 @@ def test_rope_write_kv(n, heads, kv_heads, head_dim):
     cpu_ops.rope_write_kv_(qkv.clone(), heads, kv_heads, head_dim, rotary.cos_sin_cache,
                            positions, slots, half)
     assert torch.equal(half, cache.half())
+    # an int8 cache (--kv-cache-dtype int8) takes the same bytes as torch_ref's quantizer
+    if head_dim % 32 == 0:
+        rows = torch.zeros(2, 8, 16, kv_heads, head_dim + head_dim // 4, dtype=torch.int8)
+        cpu_ops.rope_write_kv_(qkv.clone(), heads, kv_heads, head_dim, rotary.cos_sin_cache,
+                               positions, slots, rows)
+        assert torch.equal(rows, torch_ref.quantize_kv(cache))
 
 
 def test_rope_rejects_positions_past_the_table():

@@ -2,8 +2,8 @@
 
 It reads K and V in place in the paged cache: no gather, no padded query copy, no mask tensor.
 Each token attends only its own request's context, so a request gets the same bits alone as in
-any batch. fp32 activations over an fp32 or fp16 cache; other dtypes, devices and shapes use
-the torch reference backend.
+any batch. fp32 activations over an fp32, fp16 or int8 cache; other dtypes, devices and shapes
+use the torch reference backend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from loom.attention.metadata import AttentionMetadata
-from loom.kernels import cpu_kernels, kv_pointers
+from loom.kernels import KV_TYPES, cpu_kernels, kv_pointers, kv_type
 
 ROWS_PER_TILE = 64  # query rows (tokens x heads) that share each K/V read
 MAX_TILE_FLOATS = 65536  # a one-token tile's rows x head_dim must fit the kernel's stack scratch
@@ -25,7 +25,7 @@ def supported(
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
-        and kv_cache.dtype in (torch.float32, torch.float16)
+        and kv_cache.dtype in KV_TYPES
         and kv_cache.is_contiguous()
         and num_heads % kv_heads == 0
         and num_heads * head_dim <= MAX_TILE_FLOATS
@@ -81,7 +81,7 @@ def paged_attention(
         md.positions.data_ptr(),
         tiles.ctypes.data, tiles.shape[0],
         num_heads, kv_heads, head_dim, block_size,
-        sliding_window or 0, scale, torch.get_num_threads(), kv_cache.dtype == torch.float16,
+        sliding_window or 0, scale, torch.get_num_threads(), kv_type(kv_cache),
         out.data_ptr(),
     )
     if rc != 0:

@@ -16,12 +16,43 @@ import torch.nn.functional as F
 from loom.attention.metadata import AttentionMetadata
 
 
+KV_GROUP = 32  # values per fp32 scale and minimum in an int8 cache
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] floats -> int8 cache rows [..., head_dim + head_dim / 4] (bytes): the
+    values as uint8, then per group of 32 its fp32 scale, then its fp32 minimum (the weights'
+    grid, loom.quant.int8): min = least, scale = (greatest - least) / 255, value =
+    round_half_even((x - min) / scale), 0 for a constant group. What the C kernel writes, byte
+    for byte. Asymmetric: K's outlier channels cost half the logit error of max|x| / 127."""
+    *lead, d = x.shape
+    g = x.float().reshape(*lead, d // KV_GROUP, KV_GROUP)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    scale = (hi - lo) / 255.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo) / safe).clamp(0, 255).to(torch.uint8).reshape(*lead, d)
+    params = torch.cat([scale, lo], dim=-1).transpose(-1, -2).reshape(*lead, d // KV_GROUP * 2)
+    return torch.cat([q.view(torch.int8), params.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """int8 cache rows [..., head_dim + head_dim / 4] -> [..., head_dim] in `dtype`."""
+    *lead, _ = rows.shape
+    groups = head_dim // KV_GROUP
+    q = rows[..., :head_dim].view(torch.uint8).float().reshape(*lead, groups, KV_GROUP)
+    params = rows[..., head_dim:].contiguous().view(torch.float32)
+    scale, lo = params[..., :groups, None], params[..., groups:, None]
+    return (q * scale + lo).reshape(*lead, head_dim).to(dtype)
+
+
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """kv_cache [2, num_blocks, block_size, kv_heads, head_dim]; k, v [num_tokens, kv, head_dim]."""
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    """kv_cache [2, num_blocks, block_size, kv_heads, row]; k, v [num_tokens, kv, head_dim]."""
+    _, num_blocks, block_size, kv_heads, row = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, row)
+    if kv_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))  # an fp16 cache rounds here
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
@@ -50,17 +81,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    _, num_blocks, block_size, kv_heads, row = kv_cache.shape
     num_reqs = md.seq_lens.shape[0]
     # Positions past a request's context (the rest of its last block, padding blocks that point
     # at the null block 0) are masked out; the cache is allocated zeroed, so what they hold is
     # finite and its zero weight cancels it.
     blocks = md.block_tables.view(-1)
-    gathered = md.workspace.take((2, blocks.numel(), block_size * kv_heads * head_dim),
+    gathered = md.workspace.take((2, blocks.numel(), block_size * kv_heads * row),
                                  kv_cache.dtype, kv_cache.device)
     for i in (0, 1):
         torch.index_select(kv_cache[i].view(num_blocks, -1), 0, blocks, out=gathered[i])
-    k, v = gathered.view(2, num_reqs, -1, kv_heads, head_dim).transpose(2, 3).to(q.dtype)
+    gathered = gathered.view(2, num_reqs, -1, kv_heads, row)
+    if kv_cache.dtype == torch.int8:
+        gathered = dequantize_kv(gathered, head_dim, q.dtype)
+    k, v = gathered.transpose(2, 3).to(q.dtype)
     # k, v [num_reqs, kv_heads, max_blocks * block_size, head_dim]
     decode_only = md.max_query_len == 1  # token i is request i's only query: no padding
     if decode_only:

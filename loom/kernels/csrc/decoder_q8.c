@@ -26,25 +26,25 @@ void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, i
 void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads,
                             int64_t kv_heads, int64_t D, const float *table,
                             const int64_t *positions, const int64_t *slots, void *k_cache,
-                            void *v_cache, int num_threads, int kv_f16);
+                            void *v_cache, int num_threads, int kv_type);
 int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const void *k_cache,
                              const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
                              const int64_t *positions, const int64_t *tiles, int64_t num_tiles,
                              int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t window, float scale, int num_threads,
-                             int kv_f16, float *out);
+                             int kv_type, float *out);
 
 // hidden [M, H]: the embeddings in, the residual stream after. Returns the final-normed hidden
 // states in buf_h [M, H]. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D],
-// buf_gu [M, 2 I], buf_act [M, I]. kv_f16: the caches hold fp16. Returns 0, or the first
-// kernel's error.
+// buf_gu [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8).
+// Returns 0, or the first kernel's error.
 int loom_llama_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
     const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
     int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt, int kv_f16)
+    float *buf_act, int nt, int kv_type)
 {
     const int64_t qkv_n = (num_heads + 2 * kv_heads) * D, q_n = num_heads * D;
     int rc;
@@ -58,11 +58,11 @@ int loom_llama_forward_q8(
                                      qkv_n, buf_qkv, qkv_n, (int)L->qkv_bits, nt)))
             return rc;
         loom_rope_write_kv_f32(buf_qkv, qkv_n, M, num_heads, kv_heads, D, rope_table, positions,
-                               slots, L->k_cache, L->v_cache, nt, kv_f16);
+                               slots, L->k_cache, L->v_cache, nt, kv_type);
         if ((rc = loom_paged_attention_f32(buf_qkv, qkv_n, L->k_cache, L->v_cache, block_tables,
                                            max_blocks, positions, tiles, num_tiles, num_heads,
                                            kv_heads, D, block_size, L->window, scale, nt,
-                                           kv_f16, buf_attn)))
+                                           kv_type, buf_attn)))
             return rc;
         if ((rc = loom_linear_q8_f32(buf_attn, M, q_n, q_n, L->o_w, L->o_s, L->o_m, NULL, H,
                                      buf_h, H, (int)L->o_bits, nt)))

@@ -54,15 +54,44 @@ static inline void f32_to_f16(const float *src, int64_t n, _Float16 *dst)
     for (; i < n; i++) dst[i] = (_Float16)src[i];
 }
 
+// One cache row of an int8 cache (--kv-cache-dtype int8) from kv_heads * D fp32 values: per
+// head, D uint8 values, then D / 32 fp32 scales, then D / 32 fp32 minimums, one per group of 32
+// (the weights' grid: loom/kernels/csrc/linear_q8.c): min = least, scale = (greatest - least)
+// / 255, value = round_half_even((x - min) / scale) (0 for a constant group). Exact IEEE steps
+// (the file is built with -ffast-math): the same bytes as loom.attention.backends.torch_ref.
+__attribute__((optimize("no-fast-math")))
+static void f32_to_kv_i8(const float *src, int64_t kv_heads, int64_t D, uint8_t *dst)
+{
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const float *x = src + h * D;
+        uint8_t *q = dst + h * (D + D / 4);
+        for (int64_t g = 0; g < D / 32; g++) {
+            float lo = x[g * 32], hi = lo;
+            for (int i = 1; i < 32; i++) {
+                lo = x[g * 32 + i] < lo ? x[g * 32 + i] : lo;
+                hi = x[g * 32 + i] > hi ? x[g * 32 + i] : hi;
+            }
+            const float scale = (hi - lo) / 255.0f, safe = scale > 0.0f ? scale : 1.0f;
+            for (int i = 0; i < 32; i++) {
+                float v = __builtin_roundevenf((x[g * 32 + i] - lo) / safe);
+                q[g * 32 + i] = (uint8_t)(v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v);
+            }
+            __builtin_memcpy(q + D + g * 4, &scale, 4);
+            __builtin_memcpy(q + D + D / 8 + g * 4, &lo, 4);
+        }
+    }
+}
+
 // Rotary embedding of the q and k heads of packed qkv rows, in place, then the rotated k and
 // the v heads written to their cache slots. qkv: [n] rows `stride` floats apart, each
 // [num_heads q | kv_heads k | kv_heads v] x D. table: row p = [cos | cos | -sin | sin], each
-// D/2 wide (loom/layers/rotary.py). Cache: [num_slots, kv_heads, D] for K and for V, fp32, or
-// fp16 when kv_f16 (rounded to nearest).
+// D/2 wide (loom/layers/rotary.py). Cache: [num_slots, kv_heads, D] for K and for V, fp32
+// (kv_type 0), fp16 (1, rounded to nearest), or int8 (2: [num_slots, kv_heads, D + D / 4]
+// bytes, see f32_to_kv_i8).
 void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads,
                             int64_t kv_heads, int64_t D, const float *table,
                             const int64_t *positions, const int64_t *slots, void *k_cache,
-                            void *v_cache, int num_threads, int kv_f16)
+                            void *v_cache, int num_threads, int kv_type)
 {
     const int64_t half = D / 2;
 #pragma omp parallel for num_threads(num_threads) if (n >= PAR_MIN_TOKENS)
@@ -79,7 +108,10 @@ void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_h
         }
         const float *k = row + num_heads * D, *v = k + kv_heads * D;
         const int64_t at = slots[t] * kv_heads * D;
-        if (kv_f16) {
+        if (kv_type == 2) {
+            f32_to_kv_i8(k, kv_heads, D, (uint8_t *)k_cache + slots[t] * kv_heads * (D + D / 4));
+            f32_to_kv_i8(v, kv_heads, D, (uint8_t *)v_cache + slots[t] * kv_heads * (D + D / 4));
+        } else if (kv_type == 1) {
             f32_to_f16(k, kv_heads * D, (_Float16 *)k_cache + at);
             f32_to_f16(v, kv_heads * D, (_Float16 *)v_cache + at);
         } else {

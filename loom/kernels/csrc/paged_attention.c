@@ -1,5 +1,5 @@
-// Paged attention for the CPU in fp32, over an fp32 or fp16 cache: reads K and V where they lie
-// in Loom's paged cache (no gather, no padded copy) with an online softmax, for any mix of
+// Paged attention for the CPU in fp32, over an fp32, fp16 or int8 cache: reads K and V where they
+// lie in Loom's paged cache (no gather, no padded copy) with an online softmax, for any mix of
 // prefills and decodes.
 //
 // Work is split into tiles run in parallel by OpenMP. A tile is up to `ntok` consecutive query
@@ -23,6 +23,7 @@
 #endif
 
 #define KEY_CHUNK 16
+enum { KV_F32 = 0, KV_F16 = 1, KV_INT8 = 2 };  // what the cache holds (loom/worker/kv_cache.py)
 
 // n fp16 values -> fp32 (the cache in fp16: --kv-cache-dtype float16).
 static inline void f16_to_f32(const _Float16 *src, int64_t n, float *dst)
@@ -35,11 +36,29 @@ static inline void f16_to_f32(const _Float16 *src, int64_t n, float *dst)
     for (; i < n; i++) dst[i] = (float)src[i];
 }
 
+// n int8 cache rows (KV_INT8: each kv head's D uint8 values, then D / 32 fp32 scales and D / 32
+// fp32 minimums; rows row_bytes apart) -> fp32 rows of kv_heads * D: value * scale + minimum.
+static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int64_t kv_heads,
+                             int D, float *dst)
+{
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const uint8_t *qv = (const uint8_t *)(src + j * row_bytes + h * (D + D / 4));
+            float sc[D / 32], mn[D / 32];
+            __builtin_memcpy(sc, qv + D, sizeof sc);
+            __builtin_memcpy(mn, qv + D + D / 8, sizeof mn);
+            float *o = dst + (j * kv_heads + h) * D;
+            for (int g = 0; g < D / 32; g++)
+                for (int i = 0; i < 32; i++)
+                    o[g * 32 + i] = (float)qv[g * 32 + i] * sc[g] + mn[g];
+        }
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_table, const int64_t *positions, int64_t tok0, int64_t ntok,
     int64_t num_heads, int64_t kv_heads, int64_t block_size, int64_t window, float scale,
-    float *out, const int D, const int F16)
+    float *out, const int D, const int KT)  // KT: the cache's type, KV_F32 / KV_F16 / KV_INT8
 {
     const int64_t group = num_heads / kv_heads;
     const int64_t rows = ntok * num_heads;     // row = token * num_heads + head
@@ -49,10 +68,12 @@ static inline __attribute__((always_inline)) void attend_tile(
     float m[rows], l[rows];
     int64_t lo[ntok], hi[ntok];
     float s[KEY_CHUNK];
-    const int64_t esize = F16 ? 2 : 4;
-    // An fp16 cache: each run of keys converted once, for every token and head of the tile.
-    float kconv[F16 ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
-    float vconv[F16 ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
+    // Bytes between consecutive keys in the cache.
+    const int64_t row_bytes = KT == KV_INT8 ? kv_heads * (D + D / 4) : kv_stride * (KT ? 2 : 4);
+    // An fp16 or int8 cache: each run of keys converted once, for every token and head of the
+    // tile.
+    float kconv[KT ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
+    float vconv[KT ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
 
     for (int64_t t = 0; t < ntok; t++) {
         hi[t] = positions[tok0 + t];
@@ -74,8 +95,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         int64_t j1 = j0 + (block_size - in_blk);
         if (j1 > khi + 1) j1 = khi + 1;
         if (j1 > j0 + KEY_CHUNK) j1 = j0 + KEY_CHUNK;
-        const char *kraw = (const char *)k_cache + (blk * block_size + in_blk) * kv_stride * esize;
-        const char *vraw = (const char *)v_cache + (blk * block_size + in_blk) * kv_stride * esize;
+        const char *kraw = (const char *)k_cache + (blk * block_size + in_blk) * row_bytes;
+        const char *vraw = (const char *)v_cache + (blk * block_size + in_blk) * row_bytes;
         const float *kbase = (const float *)kraw, *vbase = (const float *)vraw;
         if (j1 <= khi) {
             // Prefetch the next run while this one computes: without it, loads and arithmetic
@@ -84,17 +105,22 @@ static inline __attribute__((always_inline)) void attend_tile(
             int64_t nn = block_size - nin;
             if (nn > KEY_CHUNK) nn = KEY_CHUNK;
             if (nn > khi + 1 - j1) nn = khi + 1 - j1;
-            const char *nk = (const char *)k_cache + (nblk * block_size + nin) * kv_stride * esize;
-            const char *nv = (const char *)v_cache + (nblk * block_size + nin) * kv_stride * esize;
-            for (int64_t byte = 0; byte < nn * kv_stride * esize; byte += 64) {
+            const char *nk = (const char *)k_cache + (nblk * block_size + nin) * row_bytes;
+            const char *nv = (const char *)v_cache + (nblk * block_size + nin) * row_bytes;
+            for (int64_t byte = 0; byte < nn * row_bytes; byte += 64) {
                 __builtin_prefetch(nk + byte);
                 __builtin_prefetch(nv + byte);
             }
         }
 
-        if (F16) {
+        if (KT == KV_F16) {
             f16_to_f32((const _Float16 *)kraw, (j1 - j0) * kv_stride, kconv);
             f16_to_f32((const _Float16 *)vraw, (j1 - j0) * kv_stride, vconv);
+        } else if (KT == KV_INT8) {
+            i8_to_f32(kraw, j1 - j0, row_bytes, kv_heads, D, kconv);
+            i8_to_f32(vraw, j1 - j0, row_bytes, kv_heads, D, vconv);
+        }
+        if (KT) {
             kbase = kconv;
             vbase = vconv;
         }
@@ -169,7 +195,7 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 // tiles: [num_tiles, 3] int64 rows of (request, first token, number of tokens), the tokens of a
 // request consecutive in the flat batch. out: [num_tokens, num_heads, head_dim], contiguous.
-// kv_f16: the cache holds fp16 (else fp32).
+// kv_type: what the cache holds: KV_F32, KV_F16, or KV_INT8 (head_dim a multiple of 32).
 // Returns 0, or -1 if a tile's scratch (2 x rows x head_dim floats, on the stack) is too big.
 int loom_paged_attention_f32(
     const float *q, int64_t q_tok_stride,      // q[t, head, d] at q + t*q_tok_stride + head*D + d
@@ -178,9 +204,10 @@ int loom_paged_attention_f32(
     const int64_t *positions,                  // [num_tokens] absolute position of each token
     const int64_t *tiles, int64_t num_tiles,
     int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t window, float scale, int num_threads, int kv_f16,
+    int64_t window, float scale, int num_threads, int kv_type,
     float *out)
 {
+    if (kv_type == KV_INT8 && head_dim % 32 != 0) return -1;
     for (int64_t it = 0; it < num_tiles; it++)
         if (tiles[it * 3 + 2] * num_heads * head_dim > 65536) return -1;
     if (kv_heads < 1 || num_heads % kv_heads != 0) return -1;
@@ -188,15 +215,18 @@ int loom_paged_attention_f32(
     for (int64_t it = 0; it < num_tiles; it++) {
         const int64_t *tile = tiles + it * 3;
         const int64_t *table = block_tables + tile[0] * max_blocks;
-#define ATTEND(D, F16) attend_tile(q, q_tok_stride, k_cache, v_cache, table, positions, \
-                                   tile[1], tile[2], num_heads, kv_heads, block_size, window, \
-                                   scale, out, D, F16)
+#define ATTEND(D, KT) attend_tile(q, q_tok_stride, k_cache, v_cache, table, positions, \
+                                  tile[1], tile[2], num_heads, kv_heads, block_size, window, \
+                                  scale, out, D, KT)
+#define TYPES(D) (kv_type == KV_INT8 ? ATTEND(D, KV_INT8) : kv_type == KV_F16 ? ATTEND(D, KV_F16) \
+                                                                               : ATTEND(D, KV_F32))
         if (head_dim == 64)
-            kv_f16 ? ATTEND(64, 1) : ATTEND(64, 0);
+            TYPES(64);
         else if (head_dim == 128)
-            kv_f16 ? ATTEND(128, 1) : ATTEND(128, 0);
+            TYPES(128);
         else
-            kv_f16 ? ATTEND((int)head_dim, 1) : ATTEND((int)head_dim, 0);
+            TYPES((int)head_dim);
+#undef TYPES
 #undef ATTEND
     }
     return 0;
