@@ -9,6 +9,7 @@ import torch
 from loom import SamplingParams
 from loom.config import ConfigError
 from loom.engine.llm_engine import InvalidRequestError
+from loom.worker.kv_cache import row_width
 from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -243,3 +244,7 @@ def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
 def test_kv_cache_dtype_is_checked(make_llm) -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype 'int3'"):
         make_llm(None, kv_cache_dtype="int3")
+    # int8 rows hold groups of 32: a head size that is not a multiple is refused at start-up
+    assert row_width(64, torch.int8) == 80 and row_width(80, torch.float16) == 80
+    with pytest.raises(ConfigError, match="head_dim divisible by 32, not 80"):
+        row_width(80, torch.int8)
