@@ -94,7 +94,7 @@ class LLMEngine:
             )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.resolved_max_num_batched_tokens(device.type),
             max_model_len=max_model_len,
         )
         cache_config = CacheConfig(

@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks + decodes); default 512 on "
+                        "the CPU (a long prefill step stalls every running stream), 2048 on CUDA")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache (default: half the free memory, capped at need)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

@@ -248,3 +248,11 @@ def test_kv_cache_dtype_is_checked(make_llm) -> None:
     assert row_width(64, torch.int8) == 80 and row_width(80, torch.float16) == 80
     with pytest.raises(ConfigError, match="head_dim divisible by 32, not 80"):
         row_width(80, torch.int8)
+
+
+def test_unset_step_budget_is_512_tokens_on_the_cpu(make_llm) -> None:
+    llm = make_llm(None, max_num_batched_tokens=None, kv_cache_memory=64 * 2**20)
+    assert llm.engine.scheduler.max_num_batched_tokens == 512
+    out = llm.generate(["Hello " * 600], SamplingParams(temperature=0, max_tokens=2),
+                       use_tqdm=False)[0]  # a prompt over the budget: prefilled in chunks
+    assert len(out.prompt_token_ids) > 512 and len(out.outputs[0].token_ids) == 2
