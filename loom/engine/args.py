@@ -25,7 +25,7 @@ class EngineArgs:
     # Token budget of one step; None: SERVE_CPU_BATCHED_TOKENS on the CPU, 2048 elsewhere.
     max_num_batched_tokens: int | None = 2048
     kv_cache_memory: int | None = None  # bytes; None: half the free memory, capped at need
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16 | int8
     enable_prefix_caching: bool = True
     block_size: int = 16
     num_gpu_blocks_override: int | None = None

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import torch
 
-from loom.attention.backends.torch_ref import KV_GROUP
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
+from loom.quant.int8 import GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,10 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     (torch_ref.quantize_kv)."""
     if dtype != torch.int8:
         return head_dim
-    if head_dim % KV_GROUP != 0:
-        raise ConfigError(f"kv_cache_dtype int8 needs a head_dim divisible by {KV_GROUP}, "
+    if head_dim % GROUP != 0:
+        raise ConfigError(f"kv_cache_dtype int8 needs a head_dim divisible by {GROUP}, "
                           f"not {head_dim}")
-    return head_dim + head_dim // KV_GROUP * 8
+    return head_dim + head_dim // GROUP * 8
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -111,7 +111,7 @@ def test_int8_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim
     cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
     rows = torch_ref.quantize_kv(cache)
     assert rows.dtype == torch.int8 and rows.shape[-1] == head_dim + head_dim // 4
-    values = torch_ref.dequantize_kv(rows, head_dim, torch.float32)
+    values = torch_ref.dequantize_kv(rows, head_dim)
     groups = cache.view(*cache.shape[:-1], -1, 32)
     step = (groups.amax(-1) - groups.amin(-1)) / 255
     assert ((values - cache).view(groups.shape).abs() <= step[..., None] * 0.5001 + 1e-6).all()
@@ -129,7 +129,7 @@ def test_int8_cache_of_constants_and_extremes():
     assert rows[0, :64].eq(0).all() and params[0].tolist() == [0.0, 0.0, 0.0, 1.5]
     q = rows[1, :32].view(torch.uint8)
     assert q[0] == 0 and q[31] == 255 and params[1, 2].item() == -3.0
-    back = torch_ref.dequantize_kv(rows, 64, torch.float32)
+    back = torch_ref.dequantize_kv(rows, 64)
     assert torch.equal(back[0], x[0]) and back[1, 0] == -3.0
     assert back[1, 31].item() == pytest.approx(2.0, abs=1e-6)
 

@@ -14,35 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from loom.attention.metadata import AttentionMetadata
-
-
-KV_GROUP = 32  # values per fp32 scale and minimum in an int8 cache
+from loom.quant.int8 import Q8Groups, quantize_groups
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] floats -> int8 cache rows [..., head_dim + head_dim / 4] (bytes): the
-    values as uint8, then per group of 32 its fp32 scale, then its fp32 minimum (the weights'
-    grid, loom.quant.int8): min = least, scale = (greatest - least) / 255, value =
-    round_half_even((x - min) / scale), 0 for a constant group. What the C kernel writes, byte
-    for byte. Asymmetric: K's outlier channels cost half the logit error of max|x| / 127."""
+    values on the weights' grid (loom.quant.int8.quantize_groups: uint8 in groups of 32), then
+    the groups' fp32 scales, then their fp32 minimums. What the C kernel writes, byte for byte.
+    Asymmetric: K's outlier channels cost half the logit error of max|x| / 127."""
     *lead, d = x.shape
-    g = x.float().reshape(*lead, d // KV_GROUP, KV_GROUP)
-    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
-    scale = (hi - lo) / 255.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((g - lo) / safe).clamp(0, 255).to(torch.uint8).reshape(*lead, d)
-    params = torch.cat([scale, lo], dim=-1).transpose(-1, -2).reshape(*lead, d // KV_GROUP * 2)
-    return torch.cat([q.view(torch.int8), params.contiguous().view(torch.int8)], dim=-1)
+    q, scales, mins = quantize_groups(x.reshape(-1, d))
+    return torch.cat([q, scales.view(torch.uint8), mins.view(torch.uint8)], dim=-1) \
+        .view(torch.int8).reshape(*lead, -1)
 
 
-def dequantize_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """int8 cache rows [..., head_dim + head_dim / 4] -> [..., head_dim] in `dtype`."""
-    *lead, _ = rows.shape
-    groups = head_dim // KV_GROUP
-    q = rows[..., :head_dim].view(torch.uint8).float().reshape(*lead, groups, KV_GROUP)
-    params = rows[..., head_dim:].contiguous().view(torch.float32)
-    scale, lo = params[..., :groups, None], params[..., groups:, None]
-    return (q * scale + lo).reshape(*lead, head_dim).to(dtype)
+def dequantize_kv(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 cache rows [..., head_dim + head_dim / 4] -> fp32 [..., head_dim]."""
+    *lead, width = rows.shape
+    flat = rows.reshape(-1, width).view(torch.uint8)
+    params = flat[:, head_dim:].contiguous().view(torch.float32)
+    groups = Q8Groups(flat[:, :head_dim], *params.chunk(2, dim=-1))
+    return groups.dequantize().reshape(*lead, head_dim)
 
 
 def write_kv(
@@ -93,7 +85,7 @@ def paged_attention(
         torch.index_select(kv_cache[i].view(num_blocks, -1), 0, blocks, out=gathered[i])
     gathered = gathered.view(2, num_reqs, -1, kv_heads, row)
     if kv_cache.dtype == torch.int8:
-        gathered = dequantize_kv(gathered, head_dim, q.dtype)
+        gathered = dequantize_kv(gathered, head_dim)
     k, v = gathered.transpose(2, 3).to(q.dtype)
     # k, v [num_reqs, kv_heads, max_blocks * block_size, head_dim]
     decode_only = md.max_query_len == 1  # token i is request i's only query: no padding

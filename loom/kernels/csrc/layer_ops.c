@@ -54,31 +54,20 @@ static inline void f32_to_f16(const float *src, int64_t n, _Float16 *dst)
     for (; i < n; i++) dst[i] = (_Float16)src[i];
 }
 
+// linear_q8.c
+void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
+
 // One cache row of an int8 cache (--kv-cache-dtype int8) from kv_heads * D fp32 values: per
-// head, D uint8 values, then D / 32 fp32 scales, then D / 32 fp32 minimums, one per group of 32
-// (the weights' grid: loom/kernels/csrc/linear_q8.c): min = least, scale = (greatest - least)
-// / 255, value = round_half_even((x - min) / scale) (0 for a constant group). Exact IEEE steps
-// (the file is built with -ffast-math): the same bytes as loom.attention.backends.torch_ref.
-__attribute__((optimize("no-fast-math")))
+// head, D uint8 values, then D / 32 fp32 scales, then D / 32 fp32 minimums: the weights' grid,
+// group by group (the same bytes as loom.attention.backends.torch_ref.quantize_kv). A head's row
+// is D + D / 4 bytes, a multiple of 8 bytes (D is a multiple of 32), so its floats are aligned.
 static void f32_to_kv_i8(const float *src, int64_t kv_heads, int64_t D, uint8_t *dst)
 {
     for (int64_t h = 0; h < kv_heads; h++) {
-        const float *x = src + h * D;
         uint8_t *q = dst + h * (D + D / 4);
-        for (int64_t g = 0; g < D / 32; g++) {
-            float lo = x[g * 32], hi = lo;
-            for (int i = 1; i < 32; i++) {
-                lo = x[g * 32 + i] < lo ? x[g * 32 + i] : lo;
-                hi = x[g * 32 + i] > hi ? x[g * 32 + i] : hi;
-            }
-            const float scale = (hi - lo) / 255.0f, safe = scale > 0.0f ? scale : 1.0f;
-            for (int i = 0; i < 32; i++) {
-                float v = __builtin_roundevenf((x[g * 32 + i] - lo) / safe);
-                q[g * 32 + i] = (uint8_t)(v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v);
-            }
-            __builtin_memcpy(q + D + g * 4, &scale, 4);
-            __builtin_memcpy(q + D + D / 8 + g * 4, &lo, 4);
-        }
+        float *scales = (float *)(q + D), *mins = scales + D / 32;
+        for (int64_t g = 0; g < D / 32; g++)
+            loom_quantize_q8_group(src + h * D + g * 32, q + g * 32, scales + g, mins + g);
     }
 }
 

@@ -265,32 +265,37 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     return failed ? -2 : 0;
 }
 
-// The grid above from fp32 weights w [N, K]: per group of 32, min = least weight,
-// scale = (greatest - least) / 255, q = round((w - min) / scale) (half to even, as torch.round)
-// clamped to 0..255; q = 0 for a constant group. One pass, in parallel over rows; the same
-// bits as loom.quant.int8.quantize_groups (tested).
+// One group of 32 fp32 values onto the grid above: min = least value, scale = (greatest -
+// least) / 255, q = round((w - min) / scale) (half to even, as torch.round) clamped to 0..255;
+// q = 0 for a constant group. Exact IEEE steps (this file is built without fast math), so the
+// same bits as loom.quant.int8.quantize_groups (tested). Also the int8 KV cache's writer
+// (layer_ops.c).
+void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min)
+{
+    float lo = src[0], hi = src[0];
+    for (int j = 1; j < GROUP; j++) {
+        lo = src[j] < lo ? src[j] : lo;
+        hi = src[j] > hi ? src[j] : hi;
+    }
+    const float s = (hi - lo) / 255.0f;
+    const float safe = s > 0.0f ? s : 1.0f;
+    for (int j = 0; j < GROUP; j++) {
+        float v = __builtin_roundevenf((src[j] - lo) / safe);
+        v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+        q[j] = (uint8_t)v;
+    }
+    *scale = s;
+    *min = lo;
+}
+
+// Fp32 weights w [N, K] onto the grid, group by group; one pass, in parallel over rows.
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads)
 {
     const int64_t groups = K / GROUP;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t g = 0; g < groups; g++) {
-            const float *src = w + n * K + g * GROUP;
-            float lo = src[0], hi = src[0];
-            for (int j = 1; j < GROUP; j++) {
-                lo = src[j] < lo ? src[j] : lo;
-                hi = src[j] > hi ? src[j] : hi;
-            }
-            const float scale = (hi - lo) / 255.0f;
-            const float safe = scale > 0.0f ? scale : 1.0f;
-            uint8_t *dst = q + n * K + g * GROUP;
-            for (int j = 0; j < GROUP; j++) {
-                float v = __builtin_roundevenf((src[j] - lo) / safe);
-                v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
-                dst[j] = (uint8_t)v;
-            }
-            scales[n * groups + g] = scale;
-            mins[n * groups + g] = lo;
-        }
+        for (int64_t g = 0; g < groups; g++)
+            loom_quantize_q8_group(w + n * K + g * GROUP, q + n * K + g * GROUP,
+                                   scales + n * groups + g, mins + n * groups + g);
 }

@@ -37,16 +37,15 @@ static inline void f16_to_f32(const _Float16 *src, int64_t n, float *dst)
 }
 
 // n int8 cache rows (KV_INT8: each kv head's D uint8 values, then D / 32 fp32 scales and D / 32
-// fp32 minimums; rows row_bytes apart) -> fp32 rows of kv_heads * D: value * scale + minimum.
+// fp32 minimums, D + D / 4 bytes, so the floats are aligned; rows row_bytes apart) -> fp32 rows
+// of kv_heads * D: value * scale + minimum (layer_ops.c writes them).
 static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int64_t kv_heads,
                              int D, float *dst)
 {
     for (int64_t j = 0; j < n; j++)
         for (int64_t h = 0; h < kv_heads; h++) {
             const uint8_t *qv = (const uint8_t *)(src + j * row_bytes + h * (D + D / 4));
-            float sc[D / 32], mn[D / 32];
-            __builtin_memcpy(sc, qv + D, sizeof sc);
-            __builtin_memcpy(mn, qv + D + D / 8, sizeof mn);
+            const float *sc = (const float *)(qv + D), *mn = sc + D / 32;
             float *o = dst + (j * kv_heads + h) * D;
             for (int g = 0; g < D / 32; g++)
                 for (int i = 0; i < 32; i++)
