@@ -227,6 +227,34 @@ def test_int8_decoder_stack_matches_module_path() -> None:
         assert torch.equal(runs[None][1][k], runs[False][1][k])
 
 
+@pytest.mark.parametrize("streams", [1, 3, 8, 9])
+def test_int8_decoder_stack_one_region_matches_module_path(streams) -> None:
+    """Decode of up to 8 streams runs the C stack in one OpenMP region (shared work counters,
+    its own barriers) and 9 op by op: three decode steps of each give the module path's bits."""
+    require_cpu_kernels()
+    source = resolve_model(None)
+    tok = Tokenizer.from_source(source)
+    prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " x" * i) for i in range(streams)}
+    loaded = load_model(source, "float32", quantization="int8")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the one-region path needs a team, even on one core
+    try:
+        runs = {}
+        for stack in (None, False):
+            loaded.model.model.stack = stack
+            batch = PagedBatch(loaded)
+            out = [batch.step(prompts)]
+            for _ in range(3):
+                out.append(batch.step({k: [int(v[-1].argmax())] for k, v in out[-1].items()}))
+            runs[stack] = (out, loaded.model.model.stack)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(runs[None][1], Q8Decoder) and runs[False][1] is False
+    for a, b in zip(runs[None][0], runs[False][0]):
+        for k in prompts:
+            assert torch.equal(a[k], b[k])
+
+
 def test_int8_quantizer_kernel_matches_torch() -> None:
     """The load-time C quantizer gives quantize_groups' bits (random, constant, tiny groups)."""
     require_cpu_kernels()

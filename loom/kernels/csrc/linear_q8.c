@@ -196,6 +196,28 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
             for (int64_t r = 0; r < nb; r++) y[m * ldy + n0 + r] += bias[n0 + r];
 }
 
+// Weight rows u R .. u R + R - 1 (R = R_OF(M, bits)) for M <= M_DIRECT x rows: M and bits
+// picked here, so each case runs with constants.
+static inline __attribute__((always_inline)) void direct_unit(
+    const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int bits,
+    const float *scales, const float *mins, int64_t groups, int64_t K, int64_t u, int64_t N,
+    float *y, int64_t ldy)
+{
+#define CASE(m, b) case m: unit_direct(x, m, ldx, w, row_bytes, b, scales, mins, groups, \
+                                       R_OF(m, b), K, u * R_OF(m, b), N, y, ldy); break;
+    if (bits == 4)
+        switch (M) {
+        CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
+        CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
+        }
+    else
+        switch (M) {
+        CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
+        CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
+        }
+#undef CASE
+}
+
 // x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8) or [N, K / 2] (bits 4, see
 // cvt_part); scales, mins: [N, K / 32]; bias: [N] or NULL; y: [M, N] rows ldy floats apart. K
 // must be a multiple of 32. Returns 0, -1 on bad K or bits, or -2 when the block buffer cannot
@@ -213,21 +235,8 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         // cores) leaves its rows to the others instead of holding up the step.
         const int R = R_OF(M, bits), chunk = 16 / R;
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
-        for (int64_t u = 0; u < (N + R - 1) / R; u++) {
-#define CASE(m, b) case m: unit_direct(x, m, ldx, w, row_bytes, b, scales, mins, groups, \
-                                           R_OF(m, b), K, u * R, N, y, ldy); break;
-            if (bits == 4)
-                switch (M) {
-                CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
-                CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
-                }
-            else
-                switch (M) {
-                CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
-                CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
-                }
-#undef CASE
-        }
+        for (int64_t u = 0; u < (N + R - 1) / R; u++)
+            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, groups, K, u, N, y, ldy);
         if (bias)
             for (int64_t m = 0; m < M; m++)
                 for (int64_t n = 0; n < N; n++) y[m * ldy + n] += bias[n];
@@ -263,6 +272,40 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         free(wbuf);
     }
     return failed ? -2 : 0;
+}
+
+const int loom_linear_q8_direct_rows = M_DIRECT;
+
+// The direct path (M <= M_DIRECT rows, K a multiple of 32, bits 8 or 4: the caller checks)
+// for a thread of an OpenMP team that is already running (decoder_q8.c's one region a step):
+// every thread of the team calls it with the same arguments and `next` zeroed beforehand, and
+// takes guided chunks of units from *next until none are left, as the omp loop above does
+// (a share of what is left, at least 16 weight rows). No fork and no join: the caller's
+// barrier ends the op. The same bits as loom_linear_q8_f32.
+void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int64_t *next, int team)
+{
+    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    const int R = R_OF(M, bits);
+    const int64_t units = (N + R - 1) / R, least = 16 / R;
+    for (;;) {
+        int64_t u0 = __atomic_load_n(next, __ATOMIC_RELAXED), take;
+        do {
+            if (u0 >= units) return;
+            take = (units - u0) / (2 * team);
+            take = take < least ? least : take;
+        } while (!__atomic_compare_exchange_n(next, &u0, u0 + take, 1, __ATOMIC_RELAXED,
+                                              __ATOMIC_RELAXED));
+        const int64_t u1 = u0 + take < units ? u0 + take : units;
+        for (int64_t u = u0; u < u1; u++)
+            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, groups, K, u, N, y, ldy);
+        if (bias) {
+            const int64_t n1 = u1 * R < N ? u1 * R : N;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = u0 * R; n < n1; n++) y[m * ldy + n] += bias[n];
+        }
+    }
 }
 
 // One group of 32 fp32 values onto the grid above: min = least value, scale = (greatest -

@@ -192,10 +192,46 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
+// Tile `it` (a row of `tiles`, below) for the cache's type and head size.
+static void attend_one(
+    int64_t it, const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *positions,
+    const int64_t *tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t window, float scale, int kv_type, float *out)
+{
+    const int64_t *tile = tiles + it * 3;
+    const int64_t *table = block_tables + tile[0] * max_blocks;
+#define ATTEND(D, KT) attend_tile(q, q_tok_stride, k_cache, v_cache, table, positions, tile[1], \
+                                  tile[2], num_heads, kv_heads, block_size, window, scale, out, \
+                                  D, KT)
+#define TYPES(D) (kv_type == KV_INT8 ? ATTEND(D, KV_INT8) : kv_type == KV_F16 ? ATTEND(D, KV_F16) \
+                                                                               : ATTEND(D, KV_F32))
+    if (head_dim == 64)
+        TYPES(64);
+    else if (head_dim == 128)
+        TYPES(128);
+    else
+        TYPES((int)head_dim);
+#undef TYPES
+#undef ATTEND
+}
+
+// 0 if the kernel can take these tiles and shapes; -1 if a tile's scratch (2 x rows x head_dim
+// floats, on the stack) is too big, or the heads or the int8 cache's head size do not fit.
+int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
+                               int64_t kv_heads, int64_t head_dim, int kv_type)
+{
+    if (kv_type == KV_INT8 && head_dim % 32 != 0) return -1;
+    for (int64_t it = 0; it < num_tiles; it++)
+        if (tiles[it * 3 + 2] * num_heads * head_dim > 65536) return -1;
+    if (kv_heads < 1 || num_heads % kv_heads != 0) return -1;
+    return 0;
+}
+
 // tiles: [num_tiles, 3] int64 rows of (request, first token, number of tokens), the tokens of a
 // request consecutive in the flat batch. out: [num_tokens, num_heads, head_dim], contiguous.
 // kv_type: what the cache holds: KV_F32, KV_F16, or KV_INT8 (head_dim a multiple of 32).
-// Returns 0, or -1 if a tile's scratch (2 x rows x head_dim floats, on the stack) is too big.
+// Returns 0, or -1 as loom_paged_attention_check.
 int loom_paged_attention_f32(
     const float *q, int64_t q_tok_stride,      // q[t, head, d] at q + t*q_tok_stride + head*D + d
     const void *k_cache, const void *v_cache,  // [num_blocks, block_size, kv_heads, D] each
@@ -206,27 +242,26 @@ int loom_paged_attention_f32(
     int64_t window, float scale, int num_threads, int kv_type,
     float *out)
 {
-    if (kv_type == KV_INT8 && head_dim % 32 != 0) return -1;
-    for (int64_t it = 0; it < num_tiles; it++)
-        if (tiles[it * 3 + 2] * num_heads * head_dim > 65536) return -1;
-    if (kv_heads < 1 || num_heads % kv_heads != 0) return -1;
+    if (loom_paged_attention_check(tiles, num_tiles, num_heads, kv_heads, head_dim, kv_type))
+        return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_tiles > 1)
-    for (int64_t it = 0; it < num_tiles; it++) {
-        const int64_t *tile = tiles + it * 3;
-        const int64_t *table = block_tables + tile[0] * max_blocks;
-#define ATTEND(D, KT) attend_tile(q, q_tok_stride, k_cache, v_cache, table, positions, \
-                                  tile[1], tile[2], num_heads, kv_heads, block_size, window, \
-                                  scale, out, D, KT)
-#define TYPES(D) (kv_type == KV_INT8 ? ATTEND(D, KV_INT8) : kv_type == KV_F16 ? ATTEND(D, KV_F16) \
-                                                                               : ATTEND(D, KV_F32))
-        if (head_dim == 64)
-            TYPES(64);
-        else if (head_dim == 128)
-            TYPES(128);
-        else
-            TYPES((int)head_dim);
-#undef TYPES
-#undef ATTEND
-    }
+    for (int64_t it = 0; it < num_tiles; it++)
+        attend_one(it, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks, positions,
+                   tiles, num_heads, kv_heads, head_dim, block_size, window, scale, kv_type, out);
     return 0;
+}
+
+// The same for a thread of an OpenMP team that is already running (decoder_q8.c): every thread
+// calls it with the same arguments (checked beforehand) and `next` zeroed, and takes tiles one
+// at a time from *next. The caller's barrier ends the op.
+void loom_paged_attention_team(
+    const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *positions,
+    const int64_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t window, float scale, int kv_type, float *out,
+    int64_t *next)
+{
+    for (int64_t it; (it = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < num_tiles;)
+        attend_one(it, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks, positions,
+                   tiles, num_heads, kv_heads, head_dim, block_size, window, scale, kv_type, out);
 }
