@@ -42,6 +42,7 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          const float *scales, const float *mins, const float *bias, int64_t N,
                          float *y, int64_t ldy, int bits, int64_t *next, int team);
 extern const int loom_linear_q8_direct_rows;
+int loom_linear_q8_check(int64_t K, int bits);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 void loom_paged_attention_team(
@@ -115,80 +116,130 @@ static void barrier_wait(Barrier *b, int team)
     }
 }
 
-// Few rows (decode of up to loom_linear_q8_direct_rows streams): one OpenMP region for the
-// whole stack instead of one per op. The linears and the attention share their work out from
-// counters (loom_linear_q8_team, loom_paged_attention_team), the small elementwise ops (serial
-// at this size in the per-op path too) run on thread 0, and a barrier separates dependent ops.
-// The same kernels on the same values in the same order: the same bits as the per-op path.
-static int forward_team(
-    const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
-    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
-    const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
-    const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
-    int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt, int kv_type)
+// One step's arguments (loom_llama_forward_q8's), for the layer loop below.
+typedef struct {
+    const LoomLayerQ8 *layers;
+    int64_t num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles;
+    int64_t qkv_n, q_n;
+    float eps, scale;
+    const float *rope_table;
+    float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
+    const int64_t *positions, *slots, *block_tables, *tiles;
+    int nt, kv_type;
+} Step;
+
+// A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
+// region). `next` walks the step's work counters, one an op, the same way in every thread.
+typedef struct {
+    int tid, team;
+    Barrier *bar;
+    int64_t *next;
+} Team;
+
+// An op all threads share: in a team each takes its part of the work, and the barrier ends it.
+static void sync_team(Team *t)
 {
-    const int64_t qkv_n = (num_heads + 2 * kv_heads) * D, q_n = num_heads * D;
-    if (H % 32 || I % 32 || q_n % 32 || H <= 0 || I <= 0) return -1;  // the linears' K
-    for (int64_t l = 0; l < num_layers; l++) {
-        const LoomLayerQ8 *L = &layers[l];
-        const int64_t bits[4] = {L->qkv_bits, L->o_bits, L->gu_bits, L->d_bits};
-        for (int j = 0; j < 4; j++)
-            if (bits[j] != 8 && bits[j] != 4) return -1;
-    }
-    int rc = loom_paged_attention_check(tiles, num_tiles, num_heads, kv_heads, D, kv_type);
-    if (rc) return rc;
-    int64_t *next = calloc((size_t)num_layers * 5, sizeof(int64_t));  // one counter an op
-    if (!next) return -2;
-    Barrier bar = {0, 0, 0};
-    memcpy(buf_h, hidden, (size_t)(M * H) * sizeof(float));
-    loom_add_rms_norm_f32(buf_h, NULL, layers[0].in_norm, M, H, eps, 1);
-#pragma omp parallel num_threads(nt)
-    {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        for (int64_t l = 0; l < num_layers; l++) {
-            const LoomLayerQ8 *L = &layers[l];
-            int64_t *at = next + l * 5;
-            if (l > 0) {
-                if (tid == 0) loom_add_rms_norm_f32(buf_h, hidden, L->in_norm, M, H, eps, 1);
-                barrier_wait(&bar, team);
-            }
-            loom_linear_q8_team(buf_h, M, H, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_b, qkv_n,
-                                buf_qkv, qkv_n, (int)L->qkv_bits, at, team);
-            barrier_wait(&bar, team);
-            if (tid == 0)
-                loom_rope_write_kv_f32(buf_qkv, qkv_n, M, num_heads, kv_heads, D, rope_table,
-                                       positions, slots, L->k_cache, L->v_cache, 1, kv_type);
-            barrier_wait(&bar, team);
-            loom_paged_attention_team(buf_qkv, qkv_n, L->k_cache, L->v_cache, block_tables,
-                                      max_blocks, positions, tiles, num_tiles, num_heads,
-                                      kv_heads, D, block_size, L->window, scale, kv_type,
-                                      buf_attn, at + 1);
-            barrier_wait(&bar, team);
-            loom_linear_q8_team(buf_attn, M, q_n, q_n, L->o_w, L->o_s, L->o_m, NULL, H, buf_h, H,
-                                (int)L->o_bits, at + 2, team);
-            barrier_wait(&bar, team);
-            if (tid == 0) loom_add_rms_norm_f32(buf_h, hidden, L->post_norm, M, H, eps, 1);
-            barrier_wait(&bar, team);
-            loom_linear_q8_team(buf_h, M, H, H, L->gu_w, L->gu_s, L->gu_m, NULL, 2 * I, buf_gu,
-                                2 * I, (int)L->gu_bits, at + 3, team);
-            barrier_wait(&bar, team);
-            if (tid == 0) loom_silu_mul_f32(buf_gu, buf_act, M, I, 1);
-            barrier_wait(&bar, team);
-            loom_linear_q8_team(buf_act, M, I, I, L->d_w, L->d_s, L->d_m, NULL, H, buf_h, H,
-                                (int)L->d_bits, at + 4, team);
-            barrier_wait(&bar, team);
-        }
-    }
-    free(next);
-    loom_add_rms_norm_f32(buf_h, hidden, final_norm, M, H, eps, 1);
+    if (t) barrier_wait(t->bar, t->team);
+}
+
+// A small elementwise op runs on thread 0 of a team (at these few rows the per-op path runs it
+// serially too), on nt threads op by op.
+static int small_op_threads(const Step *s, const Team *t)
+{
+    return t ? (t->tid == 0 ? 1 : 0) : s->nt;
+}
+
+static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8_t *w,
+                  const float *sc, const float *mn, const float *bias, int64_t N, float *y,
+                  int64_t bits)
+{
+    if (!t) return loom_linear_q8_f32(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, s->nt);
+    loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++, t->team);
+    sync_team(t);
     return 0;
+}
+
+static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
+{
+    if (!t)
+        return loom_paged_attention_f32(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache,
+                                        s->block_tables, s->max_blocks, s->positions, s->tiles,
+                                        s->num_tiles, s->num_heads, s->kv_heads, s->D,
+                                        s->block_size, L->window, s->scale, s->nt, s->kv_type,
+                                        s->buf_attn);
+    loom_paged_attention_team(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache, s->block_tables,
+                              s->max_blocks, s->positions, s->tiles, s->num_tiles, s->num_heads,
+                              s->kv_heads, s->D, s->block_size, L->window, s->scale, s->kv_type,
+                              s->buf_attn, t->next++);
+    sync_team(t);
+    return 0;
+}
+
+// The layers, in the module path's order. In a team no op fails (the step was checked before
+// the region), so every thread meets every barrier.
+static int run_layers(const Step *s, Team *t)
+{
+    const int64_t M = s->M, H = s->H, I = s->I;
+    int rc, nt;
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const LoomLayerQ8 *L = &s->layers[l];
+        if (l > 0) {  // hidden += the last MLP's output; buf_h = norm(hidden)
+            if ((nt = small_op_threads(s, t)))
+                loom_add_rms_norm_f32(s->buf_h, s->hidden, L->in_norm, M, H, s->eps, nt);
+            sync_team(t);
+        }
+        if ((rc = linear(s, t, s->buf_h, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_b, s->qkv_n,
+                         s->buf_qkv, L->qkv_bits)))
+            return rc;
+        if ((nt = small_op_threads(s, t)))
+            loom_rope_write_kv_f32(s->buf_qkv, s->qkv_n, M, s->num_heads, s->kv_heads, s->D,
+                                   s->rope_table, s->positions, s->slots, L->k_cache, L->v_cache,
+                                   nt, s->kv_type);
+        sync_team(t);
+        if ((rc = attention(s, t, L))) return rc;
+        if ((rc = linear(s, t, s->buf_attn, s->q_n, L->o_w, L->o_s, L->o_m, NULL, H, s->buf_h,
+                         L->o_bits)))
+            return rc;
+        if ((nt = small_op_threads(s, t)))
+            loom_add_rms_norm_f32(s->buf_h, s->hidden, L->post_norm, M, H, s->eps, nt);
+        sync_team(t);
+        if ((rc = linear(s, t, s->buf_h, H, L->gu_w, L->gu_s, L->gu_m, NULL, 2 * I, s->buf_gu,
+                         L->gu_bits)))
+            return rc;
+        if ((nt = small_op_threads(s, t))) loom_silu_mul_f32(s->buf_gu, s->buf_act, M, I, nt);
+        sync_team(t);
+        if ((rc = linear(s, t, s->buf_act, I, L->d_w, L->d_s, L->d_m, NULL, H, s->buf_h,
+                         L->d_bits)))
+            return rc;
+    }
+    return 0;
+}
+
+// What a team's ops would have refused (they do not check): the error the per-op path returns.
+static int check_step(const Step *s)
+{
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const LoomLayerQ8 *L = &s->layers[l];
+        if (loom_linear_q8_check(s->H, (int)L->qkv_bits) ||
+            loom_linear_q8_check(s->q_n, (int)L->o_bits) ||
+            loom_linear_q8_check(s->H, (int)L->gu_bits) ||
+            loom_linear_q8_check(s->I, (int)L->d_bits))
+            return -1;
+    }
+    return loom_paged_attention_check(s->tiles, s->num_tiles, s->num_heads, s->kv_heads, s->D,
+                                      s->kv_type);
 }
 
 // hidden [M, H]: the embeddings in, the residual stream after. Returns the final-normed hidden
 // states in buf_h [M, H]. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D],
 // buf_gu [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8).
 // Returns 0, or the first kernel's error.
+//
+// Few rows (decode of up to loom_linear_q8_direct_rows streams) run the whole stack in one
+// OpenMP region instead of one per op: the linears and the attention share their work out from
+// counters (loom_linear_q8_team, loom_paged_attention_team), the small elementwise ops run on
+// thread 0, and a barrier separates dependent ops. The same kernels on the same values in the
+// same order: the same bits either way.
 int loom_llama_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
@@ -197,40 +248,28 @@ int loom_llama_forward_q8(
     int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
     float *buf_act, int nt, int kv_type)
 {
-    if (M <= loom_linear_q8_direct_rows && nt > 1)
-        return forward_team(layers, num_layers, final_norm, H, I, num_heads, kv_heads, D,
-                            block_size, eps, scale, rope_table, M, hidden, positions, slots,
-                            block_tables, max_blocks, tiles, num_tiles, buf_h, buf_qkv, buf_attn,
-                            buf_gu, buf_act, nt, kv_type);
-    const int64_t qkv_n = (num_heads + 2 * kv_heads) * D, q_n = num_heads * D;
+    const Step s = {
+        layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
+        (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
+        hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
+        nt, kv_type,
+    };
     int rc;
     memcpy(buf_h, hidden, (size_t)(M * H) * sizeof(float));
     loom_add_rms_norm_f32(buf_h, NULL, layers[0].in_norm, M, H, eps, nt);
-    for (int64_t l = 0; l < num_layers; l++) {
-        const LoomLayerQ8 *L = &layers[l];
-        if (l > 0)  // hidden += the last MLP's output; buf_h = norm(hidden)
-            loom_add_rms_norm_f32(buf_h, hidden, L->in_norm, M, H, eps, nt);
-        if ((rc = loom_linear_q8_f32(buf_h, M, H, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_b,
-                                     qkv_n, buf_qkv, qkv_n, (int)L->qkv_bits, nt)))
-            return rc;
-        loom_rope_write_kv_f32(buf_qkv, qkv_n, M, num_heads, kv_heads, D, rope_table, positions,
-                               slots, L->k_cache, L->v_cache, nt, kv_type);
-        if ((rc = loom_paged_attention_f32(buf_qkv, qkv_n, L->k_cache, L->v_cache, block_tables,
-                                           max_blocks, positions, tiles, num_tiles, num_heads,
-                                           kv_heads, D, block_size, L->window, scale, nt,
-                                           kv_type, buf_attn)))
-            return rc;
-        if ((rc = loom_linear_q8_f32(buf_attn, M, q_n, q_n, L->o_w, L->o_s, L->o_m, NULL, H,
-                                     buf_h, H, (int)L->o_bits, nt)))
-            return rc;
-        loom_add_rms_norm_f32(buf_h, hidden, L->post_norm, M, H, eps, nt);
-        if ((rc = loom_linear_q8_f32(buf_h, M, H, H, L->gu_w, L->gu_s, L->gu_m, NULL, 2 * I,
-                                     buf_gu, 2 * I, (int)L->gu_bits, nt)))
-            return rc;
-        loom_silu_mul_f32(buf_gu, buf_act, M, I, nt);
-        if ((rc = loom_linear_q8_f32(buf_act, M, I, I, L->d_w, L->d_s, L->d_m, NULL, H, buf_h,
-                                     H, (int)L->d_bits, nt)))
-            return rc;
+    if (M <= loom_linear_q8_direct_rows && nt > 1) {
+        if ((rc = check_step(&s))) return rc;
+        int64_t *next = calloc((size_t)num_layers * 5, sizeof(int64_t));  // one counter an op
+        if (!next) return -2;
+        Barrier bar = {0, 0, 0};
+#pragma omp parallel num_threads(nt)
+        {
+            Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
+            run_layers(&s, &t);
+        }
+        free(next);
+    } else if ((rc = run_layers(&s, NULL))) {
+        return rc;
     }
     loom_add_rms_norm_f32(buf_h, hidden, final_norm, M, H, eps, nt);
     return 0;

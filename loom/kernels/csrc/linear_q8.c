@@ -196,15 +196,16 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
             for (int64_t r = 0; r < nb; r++) y[m * ldy + n0 + r] += bias[n0 + r];
 }
 
-// Weight rows u R .. u R + R - 1 (R = R_OF(M, bits)) for M <= M_DIRECT x rows: M and bits
-// picked here, so each case runs with constants.
+// Weight rows u R .. u R + R - 1 (R = R_OF(M, bits); fewer at the end of N) for M <= M_DIRECT
+// x rows, then their bias: M and bits picked here, so each case runs with constants.
 static inline __attribute__((always_inline)) void direct_unit(
     const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int bits,
-    const float *scales, const float *mins, int64_t groups, int64_t K, int64_t u, int64_t N,
-    float *y, int64_t ldy)
+    const float *scales, const float *mins, const float *bias, int64_t groups, int64_t K,
+    int64_t u, int64_t N, float *y, int64_t ldy)
 {
+    const int R = R_OF(M, bits);
 #define CASE(m, b) case m: unit_direct(x, m, ldx, w, row_bytes, b, scales, mins, groups, \
-                                       R_OF(m, b), K, u * R_OF(m, b), N, y, ldy); break;
+                                       R_OF(m, b), K, u * R, N, y, ldy); break;
     if (bits == 4)
         switch (M) {
         CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
@@ -216,6 +217,17 @@ static inline __attribute__((always_inline)) void direct_unit(
         CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
         }
 #undef CASE
+    if (bias) {
+        const int64_t n1 = u * R + R < N ? u * R + R : N;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = u * R; n < n1; n++) y[m * ldy + n] += bias[n];
+    }
+}
+
+// 0 if the kernel takes rows of K weights stored `bits` a weight; -1 if not.
+int loom_linear_q8_check(int64_t K, int bits)
+{
+    return K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4) ? -1 : 0;
 }
 
 // x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8) or [N, K / 2] (bits 4, see
@@ -226,7 +238,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads)
 {
-    if (K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4)) return -1;
+    if (loom_linear_q8_check(K, bits)) return -1;
     const int64_t row_bytes = K * bits / 8;
     const int64_t groups = K / GROUP;
     if (M <= M_DIRECT) {
@@ -236,10 +248,8 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         const int R = R_OF(M, bits), chunk = 16 / R;
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
         for (int64_t u = 0; u < (N + R - 1) / R; u++)
-            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, groups, K, u, N, y, ldy);
-        if (bias)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = 0; n < N; n++) y[m * ldy + n] += bias[n];
+            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, bias, groups, K, u, N, y,
+                        ldy);
         return 0;
     }
     // Block path: each thread converts a block of weight rows (at most BLOCK_BYTES as fp32; a
@@ -276,7 +286,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 
 const int loom_linear_q8_direct_rows = M_DIRECT;
 
-// The direct path (M <= M_DIRECT rows, K a multiple of 32, bits 8 or 4: the caller checks)
+// The direct path (M <= M_DIRECT rows; K and bits as loom_linear_q8_check takes: the caller checks)
 // for a thread of an OpenMP team that is already running (decoder_q8.c's one region a step):
 // every thread of the team calls it with the same arguments and `next` zeroed beforehand, and
 // takes guided chunks of units from *next until none are left, as the omp loop above does
@@ -299,12 +309,8 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                                               __ATOMIC_RELAXED));
         const int64_t u1 = u0 + take < units ? u0 + take : units;
         for (int64_t u = u0; u < u1; u++)
-            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, groups, K, u, N, y, ldy);
-        if (bias) {
-            const int64_t n1 = u1 * R < N ? u1 * R : N;
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = u0 * R; n < n1; n++) y[m * ldy + n] += bias[n];
-        }
+            direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, bias, groups, K, u, N, y,
+                        ldy);
     }
 }
 
