@@ -16,3 +16,10 @@ def require_cpu_kernels() -> None:
     if not shutil.which(os.environ.get("CC") or "cc"):
         pytest.skip("no C compiler")
     assert cpu_kernels() is not None, "a C compiler is present but the CPU kernels did not build"
+
+
+def require_amx() -> None:
+    """The AMX kernel needs a CPU with AMX-BF16 (Sapphire Rapids on); elsewhere its tests skip."""
+    require_cpu_kernels()
+    if not cpu_kernels().loom_amx_available():
+        pytest.skip("no AMX-BF16 on this CPU")

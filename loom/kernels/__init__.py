@@ -28,7 +28,7 @@ import torch  # first: the kernels' libgomp must resolve to the one torch loaded
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "LOOM_CPU_KERNELS"
-SOURCES = ("paged_attention.c", "layer_ops.c", "linear_q8.c", "decoder_q8.c")
+SOURCES = ("paged_attention.c", "layer_ops.c", "linear_q8.c", "linear_amx.c", "decoder_q8.c")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -42,10 +42,14 @@ SIGNATURES = {
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_quantize_q8": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
+    "loom_linear_q8_amx": (
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
+    ),
+    "loom_amx_available": (_int, []),
     "loom_llama_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
                _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int,
-               _int]
+               _int, _int]
     ),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),

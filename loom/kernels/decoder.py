@@ -3,7 +3,9 @@
 It runs the kernels the per-module path runs, in the same order, on the same buffers' values:
 the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
 linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
-kernel and the model has no q/k norm; otherwise the model keeps its per-module path.
+kernel and the model has no q/k norm; otherwise the model keeps its per-module path. With
+`--int8-batch-kernel amx` its linears run on AMX tiles in steps of more than 8 rows, as the
+modules' do (loom.quant.int8).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            kv_type(cache),
+            kv_type(cache), int(self.model.layers[0].mlp.down_proj.amx),
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

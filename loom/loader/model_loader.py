@@ -16,6 +16,7 @@ from loom.loader import gguf as gguf_loader
 from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
+from loom.kernels import cpu_kernels
 from loom.layers.linear import Linear
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import fp16_available
@@ -24,6 +25,7 @@ from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = tuple(QUANT_METHODS)
+INT8_BATCH_KERNELS = ("avx", "amx")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -129,11 +131,16 @@ def _materialize(
 def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None,
+    int8_batch_kernel: str = "avx",
 ) -> LoadedModel:
     """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
-    the linear layers to weight-only quantized ones (see loom.quant)."""
+    the linear layers to weight-only quantized ones (see loom.quant). `int8_batch_kernel`
+    "amx" runs int8's products of more than 8 rows on AMX tiles (loom.quant.int8)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if int8_batch_kernel not in INT8_BATCH_KERNELS:
+        raise ConfigError(f"unsupported int8_batch_kernel {int8_batch_kernel!r}; "
+                          f"choose from {INT8_BATCH_KERNELS}")
     start = time.perf_counter()
     device = torch.device(device)
     if quantization in ("int4", "fp16") and device.type != "cpu":
@@ -146,6 +153,13 @@ def load_model(
     # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
     direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
                    and grouped_available(device, GROUP))
+    if int8_batch_kernel == "amx":
+        if not direct_int8:
+            raise ConfigError("int8_batch_kernel amx needs quantization int8 with float32 "
+                              "activations on the CPU (Loom's int8 kernels)")
+        if not cpu_kernels().loom_amx_available():
+            raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
+                              "and Linux that enable it); this one has none")
     config, weight_iter, grouped = _open(source, q8=direct_int8)
     model_cls = get_model_class(config)
     with torch.device("meta"):
@@ -168,6 +182,8 @@ def load_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.onednn = False
+            if isinstance(module, Int8Linear) and module.grouped:
+                module.amx = int8_batch_kernel == "amx"
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)

@@ -10,6 +10,7 @@ from loom import SamplingParams
 from loom.config import ConfigError
 from loom.engine.llm_engine import InvalidRequestError
 from loom.worker.kv_cache import row_width
+from tests.cpu_kernels import require_amx
 from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -239,6 +240,21 @@ def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
     assert runs[kv][0] == 64 * 2**20 // (per_block * row_bytes)
     same = sum(a == b for a, b in zip(runs["auto"][1], runs[kv][1]))
     assert same >= min_same, same
+
+
+def test_int8_amx_kernel_serves_the_same_answers(make_llm) -> None:
+    """--int8-batch-kernel amx through the engine: prompts (more than 8 rows a step) run on AMX
+    tiles, decode of these 6 chats on the AVX kernel; greedy answers match the AVX engine's
+    (the kernels differ by fp32 rounding only)."""
+    require_amx()
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    answers = {}
+    for kernel in ("avx", "amx"):
+        llm = make_llm(None, quantization="int8", int8_batch_kernel=kernel)
+        assert llm.engine.runner.model.lm_head.amx == (kernel == "amx")
+        answers[kernel] = token_ids(llm.chat(chats()[:6], params, use_tqdm=False))
+        llm.engine.check_integrity()
+    assert answers["amx"] == answers["avx"]
 
 
 def test_kv_cache_dtype_is_checked(make_llm) -> None:

@@ -26,7 +26,7 @@ from loom.quant.int8 import (
     quantize_groups_fast,
 )
 from loom.tokenizer.tokenizer import Tokenizer
-from tests.cpu_kernels import require_cpu_kernels
+from tests.cpu_kernels import require_amx, require_cpu_kernels
 from tests.paged_batch import PagedBatch, rel_err
 
 TEXTS = [
@@ -207,16 +207,21 @@ def test_unknown_quantization_is_rejected() -> None:
             load_model(resolve_model(None), device="cuda", quantization=method)
 
 
-@pytest.mark.parametrize("streams", [1, 3, 4, 8, 9])
-def test_int8_decoder_stack_matches_module_path(streams) -> None:
+@pytest.mark.parametrize("streams,kernel", [
+    (1, "avx"), (3, "avx"), (4, "avx"), (8, "avx"), (9, "avx"), (3, "amx"), (9, "amx"),
+])
+def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     """int8 on the CPU runs every layer in one C call: the same bits as module by module, for
     the prefill and three decode steps. Decode of up to 8 streams runs the stack in one OpenMP
-    region (shared work counters, its own barriers), 9 op by op."""
+    region (shared work counters, its own barriers), 9 op by op. With the AMX kernel both ways
+    run it for the prefill (and the 9-stream decode), the AVX kernel for the 3-stream decode."""
     require_cpu_kernels()
+    if kernel == "amx":
+        require_amx()
     source = resolve_model(None)
     tok = Tokenizer.from_source(source)
     prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " x" * i) for i in range(streams)}
-    loaded = load_model(source, "float32", quantization="int8")
+    loaded = load_model(source, "float32", quantization="int8", int8_batch_kernel=kernel)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the one-region path needs a team, even on one core
     try:
@@ -248,13 +253,10 @@ def test_int8_quantizer_kernel_matches_torch() -> None:
         assert torch.equal(got, want)
 
 
-def test_int8_kv_cache_agrees_with_reference() -> None:
-    """--kv-cache-dtype int8 (K/V as 8-bit groups of 32 with an fp32 scale and minimum) on the
-    default model, with fp32 and with int8 weights, teacher-forced over 16 chats and the fp32
-    reference's 48-token greedy continuations (1495 positions). Measured: 1484 and 1489 of 1495
-    top-1 agree (99.3%, 99.6%), logit error 0.024 / 0.018; K's rounding is most of it (a
-    symmetric max|x| / 127 grid measured 98.9%). The 91-position TEXTS set is too small for a 99%
-    bar here: its prompt 0 holds a near-tie (top-2 gap 0.022) that flips."""
+@pytest.fixture(scope="module")
+def teacher_forced():
+    """16 chats and the fp32 reference's 48-token greedy continuations (1495 positions), fed
+    whole: (source, sequences, the reference's logits, the reference model)."""
     from tests.model.test_engine import chats
 
     source = resolve_model(None)
@@ -270,12 +272,76 @@ def test_int8_kv_cache_agrees_with_reference() -> None:
             seqs[k] = seqs[k] + work[k]
     seqs = {k: s[:-1] for k, s in seqs.items()}  # the last token was never fed
     ref = PagedBatch(ref_model, num_blocks=256).step(seqs)
-    total = sum(len(s) for s in seqs.values())
-    assert total == 1495
+    assert sum(len(s) for s in seqs.values()) == 1495
+    return source, seqs, ref, ref_model
+
+
+def _agreement(got, ref, seqs) -> tuple[float, float]:
+    agree = sum(int((ref[k].argmax(-1) == got[k].argmax(-1)).sum()) for k in seqs)
+    return agree / sum(len(s) for s in seqs.values()), max(rel_err(got[k], ref[k]) for k in seqs)
+
+
+def test_int8_kv_cache_agrees_with_reference(teacher_forced) -> None:
+    """--kv-cache-dtype int8 (K/V as 8-bit groups of 32 with an fp32 scale and minimum) on the
+    default model, with fp32 and with int8 weights, teacher-forced over 16 chats and the fp32
+    reference's 48-token greedy continuations (1495 positions). Measured: 1484 and 1489 of 1495
+    top-1 agree (99.3%, 99.6%), logit error 0.024 / 0.018; K's rounding is most of it (a
+    symmetric max|x| / 127 grid measured 98.9%). The 91-position TEXTS set is too small for a 99%
+    bar here: its prompt 0 holds a near-tie (top-2 gap 0.022) that flips."""
+    source, seqs, ref, ref_model = teacher_forced
     for model in (ref_model, load_model(source, "float32", quantization="int8")):
         batch = PagedBatch(model, num_blocks=256, kv_dtype=torch.int8)
         assert batch.model.model.layers[0].self_attn.attn.kv_cache.dtype == torch.int8
-        got = batch.step(seqs)
-        agree = sum(int((ref[k].argmax(-1) == got[k].argmax(-1)).sum()) for k in seqs)
-        assert agree / total >= 0.99, agree
-        assert max(rel_err(got[k], ref[k]) for k in seqs) < 0.05
+        agree, err = _agreement(batch.step(seqs), ref, seqs)
+        assert agree >= 0.99, agree
+        assert err < 0.05
+
+
+def test_int8_amx_kernel_agrees_with_reference(teacher_forced) -> None:
+    """--int8-batch-kernel amx: the 1495-position prefill runs every linear (the head's too) on
+    AMX tiles at fp32's precision. Measured 1495 of 1495 top-1, logit error 1.6e-5 to 3.4e-5
+    (bf16 weights and activations through oneDNN, tried first: 97.8%, error 0.020)."""
+    require_amx()
+    source, seqs, ref, _ = teacher_forced
+    loaded = load_model(source, "float32", quantization="int8", int8_batch_kernel="amx")
+    assert all(m.amx for m in loaded.model.modules() if isinstance(m, Int8Linear))
+    agree, err = _agreement(PagedBatch(loaded, num_blocks=256).step(seqs), ref, seqs)
+    assert agree >= 0.995, agree
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_amx_kernel_matches_float64(bits) -> None:
+    """The AMX kernel against float64 sums of the same weights: within fp32-level error (x in
+    two bf16 parts carries 16 significant bits), for rows past a tile, a ragged last tile of
+    weights and of rows, a bias, both weight widths; a row's result is the same alone as among
+    others; and up to 8 rows the layer keeps the AVX kernel (the same bits as without amx)."""
+    require_amx()
+    g = torch.Generator().manual_seed(5)
+    for m, k, n, bias in [(12, 64, 20, True), (37, 96, 50, False), (150, 576, 200, True),
+                          (300, 1536, 40, False)]:
+        lin = nn.Linear(k, n, bias=bias)
+        lin.weight.data = torch.randn(n, k, generator=g) * 0.05
+        q = Int8Linear(lin)
+        if bits == 4:
+            q._hold(Q8Groups(q.weight_int8 & 15, q.scale, q.min).to_bits(4))
+        x = torch.randn(m, k, generator=g)
+        want = x.double() @ q.groups.dequantize().double().t()
+        if bias:
+            want += lin.bias.double()
+        q.amx = True
+        got = q(x)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (m, k, n)
+        assert torch.equal(q(x[:9])[4], got[4]) and torch.equal(q(x[3:])[0], got[3])
+        small = q(x[:8])
+        q.amx = False
+        assert torch.equal(small, q(x[:8]))
+        assert not torch.equal(got, q(x))  # different kernels, different summation orders
+
+
+def test_int8_amx_needs_int8_on_the_cpu() -> None:
+    source = resolve_model(None)
+    with pytest.raises(ConfigError, match="int8_batch_kernel amx needs quantization int8"):
+        load_model(source, "float32", int8_batch_kernel="amx")
+    with pytest.raises(ConfigError, match="unsupported int8_batch_kernel 'tpu'"):
+        load_model(source, "float32", quantization="int8", int8_batch_kernel="tpu")

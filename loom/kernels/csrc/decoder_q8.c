@@ -43,6 +43,9 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          float *y, int64_t ldy, int bits, int64_t *next, int team);
 extern const int loom_linear_q8_direct_rows;
 int loom_linear_q8_check(int64_t K, int bits);
+int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 void loom_paged_attention_team(
@@ -125,7 +128,7 @@ typedef struct {
     const float *rope_table;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     const int64_t *positions, *slots, *block_tables, *tiles;
-    int nt, kv_type;
+    int nt, kv_type, amx;  // amx: linears of more than direct_rows rows on AMX tiles
 } Step;
 
 // A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
@@ -153,7 +156,10 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8
                   const float *sc, const float *mn, const float *bias, int64_t N, float *y,
                   int64_t bits)
 {
-    if (!t) return loom_linear_q8_f32(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, s->nt);
+    if (!t)
+        return (s->amx && s->M > loom_linear_q8_direct_rows ? loom_linear_q8_amx
+                                                            : loom_linear_q8_f32)(
+            x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, s->nt);
     loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++, t->team);
     sync_team(t);
     return 0;
@@ -246,13 +252,13 @@ int loom_llama_forward_q8(
     const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
     int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt, int kv_type)
+    float *buf_act, int nt, int kv_type, int amx)
 {
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
-        nt, kv_type,
+        nt, kv_type, amx,
     };
     int rc;
     memcpy(buf_h, hidden, (size_t)(M * H) * sizeof(float));
