@@ -39,8 +39,9 @@ import json, logging, os, sys, time
 sys.path.insert(0, os.getcwd())
 logging.disable(logging.INFO)
 from loom import LLM, SamplingParams
-llm = LLM(quantization=os.environ.get("LOOM_AB_QUANT") or None, max_model_len=1024,
-          kv_cache_memory=2**30)
+quant, _, kernel = os.environ.get("LOOM_AB_QUANT", "").partition("+")  # e.g. int8+amx
+llm = LLM(quantization=quant or None, max_model_len=1024, kv_cache_memory=2**30,
+          **({"int8_batch_kernel": kernel} if kernel else {}))
 prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 out = {}
@@ -93,8 +94,8 @@ def main() -> None:
     p.add_argument("--base", required=True, help="git revision to compare against")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
-                   help="decode: base: | new: | new:fp16 | new:int8 | new:int4 "
-                        "(default: base: new:)")
+                   help="decode: base: | new: | new:fp16 | new:int8 | new:int4 | "
+                        "new:int8+amx (an --int8-batch-kernel after +) (default: base: new:)")
     p.add_argument("--streams", default="1,8",
                    help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)

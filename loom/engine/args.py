@@ -19,8 +19,8 @@ class EngineArgs:
     model: str | None = None  # .gguf path, HF folder, cached repo id; None = packaged SmolLM2
     dtype: str = "auto"
     quantization: str | None = None  # "fp16" | "int8" | "int4": weight-only linears (loom.quant)
-    # int8's kernel for steps of more than 8 rows: avx (batch-invariant bits) or amx (Intel AMX
-    # tiles: faster prefill and many streams; loom.quant.int8)
+    # int8's kernel for steps of more than 8 rows: avx (batch-invariant bits), amx (Intel AMX
+    # tiles: faster prefill and many streams; loom.quant.int8) or auto (amx where present)
     int8_batch_kernel: str = "avx"
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_model_len: int | None = None  # None: the model's context length

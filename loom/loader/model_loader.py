@@ -25,7 +25,7 @@ from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = tuple(QUANT_METHODS)
-INT8_BATCH_KERNELS = ("avx", "amx")
+INT8_BATCH_KERNELS = ("avx", "amx", "auto")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -135,7 +135,8 @@ def load_model(
 ) -> LoadedModel:
     """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
     the linear layers to weight-only quantized ones (see loom.quant). `int8_batch_kernel`
-    "amx" runs int8's products of more than 8 rows on AMX tiles (loom.quant.int8)."""
+    "amx" runs int8's products of more than 8 rows on AMX tiles (loom.quant.int8); "auto" does
+    where the CPU has them."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if int8_batch_kernel not in INT8_BATCH_KERNELS:
@@ -153,6 +154,9 @@ def load_model(
     # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
     direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
                    and grouped_available(device, GROUP))
+    if int8_batch_kernel == "auto":  # AMX where int8 runs on Loom's kernels and the CPU has it
+        int8_batch_kernel = ("amx" if direct_int8 and cpu_kernels().loom_amx_available()
+                             else "avx")
     if int8_batch_kernel == "amx":
         if not direct_int8:
             raise ConfigError("int8_batch_kernel amx needs quantization int8 with float32 "

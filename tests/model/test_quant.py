@@ -11,6 +11,7 @@ from gguf.quants import quantize
 from torch import nn
 
 from loom.config import ConfigError
+from loom.kernels import cpu_kernels
 from loom.kernels.decoder import Q8Decoder
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
@@ -341,6 +342,12 @@ def test_int8_amx_kernel_matches_float64(bits) -> None:
 
 def test_int8_amx_needs_int8_on_the_cpu() -> None:
     source = resolve_model(None)
+    # auto: AMX where the CPU has it, else the AVX kernel; never an error
+    auto = load_model(source, "float32", quantization="int8", int8_batch_kernel="auto")
+    has_amx = cpu_kernels() is not None and bool(cpu_kernels().loom_amx_available())
+    assert auto.model.lm_head.amx == has_amx
+    assert not any(getattr(m, "amx", False) for m in
+                   load_model(source, "float32", int8_batch_kernel="auto").model.modules())
     with pytest.raises(ConfigError, match="int8_batch_kernel amx needs quantization int8"):
         load_model(source, "float32", int8_batch_kernel="amx")
     with pytest.raises(ConfigError, match="unsupported int8_batch_kernel 'tpu'"):

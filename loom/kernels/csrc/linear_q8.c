@@ -8,11 +8,12 @@
 // Decode reads weights from memory once per step, so about a quarter of fp32's bytes is the
 // point.
 //
-// Every output is summed in one fixed order, whatever M is: 8 lanes, acc += (q * scale + min) * x
-// over K in 8-wide pieces, then the lanes added. Up to 8 input rows convert and scale each
-// weight vector in registers and use it for every row; more rows convert a block of weight rows
-// once into a per-thread buffer (the same floats) and run every input row past it, four x rows
-// by three weight rows per tile. So a request's result does not depend on its batch.
+// Every output is summed in one fixed order, whatever M is: LANES lanes (16 with AVX-512, else
+// 8), acc += (q * scale + min) * x over K in LANES-wide pieces, then the lanes added. Up to 8
+// input rows convert and scale each weight vector in registers and use it for every row; more
+// rows convert a block of weight rows once into a per-thread buffer (the same floats) and run
+// every input row past it, four x rows by three weight rows per tile. So a request's result
+// does not depend on its batch.
 
 // Exact IEEE order here (the library is built with -ffast-math for the attention's expf): the
 // vector code below is explicit, and reassociation would sum the same output differently in
@@ -34,56 +35,86 @@
 // stream from memory at full speed one at a time and measured slower two at a time.
 #define R_OF(m, bits) ((bits) == 4 && (m) <= 2 ? 2 : 1)
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef uint8_t v8u8 __attribute__((vector_size(8), aligned(1)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) v8 load8(const float *p) { return *(const v8 *)p; }
-static inline __attribute__((always_inline)) v8 cvt8(const uint8_t *p)
-{
-#ifdef __AVX2__
-    // gcc turns the generic form below into eight scalar conversions (measured 3x slower).
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+// LANES floats a vector: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8.
+// Every path below sums in LANES lanes, so a machine's direct and block paths agree bit for bit
+// (two machines of different widths agree to rounding).
+#ifdef __AVX512F__
+#define LANES 16
 #else
-    return __builtin_convertvector(__builtin_convertvector(*(const v8u8 *)p, v8i32), v8);
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef uint8_t vu8 __attribute__((vector_size(LANES), aligned(1)));
+typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
+
+static inline __attribute__((always_inline)) vf loadv(const float *p) { return *(const vf *)p; }
+// LANES bytes 0..255 as floats.
+static inline __attribute__((always_inline)) vf cvt_bytes(const uint8_t *p)
+{
+#if LANES == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    // gcc turns the generic form below into eight scalar conversions (measured 3x slower).
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const vu8 *)p, vi32), vf);
 #endif
 }
-// Weights 32 g + j .. 32 g + j + 7 (j = 0, 8, 16 or 24: a constant where this inlines) of a row
-// q holding `bits` per weight: 8, one byte each, or 4, GGUF's order: group g's 16 bytes at 16 g
-// hold its values 0..15 in their low nibbles and 16..31 in their high ones. The same floats
-// either way.
-static inline __attribute__((always_inline)) v8 cvt_part(const uint8_t *q, const int bits,
+// Weights 32 g + j .. 32 g + j + LANES - 1 (j a multiple of LANES: a constant where this
+// inlines) of a row q holding `bits` per weight: 8, one byte each, or 4, GGUF's order: group g's
+// 16 bytes at 16 g hold its values 0..15 in their low nibbles and 16..31 in their high ones. The
+// same floats either way.
+static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const int bits,
                                                          const int64_t g, const int j)
 {
-    if (bits == 8) return cvt8(q + g * GROUP + j);
-    const uint8_t *p = q + g * (GROUP / 2) + (j & 8);
-#ifdef __AVX2__
+    if (bits == 8) return cvt_bytes(q + g * GROUP + j);
+    const uint8_t *p = q + g * (GROUP / 2) + (j & 15);
+#if LANES == 16
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm512_cvtepi32_ps(j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F))
+                                         : _mm512_srli_epi32(b, 4));
+#elif defined(__AVX2__)
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    return (v8)_mm256_cvtepi32_ps(j < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F))
+    return (vf)_mm256_cvtepi32_ps(j < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F))
                                          : _mm256_srli_epi32(b, 4));
 #else
-    v8 r;
-    for (int i = 0; i < 8; i++) r[i] = (float)(j < 16 ? p[i] & 0x0F : p[i] >> 4);
+    vf r;
+    for (int i = 0; i < LANES; i++) r[i] = (float)(j < 16 ? p[i] & 0x0F : p[i] >> 4);
     return r;
 #endif
 }
 
-static inline __attribute__((always_inline)) float hsum(v8 a)
+// LANES lanes to 8: lane i plus lane i + 8 (the identity at 8 lanes).
+static inline __attribute__((always_inline)) v8 fold8(vf a)
+{
+#if LANES == 16
+    return (v8)_mm256_add_ps(_mm512_castps512_ps256((__m512)a),
+                             _mm512_extractf32x8_ps((__m512)a, 1));
+#else
+    return (v8)a;
+#endif
+}
+
+static inline __attribute__((always_inline)) float hsum8(v8 a)
 {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+static inline __attribute__((always_inline)) float hsum(vf a) { return hsum8(fold8(a)); }
+
 // hsum of n vectors into out[0..n): the same order as hsum, four at a time with horizontal adds
 // ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)).
-static inline __attribute__((always_inline)) void hsum_many(const v8 *a, const int n, float *out)
+static inline __attribute__((always_inline)) void hsum_many(const vf *a, const int n, float *out)
 {
 #ifdef __AVX__
     int i = 0;
     for (; i + 4 <= n; i += 4) {
         __m128 s[4];
-        for (int j = 0; j < 4; j++)
-            s[j] = _mm_add_ps(_mm256_castps256_ps128((__m256)a[i + j]),
-                              _mm256_extractf128_ps((__m256)a[i + j], 1));
+        for (int j = 0; j < 4; j++) {
+            const __m256 f = (__m256)fold8(a[i + j]);
+            s[j] = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        }
         _mm_storeu_ps(out + i, _mm_hadd_ps(_mm_hadd_ps(s[0], s[1]), _mm_hadd_ps(s[2], s[3])));
     }
     for (; i < n; i++) out[i] = hsum(a[i]);
@@ -103,15 +134,15 @@ static inline __attribute__((always_inline)) void rows_direct(
     const int bits, const float *sc, const float *mn, int64_t groups, const int R, int64_t K,
     float *out, int64_t ldy)
 {
-    v8 acc[M_DIRECT] = {{0}};  // [r * M + m]: one flat array stays in registers
+    vf acc[M_DIRECT] = {{0}};  // [r * M + m]: one flat array stays in registers
     for (int64_t g = 0; g < K / GROUP; g++)
-        for (int j = 0; j < GROUP; j += 8) {
-            v8 w[R_MAX];
+        for (int j = 0; j < GROUP; j += LANES) {
+            vf w[R_MAX];
             for (int r = 0; r < R; r++)
                 w[r] = cvt_part(q + r * row_bytes, bits, g, j) * sc[r * groups + g]
                        + mn[r * groups + g];
             for (int m = 0; m < M; m++) {
-                const v8 u = load8(x + m * ldx + g * GROUP + j);
+                const vf u = loadv(x + m * ldx + g * GROUP + j);
                 for (int r = 0; r < R; r++) acc[r * M + m] += w[r] * u;
             }
         }
@@ -137,24 +168,26 @@ static inline __attribute__((always_inline)) void unit_direct(
 
 // PIN keeps a loaded vector in a register: gcc otherwise folds the loads into the FMAs and
 // re-loads x for every one.
-#ifdef __AVX__
+#if LANES == 16
+#define PIN(v) __asm__("" : "+v"(v))
+#elif defined(__AVX__)
 #define PIN(v) __asm__("" : "+x"(v))
 #else
 #define PIN(v) ((void)0)
 #endif
 
 // R (1..4, a constant at each call) x rows against three weight rows: 3R sums in registers
-// (12 + 3 weight vectors + 1 x vector: the 16 AVX registers at R = 4).
+// (12 + 3 weight vectors + 1 x vector: the 16 AVX registers at R = 4; AVX-512 has 32).
 static inline __attribute__((always_inline)) void tile_r3(
     const float *x0, const int R, int64_t ldx, const float *wb, int64_t K, float t[4][3])
 {
     const float *w1b = wb + K, *w2b = w1b + K;
-    v8 a[4][3] = {{{0}}};
-    for (int64_t k = 0; k < K; k += 8) {
-        v8 w0 = load8(wb + k), w1 = load8(w1b + k), w2 = load8(w2b + k);
+    vf a[4][3] = {{{0}}};
+    for (int64_t k = 0; k < K; k += LANES) {
+        vf w0 = loadv(wb + k), w1 = loadv(w1b + k), w2 = loadv(w2b + k);
         PIN(w0); PIN(w1); PIN(w2);
         for (int r = 0; r < R; r++) {
-            v8 u = load8(x0 + r * ldx + k);
+            vf u = loadv(x0 + r * ldx + k);
             PIN(u);
             a[r][0] += w0 * u; a[r][1] += w1 * u; a[r][2] += w2 * u;
         }
@@ -171,8 +204,8 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
 {
     const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
     for (int64_t g = n0 * groups; g < (n0 + nb) * groups; g++)  // rows are whole groups
-        for (int j = 0; j < GROUP; j += 8)
-            *(v8 *)(wbuf + (g - n0 * groups) * GROUP + j) = cvt_part(w, bits, g, j) * scales[g]
+        for (int j = 0; j < GROUP; j += LANES)
+            *(vf *)(wbuf + (g - n0 * groups) * GROUP + j) = cvt_part(w, bits, g, j) * scales[g]
                                                             + mins[g];
     const int64_t nbp = (nb + 2) / 3 * 3;
     for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0.0f;
