@@ -6,6 +6,7 @@ prefix caching on they share the prompt's full KV blocks by reference count.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -124,6 +125,10 @@ class LLMEngine:
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
         self._aborted: list[str] = []
+        # The model, tokenizer and caches live as long as the engine: out of the collector's
+        # way (as vLLM does), so its full collections do not walk them again and again. (No
+        # gc.collect() first: it would add to the start-up.)
+        gc.freeze()
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size
