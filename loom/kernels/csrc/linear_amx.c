@@ -69,12 +69,10 @@ static void tiles_configure(void)
     _tile_loadconfig(&cfg);
 }
 
-// 16 values q - center (q 0..255) as bf16 bits: exact, at most 8 significant bits.
-static inline __m256i bf16_of_u8(__m128i q, int center)
+// 16 values q - center (q 0..255) as floats: integers, exact in bf16 too.
+static inline __m512 centered(__m128i q, int center)
 {
-    const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(center));
-    const __m512 f = _mm512_cvtepi32_ps(v);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(center)));
 }
 
 // Weight rows n0 .. n0 + 15 (zeros past N) as bf16 q - CENTER(bits) into slab [16, K].
@@ -99,8 +97,9 @@ static void slab_fill(const uint8_t *w, int bits, int64_t K, int64_t n0, int64_t
                 lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
                 hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
             }
-            _mm256_storeu_si256((__m256i *)(o + g * GROUP), bf16_of_u8(lo, CENTER(bits)));
-            _mm256_storeu_si256((__m256i *)(o + g * GROUP + 16), bf16_of_u8(hi, CENTER(bits)));
+            _mm512_storeu_si512(o + g * GROUP,
+                                (__m512i)_mm512_cvtne2ps_pbh(centered(hi, CENTER(bits)),
+                                                             centered(lo, CENTER(bits))));
         }
     }
 }
