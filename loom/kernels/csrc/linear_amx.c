@@ -1,11 +1,12 @@
 // The int8 linear of linear_q8.c for many rows (prefill, many streams) on AMX tiles:
 // y[M, N] = x[M, K] @ dequant(w)[N, K]^T + bias, w ~ q * scale + min in groups of 32 along K.
 //
-// Precision is fp32's, not bf16's. q (0..255) is exact in bf16, so the weight tile holds q
-// itself; each x is split into x_hi = bf16(x) and x_lo = bf16(x - x_hi) (16 significant bits)
-// and both go through the same tile of sums, so TDPBF16PS sums q * x in fp32 for one group of
-// 32 at a time. Each group's sum then takes its scale, and its minimum times the group's sum of
-// x, in fp32: y = sum_g scale_g * sum_k q_k x_k + min_g * sum_k x_k.
+// Precision is fp32's, not bf16's. q (0..255) is an integer, exact in bf16, so the weight tile
+// holds q itself (less a center, see CENTER); each x is split into x_hi = bf16(x) and x_lo =
+// bf16(x - x_hi) (16 significant bits) and both go through the same tile of sums, so
+// TDPBF16PS sums q * x in fp32 for one group of 32 at a time. Each group's sum then takes its
+// scale, and its minimum times the group's sum of x, in fp32:
+// y = sum_g scale_g * sum_k q_k x_k + min_g * sum_k x_k.
 //
 // The tiles run weights as A (16 weight rows x 32 k, bf16 q in rows of a per-thread slab) and
 // activations as B (16 k pairs x 16 x rows, pairs interleaved), so the weights need no
@@ -72,7 +73,8 @@ static void tiles_configure(void)
 // 16 values q - center (q 0..255) as floats: integers, exact in bf16 too.
 static inline __m512 centered(__m128i q, int center)
 {
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(center)));
+    const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(center));
+    return _mm512_cvtepi32_ps(v);
 }
 
 // Weight rows n0 .. n0 + 15 (zeros past N) as bf16 q - CENTER(bits) into slab [16, K].
