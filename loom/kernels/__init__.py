@@ -81,7 +81,8 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (the CPU's features; also in the kernels' cache key)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -137,7 +138,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
         key = hashlib.sha256()
         for part in (*[s.read_bytes() for s in sources], " ".join(CFLAGS).encode(),
-                     version.encode(), _cpu_flags().encode(), torch.__version__.encode()):
+                     version.encode(), cpu_flags().encode(), torch.__version__.encode()):
             key.update(part)
         target = cache_dir() / f"loom_cpu_{key.hexdigest()[:16]}.so"
         if not target.exists():

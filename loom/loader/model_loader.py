@@ -154,16 +154,15 @@ def load_model(
     # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
     direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
                    and grouped_available(device, GROUP))
-    if int8_batch_kernel == "auto":  # AMX where int8 runs on Loom's kernels and the CPU has it
-        int8_batch_kernel = ("amx" if direct_int8 and cpu_kernels().loom_amx_available()
-                             else "avx")
-    if int8_batch_kernel == "amx":
-        if not direct_int8:
-            raise ConfigError("int8_batch_kernel amx needs quantization int8 with float32 "
-                              "activations on the CPU (Loom's int8 kernels)")
-        if not cpu_kernels().loom_amx_available():
-            raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
-                              "and Linux that enable it); this one has none")
+    if int8_batch_kernel == "amx" and not direct_int8:
+        raise ConfigError("int8_batch_kernel amx needs quantization int8 with float32 "
+                          "activations on the CPU (Loom's int8 kernels)")
+    # "auto": AMX where int8 runs on Loom's kernels and the CPU has it
+    amx = (int8_batch_kernel != "avx" and direct_int8
+           and bool(cpu_kernels().loom_amx_available()))
+    if int8_batch_kernel == "amx" and not amx:
+        raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
+                          "and Linux that enable it); this one has none")
     config, weight_iter, grouped = _open(source, q8=direct_int8)
     model_cls = get_model_class(config)
     with torch.device("meta"):
@@ -187,7 +186,7 @@ def load_model(
             if isinstance(module, Linear):
                 module.onednn = False
             if isinstance(module, Int8Linear) and module.grouped:
-                module.amx = int8_batch_kernel == "amx"
+                module.amx = amx
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)

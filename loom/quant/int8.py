@@ -14,9 +14,9 @@ Elsewhere (CUDA, or no C compiler): per-output-channel int8 weights through torc
 
 `amx` (`--int8-batch-kernel amx`): products of more than 8 rows (prefill, many streams) run on
 AMX tiles (csrc/linear_amx.c) where the CPU has them: q exact in bf16, x split into two bf16
-parts, fp32 sums, so fp32's precision at ~6x the AVX kernel's speed at 150 rows. Decode of up to
-8 rows keeps the kernel above. A request's bits then depend on whether its step had more than 8
-rows (the two kernels sum in different orders).
+parts, fp32 sums, so fp32's precision at 2-3x the 8-lane AVX kernel's speed at 32-150 rows.
+Decode of up to 8 rows keeps the kernel above (the AMX entry point runs it). A request's bits
+then depend on whether its step had more than 8 rows (the two kernels sum in different orders).
 
 Outputs return in the activations' dtype. Quality is tested against the unquantized reference
 by top-1 agreement and a logit-error bound.
@@ -24,8 +24,6 @@ by top-1 agreement and a logit-error bound.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,12 +33,6 @@ from torch import nn
 from loom.kernels import cpu_kernels
 
 GROUP = 32
-
-
-@functools.cache
-def direct_rows() -> int:
-    """Rows up to which the kernel converts weights in registers (decode of a few streams)."""
-    return ctypes.c_int.in_dll(cpu_kernels(), "loom_linear_q8_direct_rows").value
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,7 +178,7 @@ class Int8Embedding(_OnGrid, nn.Module):
 
 
 class Int8Linear(_OnGrid, nn.Module):
-    amx = False  # products of more than direct_rows() rows on AMX tiles (see the module doc)
+    amx = False  # products of more than 8 rows on AMX tiles (see the module doc)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -231,8 +223,9 @@ class Int8Linear(_OnGrid, nn.Module):
             if xf.stride(-1) != 1:
                 xf = xf.contiguous()
             out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
-            kernel = (cpu_kernels().loom_linear_q8_amx if self.amx and xf.shape[0] > direct_rows()
-                      else cpu_kernels().loom_linear_q8_f32)
+            # The AMX entry point runs the AVX kernel itself up to 8 rows.
+            lib = cpu_kernels()
+            kernel = lib.loom_linear_q8_amx if self.amx else lib.loom_linear_q8_f32
             rc = kernel(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
                 self.weight_int8.data_ptr(), self.scale.data_ptr(), self.min.data_ptr(),

@@ -128,7 +128,7 @@ typedef struct {
     const float *rope_table;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     const int64_t *positions, *slots, *block_tables, *tiles;
-    int nt, kv_type, amx;  // amx: linears of more than direct_rows rows on AMX tiles
+    int nt, kv_type, amx;  // amx: linears through loom_linear_q8_amx (AMX tiles past 8 rows)
 } Step;
 
 // A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
@@ -157,9 +157,8 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8
                   int64_t bits)
 {
     if (!t)
-        return (s->amx && s->M > loom_linear_q8_direct_rows ? loom_linear_q8_amx
-                                                            : loom_linear_q8_f32)(
-            x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, s->nt);
+        return (s->amx ? loom_linear_q8_amx : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias,
+                                                                  N, y, N, (int)bits, s->nt);
     loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++, t->team);
     sync_team(t);
     return 0;

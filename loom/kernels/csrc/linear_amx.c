@@ -132,9 +132,9 @@ static void x_block(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t m
                     uint16_t *hi, uint16_t *lo, float *xsum)
 {
     const int64_t groups = K / GROUP;
-    const __m512i pairs = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(TILE));  // pair r of a row lands r * 16 dwords on
+    // pair r of a row lands r * TILE dwords on
+    const __m512i pairs = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                            192, 208, 224, 240);
     for (int64_t g = 0; g < groups; g++)
         for (int64_t m = 0; m < TILE; m++) {
             __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
@@ -190,15 +190,26 @@ static void block(const uint16_t *slab, const uint16_t *hi, const uint16_t *lo,
 }
 #endif
 
-// As loom_linear_q8_f32 (same arguments). Returns 0; -1 on bad K or bits; -2 when a buffer
-// cannot be allocated; -3 where AMX cannot run (loom_amx_available).
+int loom_linear_q8_check(int64_t K, int bits);
+int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+extern const int loom_linear_q8_direct_rows;
+
+// As loom_linear_q8_f32 (same arguments), which it runs itself for up to
+// loom_linear_q8_direct_rows rows (decode of a few streams: weights converted in registers,
+// read once). Returns 0; -1 on bad K or bits; -2 when a buffer cannot be allocated; -3 where AMX
+// cannot run (loom_amx_available).
 int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads)
 {
-    if (K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4)) return -1;
-#ifdef HAVE_AMX
+    if (loom_linear_q8_check(K, bits)) return -1;
+    if (M <= loom_linear_q8_direct_rows)
+        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                  num_threads);
     if (!loom_amx_available()) return -3;
+#ifdef HAVE_AMX
     // x rows a pass: their tiles (hi and lo) within X_BYTES, so they stay in L2 while every
     // weight block runs past them.
     int64_t chunk = X_BYTES / (K * 4) / TILE;
@@ -240,8 +251,6 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     }
     return failed ? -2 : 0;
 #else
-    (void)x; (void)M; (void)ldx; (void)w; (void)scales; (void)mins; (void)bias; (void)N;
-    (void)y; (void)ldy; (void)num_threads;
-    return -3;
+    return -3;  // not reached: loom_amx_available() is 0
 #endif
 }
