@@ -97,7 +97,7 @@ def test_int8_4bit_storage_gives_the_same_bits(k, n) -> None:
     one.bias.copy_(torch.randn(n, generator=g))
     two.bias.copy_(one.bias)
     x = torch.randn(70, k, generator=g)
-    for rows in (1, 2, 3, 8, 9, 70):  # 1, 2: two weight rows at once (4-bit), else one
+    for rows in (1, 2, 3, 5, 8, 9, 70):  # 1, 2: two weight rows at once (4-bit), else one
         assert torch.equal(two(x[:rows]), one(x[:rows]))
     assert rel_err(two(x), x @ groups.dequantize().t() + one.bias) < 1e-5
     with pytest.raises(ValueError, match="more than 16 levels"):
