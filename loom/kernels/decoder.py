@@ -62,6 +62,7 @@ class Q8Decoder:
         self.scale = attn0.attn.scale
         self.layers: ctypes.Array | None = None
         self.cache_ptr = 0
+        self.scratch: list[torch.Tensor] = []  # the stack's activations, kept across steps
 
     def usable(self, x: torch.Tensor) -> bool:
         return cpu_kernel.supported(
@@ -102,7 +103,11 @@ class Q8Decoder:
         m, h, i = x.shape[0], self.hidden, self.inter
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         buf_h = torch.empty((m, h))
-        scratch = [torch.empty((m, n)) for n in (qkv_n, self.num_heads * self.head_dim, 2 * i, i)]
+        widths = (qkv_n, self.num_heads * self.head_dim, 2 * i, i)
+        if not self.scratch or self.scratch[0].shape[0] < m:
+            # grown, never shrunk: a fresh allocation each step was page-faulted in again
+            self.scratch = [torch.empty((m, n)) for n in widths]
+        scratch = [t[:m] for t in self.scratch]
         tiles = cpu_kernel.step_tiles(md, self.num_heads, self.head_dim)
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         rc = cpu_kernels().loom_llama_forward_q8(

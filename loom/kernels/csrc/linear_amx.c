@@ -77,19 +77,23 @@ static inline __m512 centered(__m128i q, int center)
     return _mm512_cvtepi32_ps(v);
 }
 
-// Weight rows n0 .. n0 + 15 (zeros past N) as bf16 q - CENTER(bits) into slab [16, K].
-static void slab_fill(const uint8_t *w, int bits, int64_t K, int64_t n0, int64_t N,
-                      uint16_t *slab)
+// Weight rows n0 .. n0 + 15 (zeros past N) as bf16 q - CENTER(bits) into slab [K / 32][16][32]
+// (each group's A tile one contiguous KiB), and their scales and folded minimums group-major:
+// sc[g][n] = scale, mc[g][n] = min + CENTER * scale (zeros past N).
+static void slab_fill(const uint8_t *w, const float *scales, const float *mins, int bits,
+                      int64_t K, int64_t n0, int64_t N, uint16_t *slab, float *sc, float *mc)
 {
-    const int64_t row_bytes = K * bits / 8;
+    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
     for (int64_t r = 0; r < TILE; r++) {
-        uint16_t *o = slab + r * K;
         if (n0 + r >= N) {
-            memset(o, 0, K * sizeof *o);
+            for (int64_t g = 0; g < groups; g++) {
+                memset(slab + (g * TILE + r) * GROUP, 0, GROUP * sizeof *slab);
+                sc[g * TILE + r] = mc[g * TILE + r] = 0.0f;
+            }
             continue;
         }
         const uint8_t *q = w + (n0 + r) * row_bytes;
-        for (int64_t g = 0; g < K / GROUP; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             __m128i lo, hi;  // values 0..15 and 16..31 of the group
             if (bits == 8) {
                 lo = _mm_loadu_si128((const __m128i *)(q + g * GROUP));
@@ -99,9 +103,12 @@ static void slab_fill(const uint8_t *w, int bits, int64_t K, int64_t n0, int64_t
                 lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
                 hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
             }
-            _mm512_storeu_si512(o + g * GROUP,
+            _mm512_storeu_si512(slab + (g * TILE + r) * GROUP,
                                 (__m512i)_mm512_cvtne2ps_pbh(centered(hi, CENTER(bits)),
                                                              centered(lo, CENTER(bits))));
+            const int64_t at = (n0 + r) * groups + g;
+            sc[g * TILE + r] = scales[at];
+            mc[g * TILE + r] = __builtin_fmaf((float)CENTER(bits), scales[at], mins[at]);
         }
     }
 }
@@ -154,20 +161,20 @@ static void x_block(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t m
         }
 }
 
-// One 16 x 16 block of y: weight rows n0.. (bf16 q in slab) against x rows m0.. (B tiles).
-static void block(const uint16_t *slab, const uint16_t *hi, const uint16_t *lo,
-                  const float *xsum, const float *scales, const float *mins, const float *bias,
-                  int bits, int64_t K, int64_t n0, int64_t N, int64_t m0, int64_t M, float *y,
-                  int64_t ldy)
+// One 16 x 16 block of y: weight rows n0.. (slab, sc and mc from slab_fill) against x rows
+// m0.. (B tiles). All 16 weight rows always (padding rows have zero weights and scales): a
+// constant count keeps the 16 sums in registers.
+static void block(const uint16_t *slab, const float *sc, const float *mc, const uint16_t *hi,
+                  const uint16_t *lo, const float *xsum, const float *bias, int64_t K,
+                  int64_t n0, int64_t N, int64_t m0, int64_t M, float *y, int64_t ldy)
 {
-    const float center = (float)CENTER(bits);
     const int64_t groups = K / GROUP;
     float c[TILE * TILE] __attribute__((aligned(64)));
     __m512 acc[TILE];
+#pragma GCC unroll 16
     for (int n = 0; n < TILE; n++) acc[n] = _mm512_setzero_ps();
-    const int rows = N - n0 < TILE ? (int)(N - n0) : TILE;
     for (int64_t g = 0; g < groups; g++) {
-        _tile_loadd(1, slab + g * GROUP, K * 2);
+        _tile_loadd(1, slab + g * TILE * GROUP, 64);
         _tile_loadd(2, hi + g * GROUP * TILE, 64);
         _tile_loadd(3, lo + g * GROUP * TILE, 64);
         _tile_zero(0);
@@ -175,14 +182,16 @@ static void block(const uint16_t *slab, const uint16_t *hi, const uint16_t *lo,
         _tile_dpbf16ps(0, 1, 3);
         _tile_stored(0, c, 64);
         const __m512 xs = _mm512_loadu_ps(xsum + g * TILE);
-        for (int n = 0; n < rows; n++) {
-            const int64_t at = (n0 + n) * groups + g;
-            acc[n] = _mm512_fmadd_ps(_mm512_load_ps(c + n * TILE), _mm512_set1_ps(scales[at]),
-                                     acc[n]);
-            acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(mins[at] + center * scales[at]), xs, acc[n]);
+#pragma GCC unroll 16
+        for (int n = 0; n < TILE; n++) {
+            acc[n] = _mm512_fmadd_ps(_mm512_load_ps(c + n * TILE),
+                                     _mm512_set1_ps(sc[g * TILE + n]), acc[n]);
+            acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(mc[g * TILE + n]), xs, acc[n]);
         }
     }
-    for (int n = 0; n < rows; n++) _mm512_store_ps(c + n * TILE, acc[n]);
+#pragma GCC unroll 16
+    for (int n = 0; n < TILE; n++) _mm512_store_ps(c + n * TILE, acc[n]);
+    const int rows = N - n0 < TILE ? (int)(N - n0) : TILE;
     const int64_t ms = M - m0 < TILE ? M - m0 : TILE;
     for (int64_t m = 0; m < ms; m++)
         for (int n = 0; n < rows; n++)
@@ -224,7 +233,9 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     if (!failed) {
 #pragma omp parallel num_threads(num_threads)
         {
-            uint16_t *slab = scratch(2, (size_t)TILE * K * sizeof(uint16_t));
+            // the weight block's slab, then its scales and folded minimums (slab_fill)
+            uint16_t *slab = scratch(2, (size_t)TILE * K * (sizeof(uint16_t) + 2 * sizeof(float)));
+            float *sc = (float *)(slab + TILE * K), *mc = sc + K / GROUP * TILE;
             if (!slab) {
 #pragma omp atomic write
                 failed = 1;
@@ -239,11 +250,11 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t nb = 0; nb < nblocks; nb++) {
                     if (!slab) continue;
-                    slab_fill(w, bits, K, nb * TILE, N, slab);
+                    slab_fill(w, scales, mins, bits, K, nb * TILE, N, slab, sc, mc);
                     for (int64_t i = 0; i < mbs; i++)
-                        block(slab, xt + 2 * i * per_block, xt + (2 * i + 1) * per_block,
-                              xsum + i * xs_block, scales, mins, bias, bits, K, nb * TILE, N,
-                              (mb0 + i) * TILE, M, y, ldy);
+                        block(slab, sc, mc, xt + 2 * i * per_block, xt + (2 * i + 1) * per_block,
+                              xsum + i * xs_block, bias, K, nb * TILE, N, (mb0 + i) * TILE, M, y,
+                              ldy);
                 }
             }
             _tile_release();
