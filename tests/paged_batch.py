@@ -49,7 +49,9 @@ class PagedBatch:
         )
         ids = torch.tensor([t for r in rids for t in work[r]], device=self.device)
         with set_forward_context(md):
-            logits = self.model.compute_logits(self.model(ids, torch.from_numpy(positions).to(self.device)))
+            hidden = self.model(ids, torch.from_numpy(positions).to(self.device))
+            # a copy: an int8 head writes its logits into one buffer it reuses (Int8Linear)
+            logits = self.model.compute_logits(hidden).clone()
         out, start = {}, 0
         for rid in rids:
             n = len(work[rid])

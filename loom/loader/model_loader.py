@@ -187,6 +187,9 @@ def load_model(
                 module.onednn = False
             if isinstance(module, Int8Linear) and module.grouped:
                 module.amx = amx
+        head = getattr(model, HEAD, None)
+        if isinstance(head, Int8Linear) and head.grouped:
+            head.reuse_output = True  # logits live until the next step (the runner's use)
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)

@@ -179,6 +179,12 @@ class Int8Embedding(_OnGrid, nn.Module):
 
 class Int8Linear(_OnGrid, nn.Module):
     amx = False  # products of more than 8 rows on AMX tiles (see the module doc)
+    # Write every output into one buffer kept across calls (grown as needed): each result is
+    # then valid only until the next call. The loader sets it on the output projection, whose
+    # logits (vocab x rows: 50 MB at 256 rows for SmolLM2) the runner consumes within its step;
+    # a fresh buffer that size was page-faulted in on every step (~5% of an offline batch).
+    reuse_output = False
+    _out: torch.Tensor | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -222,7 +228,7 @@ class Int8Linear(_OnGrid, nn.Module):
             xf = x2.float()
             if xf.stride(-1) != 1:
                 xf = xf.contiguous()
-            out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
+            out = self._output(xf.shape[0])
             # The AMX entry point runs the AVX kernel itself up to 8 rows.
             lib = cpu_kernels()
             kernel = lib.loom_linear_q8_amx if self.amx else lib.loom_linear_q8_f32
@@ -244,6 +250,13 @@ class Int8Linear(_OnGrid, nn.Module):
         ).to(self.out_dtype)  # [num_tokens, out]
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
+
+    def _output(self, rows: int) -> torch.Tensor:
+        if not self.reuse_output:
+            return torch.empty((rows, self.out_features), dtype=torch.float32)
+        if self._out is None or self._out.shape[0] < rows:
+            self._out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        return self._out[:rows]
 
     def extra_repr(self) -> str:
         kind = (f"{self.bits}-bit values in groups of 32, fp32 scales and minimums"

@@ -352,3 +352,23 @@ def test_int8_amx_needs_int8_on_the_cpu() -> None:
         load_model(source, "float32", int8_batch_kernel="amx")
     with pytest.raises(ConfigError, match="unsupported int8_batch_kernel 'tpu'"):
         load_model(source, "float32", quantization="int8", int8_batch_kernel="tpu")
+
+
+def test_int8_head_reuses_its_output_buffer() -> None:
+    """The loader marks an int8 output projection `reuse_output`: its logits land in one buffer
+    kept across calls (a fresh 50 MB buffer a step was page-faulted in each time); other int8
+    layers return fresh tensors."""
+    require_cpu_kernels()
+    m = load_model(resolve_model(None), "float32", quantization="int8").model
+    head, other = m.lm_head, m.model.layers[0].mlp.down_proj
+    assert isinstance(head, Int8Linear) and head.reuse_output and not other.reuse_output
+    x = torch.randn(3, head.in_features)
+    first = head(x)
+    want = first.clone()
+    second = head(x[:2] * 2)
+    assert second.data_ptr() == first.data_ptr()  # the same memory: `first` is overwritten
+    assert torch.equal(head(x), want)  # ... and the values are still the kernel's
+    y = torch.randn(3, other.in_features)
+    a = other(y)
+    b = other(y * 2)
+    assert not torch.equal(a, b)  # a fresh tensor each call
