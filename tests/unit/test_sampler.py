@@ -62,6 +62,12 @@ def test_greedy_is_argmax_and_cheap() -> None:
     assert out.sampled_token_ids.dtype == torch.int64
     assert out.logprobs == [None] * 8
     assert torch.equal(logits, before)  # input logits are not modified
+    # ties go to the first maximal token, as argmax's do
+    logits[2] = 0.0
+    logits[5, 40] = logits[5, 7] = 50.0
+    out = sampler(logits, md)
+    assert out.sampled_token_ids[2] == 0 and out.sampled_token_ids[5] == 7
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
 
 
 def test_top_k_1_equals_greedy_in_mixed_batch() -> None:
