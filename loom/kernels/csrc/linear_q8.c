@@ -123,6 +123,22 @@ static inline __attribute__((always_inline)) void group_lookup(const uint8_t *p,
 }
 #endif
 
+// Group g of a row q (`bits` a weight) as GROUP / LANES vectors of weights q * s + m: through
+// group_lookup for 4-bit rows where it applies, else converted LANES at a time. The same floats
+// either way.
+static inline __attribute__((always_inline)) void group_weights(const uint8_t *q, const int bits,
+                                                                int64_t g, float s, float m,
+                                                                vf w[GROUP / LANES])
+{
+#if LANES == 16
+    if (bits == 4) {
+        group_lookup(q + g * (GROUP / 2), s, m, w);
+        return;
+    }
+#endif
+    for (int j = 0; j < GROUP / LANES; j++) w[j] = weight(cvt_part(q, bits, g, j * LANES), s, m);
+}
+
 // LANES lanes to 8: lane i plus lane i + 8 (the identity at 8 lanes).
 static inline __attribute__((always_inline)) v8 fold8(vf a)
 {
@@ -189,37 +205,17 @@ static inline __attribute__((always_inline)) void rows_direct(
     float *out, int64_t ldy)
 {
     vf acc[M_DIRECT] = {{0}};  // [r * M + m]: one flat array stays in registers
-#if LANES == 16
-    if (bits == 4) {  // the same sums, fewer instructions: see group_lookup
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            vf w[R_MAX][2];
-            prefetch_rows(q, row_bytes, sc, mn, groups, R, 4, g);
-            for (int r = 0; r < R; r++)
-                group_lookup(q + r * row_bytes + g * (GROUP / 2), sc[r * groups + g],
-                             mn[r * groups + g], w[r]);
-            for (int j = 0; j < 2; j++)
-                for (int m = 0; m < M; m++) {
-                    const vf u = loadv(x + m * ldx + g * GROUP + j * LANES);
-                    for (int r = 0; r < R; r++) acc[r * M + m] += w[r][j] * u;
-                }
-        }
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) out[m * ldy + r] = hsum(acc[r * M + m]);
-        return;
-    }
-#endif
     for (int64_t g = 0; g < K / GROUP; g++) {
         prefetch_rows(q, row_bytes, sc, mn, groups, R, bits, g);
-        for (int j = 0; j < GROUP; j += LANES) {
-            vf w[R_MAX];
-            for (int r = 0; r < R; r++)
-                w[r] = weight(cvt_part(q + r * row_bytes, bits, g, j), sc[r * groups + g],
-                              mn[r * groups + g]);
+        vf w[R_MAX][GROUP / LANES];
+        for (int r = 0; r < R; r++)
+            group_weights(q + r * row_bytes, bits, g, sc[r * groups + g], mn[r * groups + g],
+                          w[r]);
+        for (int j = 0; j < GROUP / LANES; j++)
             for (int m = 0; m < M; m++) {
-                const vf u = loadv(x + m * ldx + g * GROUP + j);
-                for (int r = 0; r < R; r++) acc[r * M + m] += w[r] * u;
+                const vf u = loadv(x + m * ldx + g * GROUP + j * LANES);
+                for (int r = 0; r < R; r++) acc[r * M + m] += w[r][j] * u;
             }
-        }
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) out[m * ldy + r] = hsum(acc[r * M + m]);
@@ -279,15 +275,7 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
 {
     const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
     for (int64_t g = n0 * groups; g < (n0 + nb) * groups; g++)  // rows are whole groups
-#if LANES == 16
-        if (bits == 4)
-            group_lookup(w + g * (GROUP / 2), scales[g], mins[g],
-                         (vf *)(wbuf + (g - n0 * groups) * GROUP));
-        else
-#endif
-        for (int j = 0; j < GROUP; j += LANES)
-            *(vf *)(wbuf + (g - n0 * groups) * GROUP + j) = weight(cvt_part(w, bits, g, j),
-                                                                   scales[g], mins[g]);
+        group_weights(w, bits, g, scales[g], mins[g], (vf *)(wbuf + (g - n0 * groups) * GROUP));
     const int64_t nbp = (nb + 2) / 3 * 3;
     for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0.0f;
     for (int64_t m = m0; m < m1; m += 4) {
