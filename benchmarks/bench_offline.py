@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--result-json", default=None)
     ap.add_argument("--loom-quantization", default=None, choices=["fp16", "int8", "int4"],
                     help="also run Loom with these weight-only kernels (same GGUF weights)")
-    ap.add_argument("--loom-int8-batch-kernel", default="avx", choices=["avx", "amx", "auto"],
+    ap.add_argument("--loom-int8-batch-kernel", default="avx",
+                    choices=["avx", "amx", "bf16", "auto"],
                     help="with --loom-quantization int8: the kernel of steps of more than 8 rows")
     args = ap.parse_args()
     loom = in_fresh_process(run_loom, args.num_prompts, args.output_len)

@@ -23,3 +23,11 @@ def require_amx() -> None:
     require_cpu_kernels()
     if not cpu_kernels().loom_amx_available():
         pytest.skip("no AMX-BF16 on this CPU")
+
+
+def require_bf16() -> None:
+    """The bf16 kernel needs a CPU with AVX512-BF16 (Zen 4, Cooper Lake on); elsewhere its tests
+    skip."""
+    require_cpu_kernels()
+    if not cpu_kernels().loom_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU")

@@ -20,7 +20,8 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str | None = None  # "fp16" | "int8" | "int4": weight-only linears (loom.quant)
     # int8's kernel for steps of more than 8 rows: avx (batch-invariant bits), amx (Intel AMX
-    # tiles: faster prefill and many streams; loom.quant.int8) or auto (amx where present)
+    # tiles: faster prefill and many streams; loom.quant.int8), bf16 (AVX512-BF16 dot products,
+    # bf16 precision) or auto (amx where present, else avx)
     int8_batch_kernel: str = "avx"
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_model_len: int | None = None  # None: the model's context length

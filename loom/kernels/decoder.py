@@ -4,8 +4,8 @@ It runs the kernels the per-module path runs, in the same order, on the same buf
 the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
 linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
 kernel and the model has no q/k norm; otherwise the model keeps its per-module path. With
-`--int8-batch-kernel amx` its linears run on AMX tiles in steps of more than 8 rows, as the
-modules' do (loom.quant.int8).
+`--int8-batch-kernel amx` (or `bf16`) its linears run on AMX tiles (bf16 dot products) in steps
+of more than 8 rows, as the modules' do (loom.quant.int8).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.quant.int8 import Int8Linear
+
+BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`
 
 
 class LayerQ8(ctypes.Structure):
@@ -118,7 +120,7 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            kv_type(cache), int(self.model.layers[0].mlp.down_proj.amx),
+            kv_type(cache), BATCH_CODES[self.model.layers[0].mlp.down_proj.batch_kernel],
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

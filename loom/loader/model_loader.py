@@ -25,7 +25,7 @@ from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = tuple(QUANT_METHODS)
-INT8_BATCH_KERNELS = ("avx", "amx", "auto")
+INT8_BATCH_KERNELS = ("avx", "amx", "bf16", "auto")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -135,8 +135,8 @@ def load_model(
 ) -> LoadedModel:
     """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
     the linear layers to weight-only quantized ones (see loom.quant). `int8_batch_kernel`
-    "amx" runs int8's products of more than 8 rows on AMX tiles (loom.quant.int8); "auto" does
-    where the CPU has them."""
+    "amx" runs int8's products of more than 8 rows on AMX tiles, "bf16" in AVX512-BF16 dot
+    products (loom.quant.int8); "auto" picks "amx" where the CPU has it, else "avx"."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if int8_batch_kernel not in INT8_BATCH_KERNELS:
@@ -154,15 +154,22 @@ def load_model(
     # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
     direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
                    and grouped_available(device, GROUP))
-    if int8_batch_kernel == "amx" and not direct_int8:
-        raise ConfigError("int8_batch_kernel amx needs quantization int8 with float32 "
-                          "activations on the CPU (Loom's int8 kernels)")
-    # "auto": AMX where int8 runs on Loom's kernels and the CPU has it
-    amx = (int8_batch_kernel != "avx" and direct_int8
-           and bool(cpu_kernels().loom_amx_available()))
-    if int8_batch_kernel == "amx" and not amx:
-        raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
-                          "and Linux that enable it); this one has none")
+    if int8_batch_kernel in ("amx", "bf16") and not direct_int8:
+        raise ConfigError(f"int8_batch_kernel {int8_batch_kernel} needs quantization int8 with "
+                          "float32 activations on the CPU (Loom's int8 kernels)")
+    batch_kernel = "avx"
+    if direct_int8 and int8_batch_kernel != "avx":
+        lib = cpu_kernels()
+        if int8_batch_kernel in ("amx", "auto") and lib.loom_amx_available():
+            batch_kernel = "amx"
+        elif int8_batch_kernel == "bf16" and lib.loom_bf16_available():
+            batch_kernel = "bf16"
+        elif int8_batch_kernel == "amx":
+            raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
+                              "and Linux that enable it); this one has none")
+        elif int8_batch_kernel == "bf16":
+            raise ConfigError("int8_batch_kernel bf16 needs a CPU with AVX512-BF16 (and a "
+                              "compiler that targets it); this one has none")
     config, weight_iter, grouped = _open(source, q8=direct_int8)
     model_cls = get_model_class(config)
     with torch.device("meta"):
@@ -186,7 +193,7 @@ def load_model(
             if isinstance(module, Linear):
                 module.onednn = False
             if isinstance(module, Int8Linear) and module.grouped:
-                module.amx = amx
+                module.batch_kernel = batch_kernel
         head = getattr(model, HEAD, None)
         if isinstance(head, Int8Linear) and head.grouped:
             head.reuse_output = True  # logits live until the next step (the runner's use)

@@ -46,6 +46,9 @@ int loom_linear_q8_check(int64_t K, int bits);
 int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads);
+int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const float *scales, const float *mins, const float *bias, int64_t N,
+                        float *y, int64_t ldy, int bits, int num_threads);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 void loom_paged_attention_team(
@@ -128,7 +131,7 @@ typedef struct {
     const float *rope_table;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     const int64_t *positions, *slots, *block_tables, *tiles;
-    int nt, kv_type, amx;  // amx: linears through loom_linear_q8_amx (AMX tiles past 8 rows)
+    int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel)
 } Step;
 
 // A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
@@ -157,8 +160,10 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8
                   int64_t bits)
 {
     if (!t)
-        return (s->amx ? loom_linear_q8_amx : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias,
-                                                                  N, y, N, (int)bits, s->nt);
+        return (s->kernel == 1   ? loom_linear_q8_amx
+                : s->kernel == 2 ? loom_linear_q8_bf16
+                                 : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias, N, y, N,
+                                                       (int)bits, s->nt);
     loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++, t->team);
     sync_team(t);
     return 0;
@@ -251,13 +256,13 @@ int loom_llama_forward_q8(
     const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
     int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt, int kv_type, int amx)
+    float *buf_act, int nt, int kv_type, int kernel)
 {
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
-        nt, kv_type, amx,
+        nt, kv_type, kernel,
     };
     int rc;
     memcpy(buf_h, hidden, (size_t)(M * H) * sizeof(float));

@@ -117,22 +117,6 @@ static void slab_fill(const uint8_t *w, const float *scales, const float *mins, 
 static inline __m512i to_bf16(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
 static inline __m512 low_f32(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
 
-// A buffer of at least `bytes` kept per thread and grown as needed, never freed: a fresh
-// large allocation each call was mmap'd and page-faulted in again (~3% of a prefill).
-static void *scratch(int which, size_t bytes)
-{
-    static __thread void *buf[3];
-    static __thread size_t have[3];
-    if (have[which] < bytes) {
-        free(buf[which]);
-        have[which] = 0;
-        buf[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        if (!buf[which]) return NULL;
-        have[which] = bytes;
-    }
-    return buf[which];
-}
-
 // x rows m0 .. m0 + 15 (zeros past M) as B tiles, group by group: hi and lo [groups][16 pairs]
 // [16 rows][2], and each group's sum of x [groups][16].
 static void x_block(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t m0,
@@ -204,6 +188,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads);
 extern const int loom_linear_q8_direct_rows;
+void *loom_scratch(int which, size_t bytes);
 
 // As loom_linear_q8_f32 (same arguments), which it runs itself for up to
 // loom_linear_q8_direct_rows rows (decode of a few streams: weights converted in registers,
@@ -229,14 +214,14 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     chunk = chunk < mblocks ? chunk : mblocks;
     const int64_t per_block = K * TILE;  // bf16 values of one x block (hi or lo)
     const int64_t xs_block = K / GROUP * TILE;  // group sums of one x block
-    uint16_t *xt = scratch(0, (size_t)chunk * per_block * 2 * sizeof(uint16_t));
-    float *xsum = scratch(1, (size_t)chunk * xs_block * sizeof(float));
+    uint16_t *xt = loom_scratch(0, (size_t)chunk * per_block * 2 * sizeof(uint16_t));
+    float *xsum = loom_scratch(1, (size_t)chunk * xs_block * sizeof(float));
     int failed = !xt || !xsum;
     if (!failed) {
 #pragma omp parallel num_threads(num_threads)
         {
             // the weight block's slab, then its scales and folded minimums (slab_fill)
-            uint16_t *slab = scratch(2, (size_t)TILE * K * (sizeof(uint16_t) + 2 * sizeof(float)));
+            uint16_t *slab = loom_scratch(2, (size_t)TILE * K * (sizeof(uint16_t) + 2 * sizeof(float)));
             float *sc = (float *)(slab + TILE * K), *mc = sc + K / GROUP * TILE;
             if (!slab) {
 #pragma omp atomic write

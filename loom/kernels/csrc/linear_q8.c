@@ -326,6 +326,36 @@ static inline __attribute__((always_inline)) void direct_unit(
     }
 }
 
+// Weight rows a block for the block paths here and in linear_bf16.c: N rows in blocks of at most
+// `most` rows (at least `unit`), a multiple of `unit` each, a whole number of blocks a thread
+// where that costs nothing. Returns the number of blocks, the rows of each in *rows.
+int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_threads, int64_t *rows)
+{
+    most = most < unit ? unit : most;
+    int64_t num_blocks = (N + most - 1) / most;
+    num_blocks = (num_blocks + num_threads - 1) / num_threads * num_threads;
+    *rows = ((N + num_blocks - 1) / num_blocks + unit - 1) / unit * unit;
+    return (N + *rows - 1) / *rows;
+}
+
+// A buffer of at least `bytes` kept per thread and grown as needed, never freed (slots
+// 0..SCRATCH_SLOTS - 1; the AMX and bf16 kernels'): a fresh large allocation each call was mmap'd
+// and page-faulted in again (~3% of a prefill).
+#define SCRATCH_SLOTS 3
+void *loom_scratch(int which, size_t bytes)
+{
+    static __thread void *buf[SCRATCH_SLOTS];
+    static __thread size_t have[SCRATCH_SLOTS];
+    if (have[which] < bytes) {
+        free(buf[which]);
+        have[which] = 0;
+        buf[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (!buf[which]) return NULL;
+        have[which] = bytes;
+    }
+    return buf[which];
+}
+
 // 0 if the kernel takes rows of K weights stored `bits` a weight; -1 if not.
 int loom_linear_q8_check(int64_t K, int bits)
 {
@@ -357,11 +387,8 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     // Block path: each thread converts a block of weight rows (at most BLOCK_BYTES as fp32; a
     // whole number of blocks per thread) and runs a chunk of x rows past it, four x rows by
     // three weight rows a tile: the x tile stays in L1, the block and the chunk in L2.
-    const int64_t most = (BLOCK_BYTES / 4) / K < 3 ? 3 : (BLOCK_BYTES / 4) / K;
-    int64_t num_blocks = (N + most - 1) / most;
-    num_blocks = (num_blocks + num_threads - 1) / num_threads * num_threads;
-    const int64_t nb_rows = ((N + num_blocks - 1) / num_blocks + 2) / 3 * 3;
-    num_blocks = (N + nb_rows - 1) / nb_rows;
+    int64_t nb_rows;
+    const int64_t num_blocks = loom_weight_blocks(N, BLOCK_BYTES / 4 / K, 3, num_threads, &nb_rows);
     // x rows per pass over the blocks: as many as fit X_BYTES.
     int64_t m_chunk = (X_BYTES / 4) / K & ~(int64_t)3;
     m_chunk = m_chunk < 16 ? 16 : m_chunk;

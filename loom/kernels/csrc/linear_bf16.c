@@ -1,0 +1,188 @@
+// The int8 linear of linear_q8.c for many rows (prefill, many streams) in bf16 dot products
+// (AVX512-BF16's vdpbf16ps: 32 products a vector, twice fp32's fma): y[M, N] = x[M, K] @
+// dequant(w)[N, K]^T + bias, w ~ q * scale + min in groups of 32 along K.
+//
+// Precision is bf16's: each weight q * scale + min (the fp32 of linear_q8.c) and each x are
+// rounded to bf16 (8 significant bits), their products summed in fp32. The weights are already
+// 4- or 8-bit groups: rounding the dequantized weight moves it by at most 1/512 of itself.
+//
+// Each thread converts a block of weight rows to bf16 once and runs a chunk of x rows (bf16,
+// converted once a call) past it, four x rows by three weight rows a tile, as linear_q8.c's
+// block path does in fp32. Up to loom_linear_q8_direct_rows rows run linear_q8.c's direct path
+// (decode of a few streams is bound by reading weights, not by products).
+
+#pragma GCC optimize("no-fast-math")
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_BF16 1
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define BLOCK_BYTES (128 * 1024)  // converted block (bf16), per thread
+#define X_BYTES (512 * 1024)      // x rows (bf16) a pass: with the block, within L2
+
+int loom_linear_q8_check(int64_t K, int bits);
+int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+extern const int loom_linear_q8_direct_rows;
+void *loom_scratch(int which, size_t bytes);
+int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_threads, int64_t *rows);
+
+// 1 if this build has the bf16 kernel (the compiler targets AVX512-BF16), 0 if not.
+int loom_bf16_available(void)
+{
+#ifdef HAVE_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_BF16
+// Group g of weight row q as 32 bf16 at out: q * s + m in fp32 (one fma, as linear_q8.c), then
+// rounded to nearest even.
+static inline __attribute__((always_inline)) void group_bf16(const uint8_t *q, int bits,
+                                                             int64_t g, float s, float m,
+                                                             uint16_t *out)
+{
+    __m512 lo, hi;
+    if (bits == 4) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(m));
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
+        lo = _mm512_permutexvar_ps(b, table);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    } else {
+        const uint8_t *p = q + g * GROUP;
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128((const __m128i *)p))),
+                             _mm512_set1_ps(s), _mm512_set1_ps(m));
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128((const __m128i *)(p + 16)))),
+                             _mm512_set1_ps(s), _mm512_set1_ps(m));
+    }
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+#define PIN(v) __asm__("" : "+v"(v))
+
+// 16 vectors -> one: lane i the sum of v[i]'s 16 lanes, added in a fixed tree (pairs within
+// 128-bit lanes, then across them): 45 instructions, not 16 reductions of 8 each (at K = 576 a
+// sum is 18 products, so those were ~30% of a tile).
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16])
+{
+    __m512 p[8], q[4];
+    for (int i = 0; i < 8; i++)  // lane L of p[i]: v[2i]'s at 0 and 2, v[2i + 1]'s at 1 and 3
+        p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // lane L of q[i]: v[4i .. 4i + 3]'s sums over lane L
+        q[i] = _mm512_add_ps(
+            (__m512)_mm512_unpacklo_pd((__m512d)p[2 * i], (__m512d)p[2 * i + 1]),
+            (__m512)_mm512_unpackhi_pd((__m512d)p[2 * i], (__m512d)p[2 * i + 1]));
+    // across the four 128-bit lanes: (0 + 1, 2 + 3), then their sum
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88),
+                                     _mm512_shuffle_f32x4(q[0], q[1], 0xDD));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88),
+                                     _mm512_shuffle_f32x4(q[2], q[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88),
+                         _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// R (1..4) bf16 x rows against four bf16 weight rows of K: out[4 m + n] = x row m . weight row n
+// (rows past R: zeros). A row's sums do not depend on the tile's other rows.
+static inline __attribute__((always_inline)) void tile(const uint16_t *x0, const int R,
+                                                       int64_t K, const uint16_t *wb,
+                                                       float out[16])
+{
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) {
+            wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * K + k);
+            PIN(wv[j]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512bh u = (__m512bh)_mm512_loadu_si512(x0 + r * K + k);
+            PIN(u);
+            for (int j = 0; j < 4; j++) a[4 * r + j] = _mm512_dpbf16_ps(a[4 * r + j], wv[j], u);
+        }
+    }
+    _mm512_storeu_ps(out, sum16(a));
+}
+
+#endif
+
+int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const float *scales, const float *mins, const float *bias, int64_t N,
+                        float *y, int64_t ldy, int bits, int num_threads)
+{
+    if (loom_linear_q8_check(K, bits)) return -1;
+    if (M <= loom_linear_q8_direct_rows)
+        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                  num_threads);
+#ifdef HAVE_BF16
+    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    int64_t nb_rows;
+    const int64_t num_blocks = loom_weight_blocks(N, BLOCK_BYTES / 2 / K, 4, num_threads, &nb_rows);
+    int64_t m_chunk = (X_BYTES / 2) / K & ~(int64_t)3;
+    m_chunk = m_chunk < 16 ? 16 : m_chunk;
+    uint16_t *xb = loom_scratch(0, (size_t)M * K * sizeof(uint16_t));
+    if (!xb) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k += 32)
+                _mm512_storeu_si512(xb + m * K + k,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16),
+                                                                 _mm512_loadu_ps(x + m * ldx + k)));
+        uint16_t *wbuf = loom_scratch(1, (size_t)(nb_rows + 4) * K * sizeof(uint16_t));
+        if (!wbuf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+            const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t b = 0; b < num_blocks; b++) {
+                if (!wbuf) continue;
+                const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+                for (int64_t r = 0; r < nb; r++)
+                    for (int64_t g = 0; g < groups; g++)
+                        group_bf16(w + (n0 + r) * row_bytes, bits, g, scales[(n0 + r) * groups + g],
+                                   mins[(n0 + r) * groups + g], wbuf + r * K + g * GROUP);
+                const int64_t nbp = (nb + 3) / 4 * 4;
+                for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0;
+                for (int64_t m = m0; m < m1; m += 4) {
+                    const int64_t mr = m1 - m < 4 ? m1 - m : 4;
+                    for (int64_t r = 0; r < nbp; r += 4) {
+                        float t[16];
+                        const uint16_t *xr = xb + m * K, *wr = wbuf + r * K;
+                        switch (mr) {
+                        case 4: tile(xr, 4, K, wr, t); break;
+                        case 3: tile(xr, 3, K, wr, t); break;
+                        case 2: tile(xr, 2, K, wr, t); break;
+                        default: tile(xr, 1, K, wr, t); break;
+                        }
+                        const int64_t cols = nb - r < 4 ? nb - r : 4;
+                        for (int64_t i = 0; i < mr; i++)
+                            for (int64_t j = 0; j < cols; j++)
+                                y[(m + i) * ldy + n0 + r + j] =
+                                    t[4 * i + j] + (bias ? bias[n0 + r + j] : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -2 : 0;
+#else
+    return -3;
+#endif
+}
