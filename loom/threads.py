@@ -1,12 +1,18 @@
 """CPU threads for torch: the OpenMP wait policy and the thread count.
 
-By default torch's OpenMP threads spin between parallel regions. When another process holds a
-core (a shared machine, a benchmark client next to the server), each parallel op then waits a
-scheduler time slice for its descheduled partner thread: on a 2-core machine with a busy
-neighbour, SmolLM2 decode measured 1.1-1.4 tokens/s with spinning and 7.1-8.4 with a passive
-policy (and 6.9-8.0 with one thread). With nothing competing, passive measured 0-8% slower
-(wake-ups); `OMP_WAIT_POLICY=ACTIVE` restores spinning. The policy is read once, when torch loads
-OpenMP, so it must be chosen before `import torch`.
+By default torch's OpenMP (libgomp) threads spin ~300,000 times between parallel regions. When
+another process holds a core (a shared machine, a benchmark client next to the server), each
+parallel op then waits a scheduler time slice for its descheduled partner thread: on a 2-core
+machine with a busy neighbour, SmolLM2 decode measured 1.1-1.4 tokens/s with that spinning and
+7.1-8.4 with none (`OMP_WAIT_POLICY=PASSIVE`). Not spinning at all costs a wake-up per region
+instead, and on a virtual machine an idle vCPU's wake-up is slow: at 32 streams (op by op, ~240
+regions a step) int8 decode measured 504-543 tokens/s passive against 757-762 with a short spin
+(`GOMP_SPINCOUNT=1000`, tens of microseconds), a 150-token prompt 122-142 ms against 104-118
+(3 interleaved runs each, 2-core AMD EPYC VM). Beside one busy loop the short spin cost ~20% at
+16 streams (245-247 against 302-307 tokens/s), not the long spin's 2-7x. So the CLI defaults
+to the short spin; a user who shares the cores with busy processes sets
+`OMP_WAIT_POLICY=PASSIVE`. The setting is read once, when torch loads OpenMP, so it must be
+chosen before `import torch`.
 """
 
 from __future__ import annotations
@@ -15,14 +21,18 @@ import os
 import sys
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
+SPIN_COUNT = "1000"  # libgomp's spins (pause instructions) before a waiting thread sleeps
 
 
 def default_openmp_env() -> bool:
-    """Set OMP_WAIT_POLICY=PASSIVE unless the user chose a policy. Returns False (and changes
-    nothing) when torch is already imported, since OpenMP has then read its environment."""
+    """Set GOMP_SPINCOUNT to a short spin unless the user chose a policy or a spin count.
+    Returns False (and changes nothing) when torch is already imported, since OpenMP has then
+    read its environment."""
     if "torch" in sys.modules:
         return False
-    os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+    if WAIT_POLICY_ENV not in os.environ:
+        os.environ.setdefault(SPIN_COUNT_ENV, SPIN_COUNT)
     # numpy's OpenBLAS starts a thread per core that spins after each call (blas_thread_server:
     # ~1% of a decode profile); Loom's math runs in torch and its own kernels.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="a Jinja chat template (file path or the template text) replacing the model's")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: one per core). The CLI also defaults "
-                        "OMP_WAIT_POLICY to PASSIVE: spinning threads stall on a shared machine")
+                        "GOMP_SPINCOUNT to a short spin (1000) unless OMP_WAIT_POLICY is set; on "
+                        "cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

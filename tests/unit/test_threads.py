@@ -10,19 +10,24 @@ import pytest
 import torch
 
 from loom.entrypoints.cli import main
-from loom.threads import WAIT_POLICY_ENV, default_openmp_env, set_num_threads
+from loom.threads import SPIN_COUNT_ENV, WAIT_POLICY_ENV, default_openmp_env, set_num_threads
 
 _CHECK = (
     "import os, sys; from loom.threads import default_openmp_env; "
-    "assert default_openmp_env(); import torch; print(os.environ['OMP_WAIT_POLICY'])"
+    "assert default_openmp_env(); import torch; "
+    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
 )
 
 
-@pytest.mark.parametrize("user_value,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_passive_wait_policy_is_a_default_the_user_can_override(user_value, expected) -> None:
-    env = {k: v for k, v in os.environ.items() if k != WAIT_POLICY_ENV}
-    if user_value is not None:
-        env[WAIT_POLICY_ENV] = user_value
+@pytest.mark.parametrize("user,expected", [
+    ({}, "None 1000"),  # the default: a short spin
+    ({WAIT_POLICY_ENV: "PASSIVE"}, "PASSIVE None"),  # the user's policy, no spin count added
+    ({WAIT_POLICY_ENV: "ACTIVE"}, "ACTIVE None"),
+    ({SPIN_COUNT_ENV: "0"}, "None 0"),  # the user's spin count
+])
+def test_short_spin_is_a_default_the_user_can_override(user, expected) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY_ENV, SPIN_COUNT_ENV)}
+    env.update(user)
     out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == expected
@@ -30,8 +35,9 @@ def test_passive_wait_policy_is_a_default_the_user_can_override(user_value, expe
 
 def test_too_late_once_torch_is_imported(monkeypatch) -> None:
     monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)
+    monkeypatch.delenv(SPIN_COUNT_ENV, raising=False)
     assert default_openmp_env() is False
-    assert WAIT_POLICY_ENV not in os.environ
+    assert WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ
 
 
 def test_set_num_threads() -> None:
