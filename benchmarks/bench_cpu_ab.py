@@ -64,8 +64,10 @@ print("RESULT " + json.dumps(out))
 
 
 def _startup_once(tree: Path) -> dict[str, float]:
-    # The measuring `loom bench` sets OMP_WAIT_POLICY for itself: the server must not inherit it.
-    serve = f"cd {tree} && exec env -u OMP_WAIT_POLICY {PYTHON} -m loom.entrypoints.cli serve " \
+    # The measuring `loom bench` sets its OpenMP defaults for itself: the server must not inherit
+    # them (each side's CLI sets its own).
+    serve = f"cd {tree} && exec env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT {PYTHON} " \
+            f"-m loom.entrypoints.cli serve " \
             f"--port {PORT}"
     out = subprocess.run(
         [PYTHON, "-m", "loom.entrypoints.cli", "bench", "startup", "--base-url",

@@ -60,8 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="a Jinja chat template (file path or the template text) replacing the model's")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: one per core). The CLI also defaults "
-                        "GOMP_SPINCOUNT to a short spin (1000) unless OMP_WAIT_POLICY is set; on "
-                        "cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE")
+                        "OpenMP to a short spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) "
+                        "unless either is set; on cores shared with busy processes set "
+                        "OMP_WAIT_POLICY=PASSIVE")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

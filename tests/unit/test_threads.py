@@ -20,10 +20,10 @@ _CHECK = (
 
 
 @pytest.mark.parametrize("user,expected", [
-    ({}, "None 1000"),  # the default: a short spin
+    ({}, "ACTIVE 1000"),  # the default: a short spin
     ({WAIT_POLICY_ENV: "PASSIVE"}, "PASSIVE None"),  # the user's policy, no spin count added
     ({WAIT_POLICY_ENV: "ACTIVE"}, "ACTIVE None"),
-    ({SPIN_COUNT_ENV: "0"}, "None 0"),  # the user's spin count
+    ({SPIN_COUNT_ENV: "0"}, "None 0"),  # the user's spin count, no policy added
 ])
 def test_short_spin_is_a_default_the_user_can_override(user, expected) -> None:
     env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY_ENV, SPIN_COUNT_ENV)}
