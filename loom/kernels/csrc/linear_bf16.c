@@ -7,9 +7,11 @@
 // 4- or 8-bit groups: rounding the dequantized weight moves it by at most 1/512 of itself.
 //
 // Each thread converts a block of weight rows to bf16 once and runs a chunk of x rows (bf16,
-// converted once a call) past it, four x rows by three weight rows a tile, as linear_q8.c's
-// block path does in fp32. Up to loom_linear_q8_direct_rows rows run linear_q8.c's direct path
-// (decode of a few streams is bound by reading weights, not by products).
+// converted once a call) past it, four x rows by four weight rows a tile whose 16 sums reduce
+// together (sum16), as linear_q8.c's block path does in fp32. A row's bits do not depend on the
+// other rows of the call, but differ from linear_q8.c's. Up to loom_linear_q8_direct_rows rows
+// run linear_q8.c's direct path (decode of a few streams is bound by reading weights, not by
+// products).
 
 #pragma GCC optimize("no-fast-math")
 
