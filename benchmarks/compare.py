@@ -297,9 +297,9 @@ def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
     if ns.quick:
         setup += " **Quick run (`--quick`): one round, fewer requests; indicative only.**"
     reading = ("Ratios are Loom / peer: above 1 is better for Loom where the figure is marked ↑, "
-               "below 1 where it is marked ↓. Memory is sampled every 0.25 s over the server's "
-               "whole life (start-up and sweep) and summed over its process tree; PSS counts "
-               "pages shared between its processes once.")
+               "below 1 where it is marked ↓. Memory is sampled over the server's whole life "
+               "(start-up and sweep) and summed over its process tree: RSS every 0.25 s, PSS "
+               "(which counts pages shared between its processes once) every 5 s.")
     lines = [f"# Loom side by side with its peers — {started}", "", setup, "", reading, "",
              *_load_warning(summary),
              *table(summary, conc), "", f"![output tokens/s and TTFT vs concurrency]({png.name})",
