@@ -12,8 +12,8 @@ regions a step) int8 decode measured 504-543 tokens/s passive against 757-762 wi
 16 streams (245-247 against 302-307 tokens/s), not the long spin's 2-7x. So the CLI defaults
 to the short spin (`OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000`: ACTIVE only so that libgomp
 keeps the count where it manages more threads than CPUs); a user who shares the cores with busy
-processes sets `OMP_WAIT_POLICY=PASSIVE`. The setting is read once, when torch loads OpenMP, so it must be
-chosen before `import torch`.
+processes sets `OMP_WAIT_POLICY=PASSIVE`. The setting is read once, when torch loads OpenMP, so
+it must be chosen before `import torch`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ SPIN_COUNT = "1000"  # libgomp's spins (pause instructions) before a waiting thr
 
 def default_openmp_env() -> bool:
     """Set a short spin (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000) unless the user chose a
-    policy or a spin count.
-    Returns False (and changes nothing) when torch is already imported, since OpenMP has then
+    policy or a spin count. Returns False (and changes nothing) when torch is already imported, since OpenMP has then
     read its environment."""
     if "torch" in sys.modules:
         return False

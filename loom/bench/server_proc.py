@@ -23,6 +23,7 @@ import httpx
 from loom.bench.runner import root_url
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 PSS_EVERY = 20  # sample intervals between two PSS readings (5 s at the default 0.25 s)
 
 
@@ -58,11 +59,11 @@ def process_tree(pid: int) -> list[int]:
 def tree_rss(pid: int) -> int:
     """RSS in bytes of `pid` and all its descendants (`/proc/PID/statm`: the kernel's counters,
     cheap to read); 0 for what cannot be read."""
-    page, rss = os.sysconf("SC_PAGE_SIZE"), 0
+    rss = 0
     for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/statm") as f:
-                rss += int(f.read().split()[1]) * page
+                rss += int(f.read().split()[1]) * _PAGE
         except (OSError, IndexError, ValueError):
             continue
     return rss

@@ -242,18 +242,23 @@ def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
     assert same >= min_same, same
 
 
+def _int8_answers(make_llm, kernel: str, num_chats: int) -> list[list[list[int]]]:
+    """Greedy 24-token answers to the first `num_chats` chats from an int8 engine whose steps of
+    more than 8 rows run on `kernel`; the engine's blocks are all returned afterwards."""
+    llm = make_llm(None, quantization="int8", int8_batch_kernel=kernel)
+    assert llm.engine.runner.model.lm_head.batch_kernel == kernel
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    answers = token_ids(llm.chat(chats()[:num_chats], params, use_tqdm=False))
+    llm.engine.check_integrity()
+    return answers
+
+
 def test_int8_amx_kernel_serves_the_same_answers(make_llm) -> None:
     """--int8-batch-kernel amx through the engine: prompts (more than 8 rows a step) run on AMX
     tiles, decode of these 6 chats on the AVX kernel; greedy answers match the AVX engine's
     (the kernels differ by fp32 rounding only)."""
     require_amx()
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    answers = {}
-    for kernel in ("avx", "amx"):
-        llm = make_llm(None, quantization="int8", int8_batch_kernel=kernel)
-        assert llm.engine.runner.model.lm_head.batch_kernel == kernel
-        answers[kernel] = token_ids(llm.chat(chats()[:6], params, use_tqdm=False))
-        llm.engine.check_integrity()
+    answers = {kernel: _int8_answers(make_llm, kernel, 6) for kernel in ("avx", "amx")}
     assert answers["amx"] == answers["avx"]
 
 
@@ -263,13 +268,7 @@ def test_int8_bf16_kernel_serves_nearly_the_same_answers(make_llm) -> None:
     can flip a near-tie, after which an answer goes its own way. Measured: 9 of 12 answers the
     same, the other three the same for their first 2, 4 and 5 tokens."""
     require_bf16()
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    answers = {}
-    for kernel in ("avx", "bf16"):
-        llm = make_llm(None, quantization="int8", int8_batch_kernel=kernel)
-        assert llm.engine.runner.model.lm_head.batch_kernel == kernel
-        answers[kernel] = token_ids(llm.chat(chats()[:12], params, use_tqdm=False))
-        llm.engine.check_integrity()
+    answers = {kernel: _int8_answers(make_llm, kernel, 12) for kernel in ("avx", "bf16")}
     pairs = list(zip(answers["avx"], answers["bf16"]))
     assert sum(a == b for a, b in pairs) >= 8
     assert all(a[0][:2] == b[0][:2] for a, b in pairs)
