@@ -39,9 +39,10 @@ import json, logging, os, sys, time
 sys.path.insert(0, os.getcwd())
 logging.disable(logging.INFO)
 from loom import LLM, SamplingParams
-quant, _, kernel = os.environ.get("LOOM_AB_QUANT", "").partition("+")  # e.g. int8+amx
+# e.g. int8+amx, int8+bf16+vnni: the quantization, its batch kernel, its decode kernel
+quant, *kernels = os.environ.get("LOOM_AB_QUANT", "").split("+")
 llm = LLM(quantization=quant or None, max_model_len=1024, kv_cache_memory=2**30,
-          **({"int8_batch_kernel": kernel} if kernel else {}))
+          **dict(zip(("int8_batch_kernel", "int8_decode_kernel"), kernels)))
 prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 out = {}
@@ -97,7 +98,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
                    help="decode: base: | new: | new:fp16 | new:int8 | new:int4 | "
-                        "new:int8+amx (an --int8-batch-kernel after +) (default: base: new:)")
+                        "new:int8+amx (an --int8-batch-kernel after +; new:int8+bf16+vnni: "
+                        "and an --int8-decode-kernel) (default: base: new:)")
     p.add_argument("--streams", default="1,8",
                    help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)

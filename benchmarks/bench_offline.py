@@ -23,10 +23,12 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (variant {i})." for i in range(n)]
 
 
-def run_loom(n: int, m: int, quantization: str | None = None, kernel: str = "avx") -> dict:
+def run_loom(n: int, m: int, quantization: str | None = None, kernel: str = "avx",
+             decode_kernel: str = "avx") -> dict:
     from loom import LLM, SamplingParams
 
-    llm = LLM(seed=0, quantization=quantization, int8_batch_kernel=kernel)
+    llm = LLM(seed=0, quantization=quantization, int8_batch_kernel=kernel,
+              int8_decode_kernel=decode_kernel)
     params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts(n), params)
@@ -70,12 +72,15 @@ def main() -> None:
     ap.add_argument("--loom-int8-batch-kernel", default="avx",
                     choices=["avx", "amx", "bf16", "auto"],
                     help="with --loom-quantization int8: the kernel of steps of more than 8 rows")
+    ap.add_argument("--loom-int8-decode-kernel", default="avx", choices=["avx", "vnni"],
+                    help="with --loom-quantization int8: the kernel of steps of up to 8 rows")
     args = ap.parse_args()
     loom = in_fresh_process(run_loom, args.num_prompts, args.output_len)
     quant = None
     if args.loom_quantization:
         quant = in_fresh_process(run_loom, args.num_prompts, args.output_len,
-                                 args.loom_quantization, args.loom_int8_batch_kernel)
+                                 args.loom_quantization, args.loom_int8_batch_kernel,
+                                 args.loom_int8_decode_kernel)
     ref = in_fresh_process(run_transformers, args.num_prompts, args.output_len, args.hf_batch_size)
     dump(args.result_json, {
         "config": vars(args), "loom": loom, "transformers": ref,

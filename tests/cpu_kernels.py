@@ -31,3 +31,11 @@ def require_bf16() -> None:
     require_cpu_kernels()
     if not cpu_kernels().loom_bf16_available():
         pytest.skip("no AVX512-BF16 on this CPU")
+
+
+def require_vnni() -> None:
+    """The VNNI decode kernel needs a CPU with AVX512-VNNI (Ice Lake, Zen 4 on); elsewhere its
+    tests skip."""
+    require_cpu_kernels()
+    if not cpu_kernels().loom_vnni_available():
+        pytest.skip("no AVX512-VNNI on this CPU")

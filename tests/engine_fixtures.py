@@ -16,9 +16,10 @@ from tests.tiny_models import make_tiny_model
 
 
 @functools.lru_cache(maxsize=4)
-def _load(source, dtype, device, quantization=None, int8_batch_kernel="avx"):
+def _load(source, dtype, device, quantization=None, int8_batch_kernel="avx",
+          int8_decode_kernel="avx"):
     return load_model(source, dtype, device, quantization=quantization,
-                      int8_batch_kernel=int8_batch_kernel)
+                      int8_batch_kernel=int8_batch_kernel, int8_decode_kernel=int8_decode_kernel)
 
 
 _from_source = Tokenizer.from_source
@@ -34,8 +35,9 @@ def make_llm(monkeypatch):
     """make_llm(model, **engine_kwargs) -> LLM, sharing loaded weights between engines.
 
     Engines bind their KV cache into the shared model when built: use one at a time."""
-    def load(source, dtype, device, progress=False, quantization=None, int8_batch_kernel="avx"):
-        return _load(source, dtype, device, quantization, int8_batch_kernel)
+    def load(source, dtype, device, progress=False, quantization=None, int8_batch_kernel="avx",
+             int8_decode_kernel="avx"):
+        return _load(source, dtype, device, quantization, int8_batch_kernel, int8_decode_kernel)
 
     monkeypatch.setattr(llm_engine, "load_model", load)
     monkeypatch.setattr(llm_engine.Tokenizer, "from_source", staticmethod(_tokenizer))

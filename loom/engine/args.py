@@ -23,6 +23,9 @@ class EngineArgs:
     # tiles: faster prefill and many streams; loom.quant.int8), bf16 (AVX512-BF16 dot products,
     # bf16 precision) or auto (amx where present, else avx)
     int8_batch_kernel: str = "avx"
+    # int8's kernel for steps of up to 8 rows (decode): avx (fp32 x), or vnni (AVX512-VNNI integer
+    # dot products, x in two int8 digits a group of 32: near fp32, faster; loom.quant.int8)
+    int8_decode_kernel: str = "avx"
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256

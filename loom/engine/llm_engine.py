@@ -82,7 +82,8 @@ class LLMEngine:
         # Checked before the (slow) load: a bad name fails at once.
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device))
         loaded = load_model(source, args.dtype, device, progress=True,
-                            quantization=args.quantization, int8_batch_kernel=args.int8_batch_kernel)
+                            quantization=args.quantization, int8_batch_kernel=args.int8_batch_kernel,
+                            int8_decode_kernel=args.int8_decode_kernel)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
         if args.chat_template is not None:

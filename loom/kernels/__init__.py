@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "LOOM_CPU_KERNELS"
 SOURCES = ("paged_attention.c", "layer_ops.c", "linear_q8.c", "linear_amx.c", "linear_bf16.c",
-           "decoder_q8.c")
+           "linear_vnni.c", "decoder_q8.c")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -51,6 +51,10 @@ SIGNATURES = {
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_bf16_available": (_int, []),
+    "loom_linear_q8_vnni": (
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
+    ),
+    "loom_vnni_available": (_int, []),
     "loom_llama_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
                _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int,

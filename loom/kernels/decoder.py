@@ -19,13 +19,15 @@ from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.quant.int8 import Int8Linear
 
-BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`
+BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
+DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 
 
 class LayerQ8(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_m", "qkv_b", "o_w", "o_s", "o_m",
         "gu_w", "gu_s", "gu_m", "d_w", "d_s", "d_m", "k_cache", "v_cache",
+        "qkv_s16", "qkv_m16", "o_s16", "o_m16", "gu_s16", "gu_m16", "d_s16", "d_m16",
     )] + [(name, ctypes.c_int64) for name in (
         "window", "qkv_bits", "o_bits", "gu_bits", "d_bits",
     )]
@@ -64,6 +66,7 @@ class Q8Decoder:
         self.scale = attn0.attn.scale
         self.layers: ctypes.Array | None = None
         self.cache_ptr = 0
+        self.code = 0  # decoder_q8.c's `kernel`, set with the layers
         self.scratch: list[torch.Tensor] = []  # the stack's activations, kept across steps
 
     def usable(self, x: torch.Tensor) -> bool:
@@ -75,6 +78,10 @@ class Q8Decoder:
         def q8(linear: Int8Linear) -> tuple[int, int, int]:
             return linear.weight_int8.data_ptr(), linear.scale.data_ptr(), linear.min.data_ptr()
 
+        def half(linear: Int8Linear) -> tuple[int | None, int | None]:
+            h = linear._half
+            return (None, None) if h is None else (h[0].data_ptr(), h[1].data_ptr())
+
         rows = []
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -84,14 +91,23 @@ class Q8Decoder:
                 layer.post_attention_layernorm.weight.data_ptr(),
                 *q8(a.qkv_proj), None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
                 *q8(a.o_proj), *q8(mlp.gate_up_proj), *q8(mlp.down_proj),
-                *kv_pointers(cache), a.attn.sliding_window or 0,
+                *kv_pointers(cache), *half(a.qkv_proj), *half(a.o_proj),
+                *half(mlp.gate_up_proj), *half(mlp.down_proj), a.attn.sliding_window or 0,
                 *(m.bits for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
+        self.code = self._kernel_code()
         self.cache_ptr = self._cache().data_ptr()
 
     def _cache(self) -> torch.Tensor:
         return self.model.layers[0].self_attn.attn.kv_cache
+
+    def _kernel_code(self) -> int:
+        layers = self.model.layers
+        vnni = all(m._half is not None for layer in layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj))
+        return BATCH_CODES[layers[0].mlp.down_proj.batch_kernel] | (DECODE_VNNI if vnni else 0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed
@@ -120,7 +136,7 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
             *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            kv_type(cache), BATCH_CODES[self.model.layers[0].mlp.down_proj.batch_kernel],
+            kv_type(cache), self.code,
         )
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = tuple(QUANT_METHODS)
 INT8_BATCH_KERNELS = ("avx", "amx", "bf16", "auto")
+INT8_DECODE_KERNELS = ("avx", "vnni")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -131,17 +132,22 @@ def _materialize(
 def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None,
-    int8_batch_kernel: str = "avx",
+    int8_batch_kernel: str = "avx", int8_decode_kernel: str = "avx",
 ) -> LoadedModel:
     """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
     the linear layers to weight-only quantized ones (see loom.quant). `int8_batch_kernel`
     "amx" runs int8's products of more than 8 rows on AMX tiles, "bf16" in AVX512-BF16 dot
-    products (loom.quant.int8); "auto" picks "amx" where the CPU has it, else "avx"."""
+    products (loom.quant.int8); "auto" picks "amx" where the CPU has it, else "avx".
+    `int8_decode_kernel` "vnni" runs its products of up to 8 rows in AVX512-VNNI integer dot
+    products."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if int8_batch_kernel not in INT8_BATCH_KERNELS:
         raise ConfigError(f"unsupported int8_batch_kernel {int8_batch_kernel!r}; "
                           f"choose from {INT8_BATCH_KERNELS}")
+    if int8_decode_kernel not in INT8_DECODE_KERNELS:
+        raise ConfigError(f"unsupported int8_decode_kernel {int8_decode_kernel!r}; "
+                          f"choose from {INT8_DECODE_KERNELS}")
     start = time.perf_counter()
     device = torch.device(device)
     if quantization in ("int4", "fp16") and device.type != "cpu":
@@ -157,6 +163,12 @@ def load_model(
     if int8_batch_kernel in ("amx", "bf16") and not direct_int8:
         raise ConfigError(f"int8_batch_kernel {int8_batch_kernel} needs quantization int8 with "
                           "float32 activations on the CPU (Loom's int8 kernels)")
+    if int8_decode_kernel == "vnni" and not direct_int8:
+        raise ConfigError("int8_decode_kernel vnni needs quantization int8 with float32 "
+                          "activations on the CPU (Loom's int8 kernels)")
+    if int8_decode_kernel == "vnni" and not cpu_kernels().loom_vnni_available():
+        raise ConfigError("int8_decode_kernel vnni needs a CPU with AVX512-VNNI (and a compiler "
+                          "that targets it); this one has none")
     batch_kernel = "avx"
     if direct_int8 and int8_batch_kernel != "avx":
         lib = cpu_kernels()
@@ -194,6 +206,8 @@ def load_model(
                 module.onednn = False
             if isinstance(module, Int8Linear) and module.grouped:
                 module.batch_kernel = batch_kernel
+                if int8_decode_kernel == "vnni":
+                    module.use_vnni()
         head = getattr(model, HEAD, None)
         if isinstance(head, Int8Linear) and head.grouped:
             head.reuse_output = True  # logits live until the next step (the runner's use)

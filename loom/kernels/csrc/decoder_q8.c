@@ -24,6 +24,8 @@ typedef struct {
     const uint8_t *gu_w; const float *gu_s, *gu_m;
     const uint8_t *d_w; const float *d_s, *d_m;
     void *k_cache, *v_cache;
+    // fp16 copies of the scales and minimums, for the VNNI kernel (kernel & 4); else unused
+    const uint16_t *qkv_s16, *qkv_m16, *o_s16, *o_m16, *gu_s16, *gu_m16, *d_s16, *d_m16;
     int64_t window;  // sliding window, 0 for none
     int64_t qkv_bits, o_bits, gu_bits, d_bits;  // bits per stored weight: 8 or 4
 } LoomLayerQ8;
@@ -49,6 +51,14 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         const float *scales, const float *mins, const float *bias, int64_t N,
                         float *y, int64_t ldy, int bits, int num_threads);
+int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const uint16_t *scales, const uint16_t *mins, const float *bias,
+                        int64_t N, float *y, int64_t ldy, int bits, int num_threads);
+void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
+                              const uint8_t *w, const uint16_t *scales, const uint16_t *mins,
+                              const float *bias, int64_t N, float *y, int64_t ldy, int bits,
+                              int64_t *next, int team);
+int loom_linear_q8_vnni_reserve(int64_t K);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 void loom_paged_attention_team(
@@ -131,7 +141,8 @@ typedef struct {
     const float *rope_table;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     const int64_t *positions, *slots, *block_tables, *tiles;
-    int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel)
+    int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
+                              // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
 } Step;
 
 // A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
@@ -155,16 +166,28 @@ static int small_op_threads(const Step *s, const Team *t)
     return t ? (t->tid == 0 ? 1 : 0) : s->nt;
 }
 
+// y = x W^T (+ bias) for one of a layer's linears: w, sc, mn its weights, fp32 scales and
+// minimums; s16, m16 their fp16 copies (the VNNI kernel's).
 static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8_t *w,
-                  const float *sc, const float *mn, const float *bias, int64_t N, float *y,
-                  int64_t bits)
+                  const float *sc, const float *mn, const uint16_t *s16, const uint16_t *m16,
+                  const float *bias, int64_t N, float *y, int64_t bits)
 {
-    if (!t)
-        return (s->kernel == 1   ? loom_linear_q8_amx
-                : s->kernel == 2 ? loom_linear_q8_bf16
-                                 : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias, N, y, N,
-                                                       (int)bits, s->nt);
-    loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++, t->team);
+    const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
+    if (!t) {
+        if (vnni)
+            return loom_linear_q8_vnni(x, s->M, K, K, w, s16, m16, bias, N, y, N, (int)bits,
+                                       s->nt);
+        return (batch == 1   ? loom_linear_q8_amx
+                : batch == 2 ? loom_linear_q8_bf16
+                             : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias, N, y, N,
+                                                   (int)bits, s->nt);
+    }
+    if (vnni)
+        loom_linear_q8_vnni_team(x, s->M, K, K, w, s16, m16, bias, N, y, N, (int)bits,
+                                 t->next++, t->team);
+    else
+        loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++,
+                            t->team);
     sync_team(t);
     return 0;
 }
@@ -198,7 +221,8 @@ static int run_layers(const Step *s, Team *t)
                 loom_add_rms_norm_f32(s->buf_h, s->hidden, L->in_norm, M, H, s->eps, nt);
             sync_team(t);
         }
-        if ((rc = linear(s, t, s->buf_h, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_b, s->qkv_n,
+        if ((rc = linear(s, t, s->buf_h, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_s16, L->qkv_m16,
+                         L->qkv_b, s->qkv_n,
                          s->buf_qkv, L->qkv_bits)))
             return rc;
         if ((nt = small_op_threads(s, t)))
@@ -207,18 +231,19 @@ static int run_layers(const Step *s, Team *t)
                                    nt, s->kv_type);
         sync_team(t);
         if ((rc = attention(s, t, L))) return rc;
-        if ((rc = linear(s, t, s->buf_attn, s->q_n, L->o_w, L->o_s, L->o_m, NULL, H, s->buf_h,
+        if ((rc = linear(s, t, s->buf_attn, s->q_n, L->o_w, L->o_s, L->o_m, L->o_s16, L->o_m16, NULL, H, s->buf_h,
                          L->o_bits)))
             return rc;
         if ((nt = small_op_threads(s, t)))
             loom_add_rms_norm_f32(s->buf_h, s->hidden, L->post_norm, M, H, s->eps, nt);
         sync_team(t);
-        if ((rc = linear(s, t, s->buf_h, H, L->gu_w, L->gu_s, L->gu_m, NULL, 2 * I, s->buf_gu,
+        if ((rc = linear(s, t, s->buf_h, H, L->gu_w, L->gu_s, L->gu_m, L->gu_s16, L->gu_m16,
+                         NULL, 2 * I, s->buf_gu,
                          L->gu_bits)))
             return rc;
         if ((nt = small_op_threads(s, t))) loom_silu_mul_f32(s->buf_gu, s->buf_act, M, I, nt);
         sync_team(t);
-        if ((rc = linear(s, t, s->buf_act, I, L->d_w, L->d_s, L->d_m, NULL, H, s->buf_h,
+        if ((rc = linear(s, t, s->buf_act, I, L->d_w, L->d_s, L->d_m, L->d_s16, L->d_m16, NULL, H, s->buf_h,
                          L->d_bits)))
             return rc;
     }
@@ -272,10 +297,19 @@ int loom_llama_forward_q8(
         int64_t *next = calloc((size_t)num_layers * 5, sizeof(int64_t));  // one counter an op
         if (!next) return -2;
         Barrier bar = {0, 0, 0};
+        int no_vnni = 0;
+        const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
 #pragma omp parallel num_threads(nt)
         {
             Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
-            run_layers(&s, &t);
+            if ((kernel & 4) && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
+                __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
+            Step own = s;
+            if (kernel & 4) {  // all threads or none: if any lacks its buffer, the AVX kernel
+                barrier_wait(&bar, t.team);
+                if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) own.kernel &= 3;
+            }
+            run_layers(&own, &t);
         }
         free(next);
     } else if ((rc = run_layers(&s, NULL))) {

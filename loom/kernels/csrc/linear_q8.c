@@ -339,9 +339,9 @@ int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_thread
 }
 
 // A buffer of at least `bytes` kept per thread and grown as needed, never freed (slots
-// 0..SCRATCH_SLOTS - 1; the AMX and bf16 kernels'): a fresh large allocation each call was mmap'd
-// and page-faulted in again (~3% of a prefill).
-#define SCRATCH_SLOTS 3
+// 0..SCRATCH_SLOTS - 1: the AMX and bf16 kernels' 0..2, the VNNI kernel's 3): a fresh large
+// allocation each call was mmap'd and page-faulted in again (~3% of a prefill).
+#define SCRATCH_SLOTS 4
 void *loom_scratch(int which, size_t bytes)
 {
     static __thread void *buf[SCRATCH_SLOTS];
@@ -415,6 +415,23 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 
 const int loom_linear_q8_direct_rows = M_DIRECT;
 
+// A thread's next guided chunk of `units` work units shared through *next by a team of `team`
+// (a share of what is left, at least `least`): [*u0, *u1). Returns 0 when none are left.
+int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
+                    int64_t *u1)
+{
+    int64_t at = __atomic_load_n(next, __ATOMIC_RELAXED), take;
+    do {
+        if (at >= units) return 0;
+        take = (units - at) / (2 * team);
+        take = take < least ? least : take;
+    } while (!__atomic_compare_exchange_n(next, &at, at + take, 1, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
+    *u0 = at;
+    *u1 = at + take < units ? at + take : units;
+    return 1;
+}
+
 // The direct path (M <= M_DIRECT rows; K and bits as loom_linear_q8_check takes: the caller checks)
 // for a thread of an OpenMP team that is already running (decoder_q8.c's one region a step):
 // every thread of the team calls it with the same arguments and `next` zeroed beforehand, and
@@ -427,20 +444,10 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 {
     const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
     const int R = R_OF(M, bits);
-    const int64_t units = (N + R - 1) / R, least = 16 / R;
-    for (;;) {
-        int64_t u0 = __atomic_load_n(next, __ATOMIC_RELAXED), take;
-        do {
-            if (u0 >= units) return;
-            take = (units - u0) / (2 * team);
-            take = take < least ? least : take;
-        } while (!__atomic_compare_exchange_n(next, &u0, u0 + take, 1, __ATOMIC_RELAXED,
-                                              __ATOMIC_RELAXED));
-        const int64_t u1 = u0 + take < units ? u0 + take : units;
+    for (int64_t u0, u1; loom_take_units(next, (N + R - 1) / R, 16 / R, team, &u0, &u1);)
         for (int64_t u = u0; u < u1; u++)
             direct_unit(x, M, ldx, w, row_bytes, bits, scales, mins, bias, groups, K, u, N, y,
                         ldy);
-    }
 }
 
 // One group of 32 fp32 values onto the grid above: min = least value, scale = (greatest -
