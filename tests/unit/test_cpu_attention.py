@@ -145,18 +145,28 @@ def test_strided_query_view():
     assert torch.equal(got, cpu_kernel.paged_attention(q, cache, md, 0.125, None))
 
 
-def test_same_bits_alone_as_in_a_batch():
-    """A request's output does not depend on its neighbours (not so for a padded SDPA)."""
-    computed, qlens = [40, 0, 200, 7], [1, 30, 1, 3]
+@pytest.mark.parametrize("kv", ["float32", "float16", "int8"])
+def test_same_bits_alone_as_in_a_batch(kv):
+    """A request's output does not depend on its neighbours (not so for a padded SDPA). A batch
+    of 8 tiles runs whole tiles; alone, a request's one tile is cut by kv head across the
+    threads (one part a kv head): the same bits either way."""
+    computed, qlens = [40, 0, 200, 7, 90, 1, 300, 64], [1, 30, 1, 3, 1, 1, 1, 1]
     cache, q, md, _, blocks = make_batch(computed, qlens, 9, 3, 64, 16)
-    batch = cpu_kernel.paged_attention(q, cache, md, 0.125, None)
-    starts = np.concatenate([[0], np.cumsum(qlens)])
-    for r in range(len(qlens)):
-        alone, _ = build_attention_metadata(
-            [blocks[r]], [computed[r]], [qlens[r]], 16, torch.device("cpu")
-        )
-        sl = slice(starts[r], starts[r + 1])
-        assert torch.equal(cpu_kernel.paged_attention(q[sl], cache, alone, 0.125, None), batch[sl])
+    cache = {"float32": cache, "float16": cache.half(), "int8": torch_ref.quantize_kv(cache)}[kv]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 8 tiles: whole; 1: cut in 3
+    try:
+        batch = cpu_kernel.paged_attention(q, cache, md, 0.125, None)
+        starts = np.concatenate([[0], np.cumsum(qlens)])
+        for r in range(len(qlens)):
+            alone, _ = build_attention_metadata(
+                [blocks[r]], [computed[r]], [qlens[r]], 16, torch.device("cpu")
+            )
+            sl = slice(starts[r], starts[r + 1])
+            got = cpu_kernel.paged_attention(q[sl], cache, alone, 0.125, None)
+            assert torch.equal(got, batch[sl]), r
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_build_tiles():

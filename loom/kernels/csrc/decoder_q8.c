@@ -66,7 +66,7 @@ void loom_paged_attention_team(
     const int64_t *block_tables, int64_t max_blocks, const int64_t *positions,
     const int64_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t kv_heads,
     int64_t head_dim, int64_t block_size, int64_t window, float scale, int kv_type, float *out,
-    int64_t *next);
+    int64_t *next, int team);
 int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const void *k_cache,
                              const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
                              const int64_t *positions, const int64_t *tiles, int64_t num_tiles,
@@ -203,7 +203,7 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
     loom_paged_attention_team(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache, s->block_tables,
                               s->max_blocks, s->positions, s->tiles, s->num_tiles, s->num_heads,
                               s->kv_heads, s->D, s->block_size, L->window, s->scale, s->kv_type,
-                              s->buf_attn, t->next++);
+                              s->buf_attn, t->next++, t->team);
     sync_team(t);
     return 0;
 }
