@@ -79,6 +79,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     int64_t window, float scale, float *out,
     const int D, const int KT)  // KT: the cache's type, KV_F32 / KV_F16 / KV_INT8
 {
+    if (ntok < 1) return;
     const int64_t group = num_heads / kv_heads;
     const int64_t head0 = h0 * group, head1 = h1 * group;  // the query heads of kv heads h0..h1-1
     const int64_t rows = ntok * num_heads;     // row = token * num_heads + head
