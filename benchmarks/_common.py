@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import platform
 import resource
 import statistics
@@ -19,12 +20,23 @@ def _child(fn: Callable[..., dict[str, Any]], args: tuple, queue: mp.Queue) -> N
     queue.put(result)
 
 
-def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """Run fn(*args) in a new process so load time and peak memory are its own."""
+def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run fn(*args) in a new process so load time and peak memory are its own; `env` is added
+    to its environment (read before it imports anything, e.g. OpenMP's settings)."""
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, queue))
-    proc.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        proc.start()  # the child copies the environment here
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     result = queue.get()
     proc.join()
     return result

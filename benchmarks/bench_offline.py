@@ -14,6 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dump, in_fresh_process, machine  # noqa: E402
 
+from loom.threads import openmp_env_defaults  # noqa: E402
+
 TOPICS = ["the ocean", "a city at night", "an old library", "mountain weather", "a chess game",
           "bread baking", "a train journey", "the moon", "a garden in spring", "a quiet village",
           "space travel", "a river", "honey bees", "a storm", "a lighthouse", "winter"]
@@ -75,12 +77,15 @@ def main() -> None:
     ap.add_argument("--loom-int8-decode-kernel", default="avx", choices=["avx", "vnni"],
                     help="with --loom-quantization int8: the kernel of steps of up to 8 rows")
     args = ap.parse_args()
-    loom = in_fresh_process(run_loom, args.num_prompts, args.output_len)
+    # Loom's OpenMP default (a short spin: `import loom` sets it before torch loads); this
+    # script has imported torch already, so its Loom children get it from here
+    loom_env = openmp_env_defaults()
+    loom = in_fresh_process(run_loom, args.num_prompts, args.output_len, env=loom_env)
     quant = None
     if args.loom_quantization:
         quant = in_fresh_process(run_loom, args.num_prompts, args.output_len,
                                  args.loom_quantization, args.loom_int8_batch_kernel,
-                                 args.loom_int8_decode_kernel)
+                                 args.loom_int8_decode_kernel, env=loom_env)
     ref = in_fresh_process(run_transformers, args.num_prompts, args.output_len, args.hf_batch_size)
     dump(args.result_json, {
         "config": vars(args), "loom": loom, "transformers": ref,

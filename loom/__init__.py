@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loom.sampling_params import SamplingParams
+from loom.threads import default_openmp_env
+
+default_openmp_env()  # the CLI's short OpenMP spin, where torch is not loaded yet (loom.threads)
+
+from loom.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

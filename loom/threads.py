@@ -26,23 +26,32 @@ SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 SPIN_COUNT = "1000"  # libgomp's spins (pause instructions) before a waiting thread sleeps
 
 
-def default_openmp_env() -> bool:
-    """Set a short spin (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000) unless the user chose a
-    policy or a spin count. Returns False (and changes nothing) when torch is already imported, since OpenMP has then
-    read its environment."""
-    if "torch" in sys.modules:
-        return False
-    if WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ:
+def openmp_env_defaults(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """The variables default_openmp_env adds to `environ`: a short spin (OMP_WAIT_POLICY=ACTIVE,
+    GOMP_SPINCOUNT=1000) unless it names a policy or a spin count, and one OpenBLAS thread."""
+    env = {}
+    if WAIT_POLICY_ENV not in environ and SPIN_COUNT_ENV not in environ:
         # ACTIVE with an explicit count: libgomp then spins SPIN_COUNT times in every team. With
         # no policy it cuts the spin to 100 once it manages more threads than there are CPUs,
         # which the server always does (the event loop's team from loading, the engine
         # thread's own): a prompt's prefill on the engine thread measured 108-119 ms against
         # 87-88 ms on the main thread, and 87-88 on both with ACTIVE.
-        os.environ[WAIT_POLICY_ENV] = "ACTIVE"
-        os.environ[SPIN_COUNT_ENV] = SPIN_COUNT
+        env = {WAIT_POLICY_ENV: "ACTIVE", SPIN_COUNT_ENV: SPIN_COUNT}
     # numpy's OpenBLAS starts a thread per core that spins after each call (blas_thread_server:
     # ~1% of a decode profile); Loom's math runs in torch and its own kernels.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if "OPENBLAS_NUM_THREADS" not in environ:
+        env["OPENBLAS_NUM_THREADS"] = "1"
+    return env
+
+
+def default_openmp_env() -> bool:
+    """Set openmp_env_defaults() in os.environ. Returns False (and changes nothing) when torch is
+    already imported, since OpenMP has then read its environment. `loom serve` / `loom
+    generate` and `import loom` call it: a script that imports loom before torch gets the
+    CLI's setting."""
+    if "torch" in sys.modules:
+        return False
+    os.environ.update(openmp_env_defaults())
     return True
 
 

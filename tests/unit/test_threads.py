@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from loom.entrypoints.cli import main
-from loom.threads import SPIN_COUNT_ENV, WAIT_POLICY_ENV, default_openmp_env, set_num_threads
+from loom.threads import (
+    SPIN_COUNT_ENV,
+    WAIT_POLICY_ENV,
+    default_openmp_env,
+    openmp_env_defaults,
+    set_num_threads,
+)
 
 _CHECK = (
     "import os, sys; from loom.threads import default_openmp_env; "
@@ -31,6 +37,26 @@ def test_short_spin_is_a_default_the_user_can_override(user, expected) -> None:
     out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("first,expected", [
+    ("import loom; import torch", "ACTIVE 1000"),  # a script importing Loom first: the default
+    ("import torch; import loom", "None None"),  # too late: OpenMP has read its environment
+])
+def test_importing_loom_first_sets_the_short_spin(first, expected) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY_ENV, SPIN_COUNT_ENV)}
+    code = (f"import os; {first}; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == expected
+
+
+def test_openmp_env_defaults_leave_the_users_choice() -> None:
+    assert openmp_env_defaults({}) == {WAIT_POLICY_ENV: "ACTIVE", SPIN_COUNT_ENV: "1000",
+                                       "OPENBLAS_NUM_THREADS": "1"}
+    assert openmp_env_defaults({WAIT_POLICY_ENV: "PASSIVE", "OPENBLAS_NUM_THREADS": "4"}) == {}
+    assert openmp_env_defaults({SPIN_COUNT_ENV: "0"}) == {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def test_too_late_once_torch_is_imported(monkeypatch) -> None:
