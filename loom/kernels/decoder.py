@@ -104,7 +104,7 @@ class Q8Decoder:
 
     def _kernel_code(self) -> int:
         layers = self.model.layers
-        vnni = all(m._half is not None for layer in layers for m in (
+        vnni = all(m.decode_kernel == "vnni" for layer in layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj))
         return BATCH_CODES[layers[0].mlp.down_proj.batch_kernel] | (DECODE_VNNI if vnni else 0)
