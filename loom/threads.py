@@ -46,9 +46,8 @@ def openmp_env_defaults(environ: dict[str, str] | os._Environ = os.environ) -> d
 
 def default_openmp_env() -> bool:
     """Set openmp_env_defaults() in os.environ. Returns False (and changes nothing) when torch is
-    already imported, since OpenMP has then read its environment. `loom serve` / `loom
-    generate` and `import loom` call it: a script that imports loom before torch gets the
-    CLI's setting."""
+    already imported, since OpenMP has then read its environment. `import loom` calls it (so
+    the CLI, and any script that imports loom before torch, get the short spin)."""
     if "torch" in sys.modules:
         return False
     os.environ.update(openmp_env_defaults())

@@ -11,7 +11,7 @@ from typing import Any
 
 from loom.config import KV_CACHE_DTYPES
 from loom.sampling_params import SamplingParams, SamplingParamsError
-from loom.threads import default_openmp_env, set_num_threads
+from loom.threads import set_num_threads
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -193,7 +193,6 @@ def cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    default_openmp_env()  # before anything imports torch
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="loom", description="Loom LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)

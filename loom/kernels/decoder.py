@@ -23,14 +23,27 @@ BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bi
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 
 
-class LayerQ8(ctypes.Structure):
+class LinearQ8(ctypes.Structure):  # decoder_q8.c's LoomLinearQ8
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "s", "m", "s16", "m16")] + [
+        ("bits", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, linear: Int8Linear) -> LinearQ8:
+        half = (None, None) if linear._half is None else (t.data_ptr() for t in linear._half)
+        return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
+                   linear.min.data_ptr(), *half, linear.bits)
+
+
+class LayerQ8(ctypes.Structure):  # decoder_q8.c's LoomLayerQ8
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_m", "qkv_b", "o_w", "o_s", "o_m",
-        "gu_w", "gu_s", "gu_m", "d_w", "d_s", "d_m", "k_cache", "v_cache",
-        "qkv_s16", "qkv_m16", "o_s16", "o_m16", "gu_s16", "gu_m16", "d_s16", "d_m16",
-    )] + [(name, ctypes.c_int64) for name in (
-        "window", "qkv_bits", "o_bits", "gu_bits", "d_bits",
-    )]
+        "in_norm", "post_norm", "qkv_b", "k_cache", "v_cache",
+    )] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [("window", ctypes.c_int64)]
+
+
+def _linears(layer: torch.nn.Module) -> tuple[Int8Linear, Int8Linear, Int8Linear, Int8Linear]:
+    """A layer's linears in LayerQ8's order: qkv, o, gate_up, down."""
+    a, mlp = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
@@ -75,39 +88,25 @@ class Q8Decoder:
         )
 
     def _build(self) -> None:
-        def q8(linear: Int8Linear) -> tuple[int, int, int]:
-            return linear.weight_int8.data_ptr(), linear.scale.data_ptr(), linear.min.data_ptr()
-
-        def half(linear: Int8Linear) -> tuple[int | None, int | None]:
-            h = linear._half
-            return (None, None) if h is None else (h[0].data_ptr(), h[1].data_ptr())
-
         rows = []
         for layer in self.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            cache = a.attn.kv_cache
+            a = layer.self_attn
             rows.append(LayerQ8(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
-                *q8(a.qkv_proj), None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
-                *q8(a.o_proj), *q8(mlp.gate_up_proj), *q8(mlp.down_proj),
-                *kv_pointers(cache), *half(a.qkv_proj), *half(a.o_proj),
-                *half(mlp.gate_up_proj), *half(mlp.down_proj), a.attn.sliding_window or 0,
-                *(m.bits for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
+                *kv_pointers(a.attn.kv_cache), *map(LinearQ8.of, _linears(layer)),
+                a.attn.sliding_window or 0,
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
-        self.code = self._kernel_code()
+        # VNNI only where every linear has its fp16 copies (the loader sets all or none)
+        linears = [m for layer in self.model.layers for m in _linears(layer)]
+        vnni = all(m.decode_kernel == "vnni" for m in linears)
+        self.code = BATCH_CODES[linears[0].batch_kernel] | (DECODE_VNNI if vnni else 0)
         self.cache_ptr = self._cache().data_ptr()
 
     def _cache(self) -> torch.Tensor:
         return self.model.layers[0].self_attn.attn.kv_cache
-
-    def _kernel_code(self) -> int:
-        layers = self.model.layers
-        vnni = all(m.decode_kernel == "vnni" for layer in layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj))
-        return BATCH_CODES[layers[0].mlp.down_proj.batch_kernel] | (DECODE_VNNI if vnni else 0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed

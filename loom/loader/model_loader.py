@@ -163,12 +163,13 @@ def load_model(
     if int8_batch_kernel in ("amx", "bf16") and not direct_int8:
         raise ConfigError(f"int8_batch_kernel {int8_batch_kernel} needs quantization int8 with "
                           "float32 activations on the CPU (Loom's int8 kernels)")
-    if int8_decode_kernel == "vnni" and not direct_int8:
-        raise ConfigError("int8_decode_kernel vnni needs quantization int8 with float32 "
-                          "activations on the CPU (Loom's int8 kernels)")
-    if int8_decode_kernel == "vnni" and not cpu_kernels().loom_vnni_available():
-        raise ConfigError("int8_decode_kernel vnni needs a CPU with AVX512-VNNI (and a compiler "
-                          "that targets it); this one has none")
+    if int8_decode_kernel == "vnni":
+        if not direct_int8:
+            raise ConfigError("int8_decode_kernel vnni needs quantization int8 with float32 "
+                              "activations on the CPU (Loom's int8 kernels)")
+        if not cpu_kernels().loom_vnni_available():  # direct_int8: the kernels are there
+            raise ConfigError("int8_decode_kernel vnni needs a CPU with AVX512-VNNI (and a "
+                              "compiler that targets it); this one has none")
     batch_kernel = "avx"
     if direct_int8 and int8_batch_kernel != "avx":
         lib = cpu_kernels()

@@ -197,10 +197,9 @@ class Int8Linear(_OnGrid, nn.Module):
     # The kernel for products of more than 8 rows: "avx" (linear_q8.c, the same bits whatever
     # the batch), "amx" or "bf16" (see the module doc). Set by the loader.
     batch_kernel = "avx"
-    # The kernel for products of up to 8 rows (decode): "avx" (linear_q8.c's direct path) or
-    # "vnni" (linear_vnni.c; see the module doc). Set by the loader (use_vnni).
-    decode_kernel = "avx"
-    _half: tuple[torch.Tensor, torch.Tensor] | None = None  # fp16 scales and minimums, for vnni
+    # fp16 copies of the scales and minimums: set (by use_vnni), products of up to 8 rows run
+    # on the VNNI kernel (decode_kernel "vnni"), which reads them
+    _half: tuple[torch.Tensor, torch.Tensor] | None = None
     # Write every output into one buffer kept across calls (grown as needed): each result is
     # then valid only until the next call. The loader sets it on the output projection, whose
     # logits (vocab x rows: 50 MB at 256 rows for SmolLM2) the runner consumes within its step;
@@ -249,23 +248,28 @@ class Int8Linear(_OnGrid, nn.Module):
         fp16 otherwise: 4 bytes a group beside the fp32 ones)."""
         assert self.grouped
         self._half = (self.scale.to(torch.float16), self.min.to(torch.float16))
-        self.decode_kernel = "vnni"
+
+    @property
+    def decode_kernel(self) -> str:
+        """The kernel for products of up to 8 rows (decode): "avx" (linear_q8.c's direct path)
+        or "vnni" (linear_vnni.c; see the module doc)."""
+        return "avx" if self._half is None else "vnni"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.grouped and self._half is not None and x2.shape[0] <= DECODE_ROWS:
-            return self._forward_vnni(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.grouped:
             xf = x2.float()
             if xf.stride(-1) != 1:
                 xf = xf.contiguous()
             out = self._output(xf.shape[0])
-            # The AMX and bf16 entry points run the AVX kernel themselves up to 8 rows.
-            kernel = getattr(cpu_kernels(), BATCH_KERNELS[self.batch_kernel])
-            rc = kernel(
+            if self._half is not None and xf.shape[0] <= DECODE_ROWS:
+                name, (scale, mins) = "loom_linear_q8_vnni", self._half
+            else:  # the AMX and bf16 entry points run the AVX kernel themselves up to 8 rows
+                name, scale, mins = BATCH_KERNELS[self.batch_kernel], self.scale, self.min
+            rc = getattr(cpu_kernels(), name)(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
-                self.weight_int8.data_ptr(), self.scale.data_ptr(), self.min.data_ptr(),
+                self.weight_int8.data_ptr(), scale.data_ptr(), mins.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr(),
                 self.out_features, out.data_ptr(), self.out_features, self.bits,
                 torch.get_num_threads(),
@@ -273,7 +277,7 @@ class Int8Linear(_OnGrid, nn.Module):
             if rc != 0:
                 raise RuntimeError(
                     f"int8 linear kernel failed ({rc}: -1 bad K={self.in_features}, -2 no memory, "
-                    "-3 no AMX or AVX512-BF16)"
+                    "-3 no AMX, AVX512-BF16 or AVX512-VNNI)"
                 )
             return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(
@@ -281,23 +285,6 @@ class Int8Linear(_OnGrid, nn.Module):
         ).to(self.out_dtype)  # [num_tokens, out]
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
-
-    def _forward_vnni(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        if xf.stride(-1) != 1:
-            xf = xf.contiguous()
-        out = self._output(xf.shape[0])
-        assert self._half is not None
-        rc = cpu_kernels().loom_linear_q8_vnni(
-            xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
-            self.weight_int8.data_ptr(), self._half[0].data_ptr(), self._half[1].data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(), self.out_features,
-            out.data_ptr(), self.out_features, self.bits, torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"int8 vnni kernel failed ({rc}: -1 bad K={self.in_features}, "
-                               "-2 no memory, -3 no AVX512-VNNI)")
-        return out
 
     def _output(self, rows: int) -> torch.Tensor:
         if not self.reuse_output:

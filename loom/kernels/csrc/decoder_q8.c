@@ -17,17 +17,21 @@
 #include <sched.h>
 #endif
 
+// One int8 linear: weights, fp32 scales and minimums, and their fp16 copies for the VNNI
+// kernel (kernel & 4; else unused, NULL).
+typedef struct {
+    const uint8_t *w;
+    const float *s, *m;
+    const uint16_t *s16, *m16;
+    int64_t bits;  // per stored weight: 8 or 4
+} LoomLinearQ8;
+
 typedef struct {
     const float *in_norm, *post_norm;
-    const uint8_t *qkv_w; const float *qkv_s, *qkv_m, *qkv_b;  // qkv_b: NULL without bias
-    const uint8_t *o_w; const float *o_s, *o_m;
-    const uint8_t *gu_w; const float *gu_s, *gu_m;
-    const uint8_t *d_w; const float *d_s, *d_m;
+    const float *qkv_b;  // NULL without bias
     void *k_cache, *v_cache;
-    // fp16 copies of the scales and minimums, for the VNNI kernel (kernel & 4); else unused
-    const uint16_t *qkv_s16, *qkv_m16, *o_s16, *o_m16, *gu_s16, *gu_m16, *d_s16, *d_m16;
+    LoomLinearQ8 qkv, o, gu, d;
     int64_t window;  // sliding window, 0 for none
-    int64_t qkv_bits, o_bits, gu_bits, d_bits;  // bits per stored weight: 8 or 4
 } LoomLayerQ8;
 
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
@@ -166,27 +170,26 @@ static int small_op_threads(const Step *s, const Team *t)
     return t ? (t->tid == 0 ? 1 : 0) : s->nt;
 }
 
-// y = x W^T (+ bias) for one of a layer's linears: w, sc, mn its weights, fp32 scales and
-// minimums; s16, m16 their fp16 copies (the VNNI kernel's).
-static int linear(const Step *s, Team *t, const float *x, int64_t K, const uint8_t *w,
-                  const float *sc, const float *mn, const uint16_t *s16, const uint16_t *m16,
-                  const float *bias, int64_t N, float *y, int64_t bits)
+// y = x W^T (+ bias) for one of a layer's linears.
+static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
+                  const float *bias, int64_t N, float *y)
 {
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
+    const int bits = (int)W->bits;
     if (!t) {
         if (vnni)
-            return loom_linear_q8_vnni(x, s->M, K, K, w, s16, m16, bias, N, y, N, (int)bits,
+            return loom_linear_q8_vnni(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, N, bits,
                                        s->nt);
         return (batch == 1   ? loom_linear_q8_amx
                 : batch == 2 ? loom_linear_q8_bf16
-                             : loom_linear_q8_f32)(x, s->M, K, K, w, sc, mn, bias, N, y, N,
-                                                   (int)bits, s->nt);
+                             : loom_linear_q8_f32)(x, s->M, K, K, W->w, W->s, W->m, bias, N, y,
+                                                   N, bits, s->nt);
     }
     if (vnni)
-        loom_linear_q8_vnni_team(x, s->M, K, K, w, s16, m16, bias, N, y, N, (int)bits,
+        loom_linear_q8_vnni_team(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, N, bits,
                                  t->next++, t->team);
     else
-        loom_linear_q8_team(x, s->M, K, K, w, sc, mn, bias, N, y, N, (int)bits, t->next++,
+        loom_linear_q8_team(x, s->M, K, K, W->w, W->s, W->m, bias, N, y, N, bits, t->next++,
                             t->team);
     sync_team(t);
     return 0;
@@ -221,9 +224,7 @@ static int run_layers(const Step *s, Team *t)
                 loom_add_rms_norm_f32(s->buf_h, s->hidden, L->in_norm, M, H, s->eps, nt);
             sync_team(t);
         }
-        if ((rc = linear(s, t, s->buf_h, H, L->qkv_w, L->qkv_s, L->qkv_m, L->qkv_s16, L->qkv_m16,
-                         L->qkv_b, s->qkv_n,
-                         s->buf_qkv, L->qkv_bits)))
+        if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
             return rc;
         if ((nt = small_op_threads(s, t)))
             loom_rope_write_kv_f32(s->buf_qkv, s->qkv_n, M, s->num_heads, s->kv_heads, s->D,
@@ -231,20 +232,16 @@ static int run_layers(const Step *s, Team *t)
                                    nt, s->kv_type);
         sync_team(t);
         if ((rc = attention(s, t, L))) return rc;
-        if ((rc = linear(s, t, s->buf_attn, s->q_n, L->o_w, L->o_s, L->o_m, L->o_s16, L->o_m16, NULL, H, s->buf_h,
-                         L->o_bits)))
+        if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h)))
             return rc;
         if ((nt = small_op_threads(s, t)))
             loom_add_rms_norm_f32(s->buf_h, s->hidden, L->post_norm, M, H, s->eps, nt);
         sync_team(t);
-        if ((rc = linear(s, t, s->buf_h, H, L->gu_w, L->gu_s, L->gu_m, L->gu_s16, L->gu_m16,
-                         NULL, 2 * I, s->buf_gu,
-                         L->gu_bits)))
+        if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu)))
             return rc;
         if ((nt = small_op_threads(s, t))) loom_silu_mul_f32(s->buf_gu, s->buf_act, M, I, nt);
         sync_team(t);
-        if ((rc = linear(s, t, s->buf_act, I, L->d_w, L->d_s, L->d_m, L->d_s16, L->d_m16, NULL, H, s->buf_h,
-                         L->d_bits)))
+        if ((rc = linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h)))
             return rc;
     }
     return 0;
@@ -255,10 +252,10 @@ static int check_step(const Step *s)
 {
     for (int64_t l = 0; l < s->num_layers; l++) {
         const LoomLayerQ8 *L = &s->layers[l];
-        if (loom_linear_q8_check(s->H, (int)L->qkv_bits) ||
-            loom_linear_q8_check(s->q_n, (int)L->o_bits) ||
-            loom_linear_q8_check(s->H, (int)L->gu_bits) ||
-            loom_linear_q8_check(s->I, (int)L->d_bits))
+        if (loom_linear_q8_check(s->H, (int)L->qkv.bits) ||
+            loom_linear_q8_check(s->q_n, (int)L->o.bits) ||
+            loom_linear_q8_check(s->H, (int)L->gu.bits) ||
+            loom_linear_q8_check(s->I, (int)L->d.bits))
             return -1;
     }
     return loom_paged_attention_check(s->tiles, s->num_tiles, s->num_heads, s->kv_heads, s->D,

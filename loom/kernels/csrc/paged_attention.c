@@ -164,8 +164,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 const float *kb = kbase + off * kv_stride + h * D;
                 const float *vb = vbase + off * kv_stride + h * D;
                 const float *qi = qs[i];
-                int64_t j = 0;
                 // Four keys at a time: four independent sums, not one long dependent chain.
+                int64_t j = 0;
                 for (; j + 4 <= n; j += 4) {
                     const float *k0 = kb + j * kv_stride, *k1 = k0 + kv_stride;
                     const float *k2 = k1 + kv_stride, *k3 = k2 + kv_stride;
