@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loom.attention.forward_context import set_forward_context
@@ -25,6 +26,8 @@ class PagedBatch:
         self.next_block = 1  # block 0 is the null block
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        # the last step's logits of each request's last row: by forward_logits, by the head
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, rid: str, shared_blocks: list[int] = (), num_cached: int = 0) -> None:
         self.blocks[rid] = list(shared_blocks)
@@ -48,9 +51,15 @@ class PagedBatch:
             [len(work[r]) for r in rids], BLOCK, self.device,
         )
         ids = torch.tensor([t for r in rids for t in work[r]], device=self.device)
+        ends = np.cumsum([len(work[r]) for r in rids])
         with set_forward_context(md):
-            hidden = self.model(ids, torch.from_numpy(positions).to(self.device))
-            # a copy: an int8 head writes its logits into one buffer it reuses (Int8Linear)
+            # each request's last row's logits as the runner asks for them (the int8 C stack
+            # runs the head in its call), and as the head module computes them
+            hidden, last = self.model.forward_logits(
+                ids, torch.from_numpy(positions).to(self.device), ends - 1)
+            # copies: an int8 head writes its logits into one buffer it reuses (Int8Linear)
+            last = last.clone()
+            self.last = (last, self.model.compute_logits(hidden[ends - 1]).clone())
             logits = self.model.compute_logits(hidden).clone()
         out, start = {}, 0
         for rid in rids:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -45,17 +46,41 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (0 = null block)
     max_query_len: int
-    # Derived once per step for the torch reference backend (shared by all layers):
     positions: torch.Tensor  # [num_tokens] int64 absolute position of each token
-    token_req_idx: torch.Tensor  # [num_tokens] request index of each flat token
-    token_local_idx: torch.Tensor  # [num_tokens] position of each token within its query
-    query_positions: torch.Tensor  # [num_reqs, max_query_len] absolute position of padded queries
-    key_positions: torch.Tensor  # [max_blocks * block_size]: positions of the gathered blocks
     workspace: Workspace  # the gather buffer; the runner passes one that lasts across steps
+    block_size: int
+    req_idx: np.ndarray  # [num_tokens] request index of each flat token
+    computed: np.ndarray  # [num_reqs] tokens each request had cached before this step
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     # The C kernel's work tiles, built on first use, keyed by tokens per tile; shared by layers.
     tiles: dict[int, np.ndarray] = field(default_factory=dict)
+
+    # Derived on first use, for the torch reference backend (shared by all layers; the C kernels
+    # need none of them).
+    @cached_property
+    def token_req_idx(self) -> torch.Tensor:  # [num_tokens] request index of each flat token
+        return self._tensor(self.req_idx)
+
+    @cached_property
+    def token_local_idx(self) -> torch.Tensor:  # [num_tokens] position within its query
+        return self.positions - self._tensor(self.computed)[self.token_req_idx]
+
+    @cached_property
+    def query_positions(self) -> torch.Tensor:  # [num_reqs, max_q] positions of padded queries
+        return self._tensor(self.computed[:, None] + np.arange(self.max_query_len)[None, :])
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:  # [max_blocks * block_size]: the gathered keys'
+        return self._tensor(np.arange(self.block_tables.shape[1] * self.block_size))
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return _to_device(a, self.slot_mapping.device)
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def compute_slot_mapping(
@@ -83,40 +108,32 @@ def build_attention_metadata(
     num_reqs = len(block_ids)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
     computed = np.asarray(num_computed_tokens, dtype=np.int64)
-    seq_lens = computed + query_lens
     cu = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    max_blocks = max(len(b) for b in block_ids)
+    max_blocks = max(map(len, block_ids))
     table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
     for r, ids in enumerate(block_ids):
         table[r, : len(ids)] = ids
 
-    req_idx = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
-    local_idx = np.arange(num_tokens) - cu[req_idx]
-    positions = computed[req_idx] + local_idx
-    slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
-
     max_q = int(query_lens.max())
-    # Attention gathers whole blocks: keys at positions 0 .. max_blocks * block_size - 1.
-    key_pos = np.arange(max_blocks * block_size)
-    query_positions = computed[:, None] + np.arange(max_q)[None, :]  # [num_reqs, max_q]
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
+    if max_q == 1:  # decode only: token r is request r's
+        req_idx, positions = np.arange(num_reqs), computed
+    else:
+        req_idx = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
+        positions = computed[req_idx] + np.arange(num_tokens) - cu[req_idx]
+    slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
     md = AttentionMetadata(
         num_tokens=num_tokens,
-        slot_mapping=t(slot_mapping),
-        query_start_loc=t(cu),
-        seq_lens=t(seq_lens),
-        block_tables=t(table),
+        slot_mapping=_to_device(slot_mapping, device),
+        query_start_loc=_to_device(cu, device),
+        seq_lens=_to_device(computed + query_lens, device),
+        block_tables=_to_device(table, device),
         max_query_len=max_q,
-        positions=t(positions),
-        token_req_idx=t(req_idx),
-        token_local_idx=t(local_idx),
-        query_positions=t(query_positions),
-        key_positions=t(key_pos),
+        positions=_to_device(positions, device),
         workspace=workspace or Workspace(),
+        block_size=block_size,
+        req_idx=req_idx,
+        computed=computed,
     )
     return md, positions

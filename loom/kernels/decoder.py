@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
-from loom.quant.int8 import Int8Linear
+from loom.quant.int8 import Int8Embedding, Int8Linear
 
 BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
@@ -28,10 +29,21 @@ class LinearQ8(ctypes.Structure):  # decoder_q8.c's LoomLinearQ8
         ("bits", ctypes.c_int64)]
 
     @classmethod
-    def of(cls, linear: Int8Linear) -> LinearQ8:
-        half = (None, None) if linear._half is None else (t.data_ptr() for t in linear._half)
+    def of(cls, linear: Int8Linear | Int8Embedding) -> LinearQ8:
+        half = getattr(linear, "_half", None)
+        half = (None, None) if half is None else (t.data_ptr() for t in half)
         return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
                    linear.min.data_ptr(), *half, linear.bits)
+
+
+class EmbedQ8(ctypes.Structure):  # decoder_q8.c's LoomEmbedQ8
+    _fields_ = [("table", LinearQ8), ("vocab", ctypes.c_int64), ("ids", ctypes.c_void_p)]
+
+
+class HeadQ8(ctypes.Structure):  # decoder_q8.c's LoomHeadQ8
+    _fields_ = [("w", LinearQ8)] + [
+        (name, ctypes.c_int64) for name in ("N", "num_rows", "kernel")] + [
+        (name, ctypes.c_void_p) for name in ("rows", "x", "logits")]
 
 
 class LayerQ8(ctypes.Structure):  # decoder_q8.c's LoomLayerQ8
@@ -64,30 +76,53 @@ def eligible(model: torch.nn.Module) -> bool:
     )
 
 
+def _kernel_code(linear: Int8Linear) -> int:
+    return BATCH_CODES[linear.batch_kernel] | (DECODE_VNNI if linear.decode_kernel == "vnni" else 0)
+
+
 class Q8Decoder:
-    """Built once per model; `forward` per step. Holds no tensors of its own: pointers into the
-    model's parameters and KV caches, rebuilt if the caches are rebound."""
+    """Built once per model; `forward` per step. Holds no weights of its own: pointers into the
+    model's parameters and KV caches (rebuilt if the caches are rebound), and the step's scratch
+    activations, kept across steps."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         attn0 = model.layers[0].self_attn
+        self.attn0 = attn0.attn  # holds the cache every layer's is checked like
         self.num_heads, self.kv_heads = attn0.num_heads, attn0.num_kv_heads
         self.head_dim = attn0.head_dim
         self.hidden = model.norm.weight.shape[0]
         self.inter = model.layers[0].mlp.intermediate_size
         self.eps = model.norm.eps
         self.scale = attn0.attn.scale
+        self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
+        embed = model.embed_tokens
+        # int8-grid embeddings are looked up in the call; others by the module, in Python
+        self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings) if isinstance(
+            embed, Int8Embedding) else None
+        w = None if self.embed is not None else embed.weight
+        self.activation = torch.empty(0, dtype=w.dtype if w is not None else torch.float32,
+                                      device=w.device if w is not None else "cpu")
         self.layers: ctypes.Array | None = None
-        self.cache_ptr = 0
+        self.cache: torch.Tensor | None = None  # the cache the layers point into
+        self.ok = False  # whether the kernels take that cache
         self.code = 0  # decoder_q8.c's `kernel`, set with the layers
-        self.scratch: list[torch.Tensor] = []  # the stack's activations, kept across steps
+        self.scratch: list[torch.Tensor] = []  # the stack's activations, grown, never shrunk
+        self.head_module: torch.nn.Module | None = None  # the output projection `head` runs
+        self.head: HeadQ8 | None = None
 
-    def usable(self, x: torch.Tensor) -> bool:
-        return cpu_kernel.supported(
-            x, self._cache(), self.num_heads, self.kv_heads, self.head_dim
-        )
+    def usable(self) -> bool:
+        """Whether the stack runs this step (the caches' dtype and layout, checked when the
+        runner binds them)."""
+        cache = self.attn0.kv_cache
+        if cache is not self.cache:
+            self._build(cache)
+        return self.ok
 
-    def _build(self) -> None:
+    def _build(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.ok = cpu_kernel.supported(
+            self.activation, cache, self.num_heads, self.kv_heads, self.head_dim)
         rows = []
         for layer in self.model.layers:
             a = layer.self_attn
@@ -103,40 +138,70 @@ class Q8Decoder:
         linears = [m for layer in self.model.layers for m in _linears(layer)]
         vnni = all(m.decode_kernel == "vnni" for m in linears)
         self.code = BATCH_CODES[linears[0].batch_kernel] | (DECODE_VNNI if vnni else 0)
-        self.cache_ptr = self._cache().data_ptr()
 
-    def _cache(self) -> torch.Tensor:
-        return self.model.layers[0].self_attn.attn.kv_cache
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, hidden] embeddings (overwritten: the residual stream) -> final-normed
-        hidden states [num_tokens, hidden], for the step in the forward context."""
-        rotary = self.model.rotary_emb
-        rotary.check_positions(positions)
-        md = get_forward_context().attn_metadata
-        cache = self._cache()
-        if self.layers is None or self.cache_ptr != cache.data_ptr():
-            self._build()
-        m, h, i = x.shape[0], self.hidden, self.inter
-        qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
-        buf_h = torch.empty((m, h))
-        widths = (qkv_n, self.num_heads * self.head_dim, 2 * i, i)
+    def _scratch(self, m: int) -> list[torch.Tensor]:
+        h, i = self.hidden, self.inter
+        widths = ((self.num_heads + 2 * self.kv_heads) * self.head_dim,
+                  self.num_heads * self.head_dim, 2 * i, i, h)
         if not self.scratch or self.scratch[0].shape[0] < m:
-            # grown, never shrunk: a fresh allocation each step was page-faulted in again
+            # a fresh allocation each step was page-faulted in again
             self.scratch = [torch.empty((m, n)) for n in widths]
-        scratch = [t[:m] for t in self.scratch]
-        tiles = cpu_kernel.step_tiles(md, self.num_heads, self.head_dim)
+        return self.scratch
+
+    def _head(self, head: torch.nn.Module) -> HeadQ8 | None:
+        """`head` as the call runs it (an int8 linear without bias; else None), built once."""
+        if head is not self.head_module:
+            self.head_module = head
+            self.head = HeadQ8(LinearQ8.of(head), head.out_features, 0,
+                               _kernel_code(head)) if _grouped(head) else None
+        return self.head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        head: torch.nn.Module | None = None,
+        rows: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]
+        for the step in the forward context, and `head`'s logits of hidden `rows` (int64)
+        [len(rows), vocab] where the head is an int8 linear the call runs too (else None)."""
+        md = get_forward_context().attn_metadata
+        m = input_ids.shape[0]
+        buf_qkv, buf_attn, buf_gu, buf_act, head_x = self._scratch(m)
+        buf_h = torch.empty((m, self.hidden))
+        if self.embed is not None:
+            x = torch.empty((m, self.hidden))
+            assert input_ids.dtype == torch.int64 and input_ids.is_contiguous()
+            self.embed.ids = input_ids.data_ptr()
+            embed = ctypes.byref(self.embed)
+        else:
+            x, embed = self.model.embed_tokens(input_ids), None
+        c_head = None if head is None or rows is None or not len(rows) else self._head(head)
+        logits = None
+        if c_head is not None:
+            assert rows.dtype == np.int64 and rows.flags.c_contiguous
+            logits = head._output(len(rows))
+            c_head.num_rows, c_head.rows = len(rows), rows.ctypes.data
+            c_head.x, c_head.logits = head_x.data_ptr(), logits.data_ptr()
+            c_head = ctypes.byref(c_head)
+        rotary = self.model.rotary_emb
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         rc = cpu_kernels().loom_llama_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
-            h, i, self.num_heads, self.kv_heads, self.head_dim, cache.shape[2],
-            self.eps, self.scale, rotary.cos_sin_cache.data_ptr(), m, x.data_ptr(),
-            positions.data_ptr(),
+            self.hidden, self.inter, self.num_heads, self.kv_heads, self.head_dim,
+            self.cache.shape[2], self.eps, self.scale, rotary.cos_sin_cache.data_ptr(),
+            rotary.cos_sin_cache.shape[0], embed, m, x.data_ptr(), positions.data_ptr(),
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
-            tiles.ctypes.data, tiles.shape[0], buf_h.data_ptr(),
-            *(t.data_ptr() for t in scratch), torch.get_num_threads(),
-            kv_type(cache), self.code,
+            md.query_start_loc.data_ptr(), md.query_start_loc.shape[0] - 1, self.tile_tokens,
+            buf_h.data_ptr(), buf_qkv.data_ptr(), buf_attn.data_ptr(), buf_gu.data_ptr(),
+            buf_act.data_ptr(), c_head, torch.get_num_threads(), kv_type(self.cache), self.code,
         )
+        if rc == -4:
+            raise IndexError(f"a position past the rotary table "
+                             f"({rotary.cos_sin_cache.shape[0]} positions)")
+        if rc == -5:
+            raise IndexError(f"a token id outside the vocabulary ({self.embed.vocab} tokens)")
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")
-        return buf_h
+        return buf_h, logits

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,12 +119,17 @@ class LlamaModel(nn.Module):
         )
         self.stack: decoder.Q8Decoder | bool | None = None  # the one-call C stack, if it applies
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+    def c_stack(self) -> decoder.Q8Decoder | None:
+        """The one-call C stack where it runs this step (int8 on the CPU), else None."""
         if self.stack is None:  # decided on the first step, after any quantization
             self.stack = decoder.Q8Decoder(self) if decoder.eligible(self) else False
-        if self.stack and self.stack.usable(x):  # int8 on the CPU: every layer in one C call
-            return self.stack.forward(x, positions)
+        return self.stack if self.stack and self.stack.usable() else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        stack = self.c_stack()
+        if stack is not None:  # every layer in one C call
+            return stack.forward(input_ids, positions)[0]
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
         residual = None
         for layer in self.layers:
@@ -155,6 +161,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [n, vocab]
+
+    def forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward, then compute_logits of hidden `rows` (int64 indices; None for none): the
+        output projection runs in the C stack's call where that runs (the same bits, without
+        Python between the two)."""
+        stack = self.model.c_stack()
+        if stack is None:
+            hidden, logits = self.model(input_ids, positions), None
+        else:
+            hidden, logits = stack.forward(input_ids, positions, self.lm_head, rows)
+        if logits is None and len(rows):
+            logits = self.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])
+        return hidden, logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

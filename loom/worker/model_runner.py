@@ -104,21 +104,19 @@ class ModelRunner:
             [s.block_ids for s in states], computed, num_sched, self.block_size, self.device,
             self.workspace,
         )
-        with set_forward_context(md):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device),
-            )  # [num_tokens, hidden]
         ends = np.cumsum(num_sched)
         # A request samples when this step reaches the end of its known tokens.
         sampling = [i for i, (s, c, n) in enumerate(zip(states, computed, num_sched))
                     if c + n == len(s.token_ids)]
-        prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden)
+        with set_forward_context(md):
+            hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
+                torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(positions).to(self.device),
+                ends[sampling] - 1,
+            )
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
         if sampling:
-            idx = torch.as_tensor(ends[sampling] - 1, device=self.device)
-            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
             if so.grammar_bitmask is not None:
                 self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
             sampled_states = [states[i] for i in sampling]
@@ -138,6 +136,8 @@ class ModelRunner:
                 states[i].output_token_ids.append(tokens[j])
                 sampled_lists[i] = [tokens[j]]
                 logprobs[i] = out.logprobs[j]
+        # after sampling: an int8 head writes every call's logits into the buffer it reuses
+        prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden)
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps)
 
     @staticmethod

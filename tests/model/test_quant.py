@@ -237,9 +237,12 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
         for stack in (None, False):
             loaded.model.model.stack = stack
             batch = PagedBatch(loaded)
-            out = [batch.step(prompts)]
+            out, heads = [batch.step(prompts)], [batch.last]
             for _ in range(3):
                 out.append(batch.step({k: [int(v[-1].argmax())] for k, v in out[-1].items()}))
+                heads.append(batch.last)
+            # the head in the stack's call (forward_logits): the head module's bits
+            assert all(torch.equal(fused, module) for fused, module in heads)
             runs[stack] = (out, loaded.model.model.stack)
     finally:
         torch.set_num_threads(threads)

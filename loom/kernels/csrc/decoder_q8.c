@@ -26,6 +26,24 @@ typedef struct {
     int64_t bits;  // per stored weight: 8 or 4
 } LoomLinearQ8;
 
+// The stack's optional ends. The token embeddings, looked up in the call: table [vocab, H] on
+// the int8 grid (scales and minimums fp32; w->s16, w->m16 unused).
+typedef struct {
+    LoomLinearQ8 table;
+    int64_t vocab;
+    const int64_t *ids;  // [M]
+} LoomEmbedQ8;
+
+// The output projection of `num_rows` of the M final hidden states, in the same call (in the
+// same region at few rows): logits [num_rows, N] = head(final_hidden[rows]).
+typedef struct {
+    LoomLinearQ8 w;
+    int64_t N, num_rows, kernel;  // kernel: the stack's `kernel` code, for this linear
+    const int64_t *rows;          // [num_rows], each below M
+    float *x;                     // scratch [num_rows, H]: the rows gathered
+    float *logits;
+} LoomHeadQ8;
+
 typedef struct {
     const float *in_norm, *post_norm;
     const float *qkv_b;  // NULL without bias
@@ -247,6 +265,55 @@ static int run_layers(const Step *s, Team *t)
     return 0;
 }
 
+// out[t] = the embedding of ids[t], q * scale + min rounded twice as Q8Groups.dequantize does
+// (torch's mul_ then add_: no fused multiply-add here). 4-bit rows hold a group's values j and
+// j + 16 in byte j's low and high nibbles.
+__attribute__((optimize("fp-contract=off"))) static void embed_rows(const LoomEmbedQ8 *E,
+                                                                    int64_t M, int64_t H,
+                                                                    float *out)
+{
+    const int64_t groups = H / 32, row_bytes = H * E->table.bits / 8;
+    for (int64_t t = 0; t < M; t++) {
+        const uint8_t *q = E->table.w + E->ids[t] * row_bytes;
+        const float *sc = E->table.s + E->ids[t] * groups, *mn = E->table.m + E->ids[t] * groups;
+        float *o = out + t * H;
+        for (int64_t g = 0; g < groups; g++)
+            for (int j = 0; j < 32; j++) {
+                const int v = E->table.bits == 8 ? q[g * 32 + j]
+                              : j < 16           ? q[g * 16 + j] & 15
+                                                 : q[g * 16 + j - 16] >> 4;
+                const float p = (float)v * sc[g];
+                o[g * 32 + j] = p + mn[g];
+            }
+    }
+}
+
+// The head's arguments as a step of num_rows rows on its own linear's kernel.
+static Step head_step(const Step *s, const LoomHeadQ8 *head)
+{
+    Step hs = *s;
+    hs.M = head->num_rows;
+    hs.kernel = (int)head->kernel;
+    return hs;
+}
+
+// The final norm (in place in buf_h, adding the last MLP's output to the residual stream), then
+// the head over the rows it wants; in a team each op's part, as run_layers.
+static int finish(const Step *s, Team *t, const float *final_norm, const LoomHeadQ8 *head)
+{
+    const int nt = small_op_threads(s, t);
+    if (nt) {
+        loom_add_rms_norm_f32(s->buf_h, s->hidden, final_norm, s->M, s->H, s->eps, nt);
+        for (int64_t r = 0; head && r < head->num_rows; r++)
+            memcpy(head->x + r * s->H, s->buf_h + head->rows[r] * s->H,
+                   (size_t)s->H * sizeof(float));
+    }
+    sync_team(t);
+    if (!head || head->num_rows == 0) return 0;
+    const Step hs = head_step(s, head);
+    return linear(&hs, t, head->x, s->H, &head->w, NULL, head->N, head->logits);
+}
+
 // What a team's ops would have refused (they do not check): the error the per-op path returns.
 static int check_step(const Step *s)
 {
@@ -262,56 +329,117 @@ static int check_step(const Step *s)
                                       s->kv_type);
 }
 
-// hidden [M, H]: the embeddings in, the residual stream after. Returns the final-normed hidden
-// states in buf_h [M, H]. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D],
-// buf_gu [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8).
-// Returns 0, or the first kernel's error.
+// The step's inputs the kernels read unchecked: -4 for a position past the rotary table, -5
+// for a token id outside the embedding table, -6 for a head row outside the step.
+static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *embed,
+                        const LoomHeadQ8 *head)
+{
+    for (int64_t t = 0; t < s->M; t++) {
+        if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
+        if (embed && (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab)) return -5;
+    }
+    for (int64_t r = 0; head && r < head->num_rows; r++)
+        if (head->rows[r] < 0 || head->rows[r] >= s->M) return -6;
+    if (head && head->num_rows && loom_linear_q8_check(s->H, (int)head->w.bits)) return -1;
+    return 0;
+}
+
+// Each request's query tokens (query_start_loc [num_reqs + 1]) cut into runs of at most `tokens`:
+// rows (request, first token, number of tokens) into tiles (room for M rows). Returns the count.
+// cpu_kernel.py's build_tiles.
+static int64_t make_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
+                          int64_t *tiles)
+{
+    int64_t n = 0;
+    for (int64_t r = 0; r < num_reqs; r++)
+        for (int64_t t0 = query_start_loc[r]; t0 < query_start_loc[r + 1]; t0 += tokens, n++) {
+            const int64_t left = query_start_loc[r + 1] - t0;
+            tiles[3 * n] = r;
+            tiles[3 * n + 1] = t0;
+            tiles[3 * n + 2] = left < tokens ? left : tokens;
+        }
+    return n;
+}
+
+// loom_llama_forward_q8 once its tiles are made.
+static int run_step(const Step *sp, int64_t rope_rows, const LoomEmbedQ8 *embed,
+                    const float *final_norm, const LoomHeadQ8 *head)
+{
+    const Step s = *sp;
+    const int64_t M = s.M, H = s.H, I = s.I;
+    const int nt = s.nt, kernel = s.kernel;
+    int rc;
+    if ((rc = check_inputs(&s, rope_rows, embed, head))) return rc;
+    if (embed) embed_rows(embed, M, H, s.hidden);
+    memcpy(s.buf_h, s.hidden, (size_t)(M * H) * sizeof(float));
+    loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
+    if (M <= loom_linear_q8_direct_rows && nt > 1) {
+        if ((rc = check_step(&s))) return rc;
+        int64_t *next = calloc((size_t)s.num_layers * 5 + 1, sizeof(int64_t));  // one an op
+        if (!next) return -2;
+        Barrier bar = {0, 0, 0};
+        int no_vnni = 0;
+        const int vnni = (kernel & 4) || (head && (head->kernel & 4));
+        const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
+#pragma omp parallel num_threads(nt)
+        {
+            Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
+            if (vnni && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
+                __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
+            Step own = s;
+            LoomHeadQ8 own_head = head ? *head : (LoomHeadQ8){0};
+            if (vnni) {  // all threads or none: if any lacks its buffer, the AVX kernel
+                barrier_wait(&bar, t.team);
+                if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {
+                    own.kernel &= 3;
+                    own_head.kernel &= 3;
+                }
+            }
+            run_layers(&own, &t);
+            finish(&own, &t, final_norm, head ? &own_head : NULL);
+        }
+        free(next);
+        return 0;
+    }
+    if ((rc = run_layers(&s, NULL))) return rc;
+    return finish(&s, NULL, final_norm, head);
+}
+
+// hidden [M, H]: the embeddings in (or, with `embed`, looked up here), the residual stream
+// after. Returns the final-normed hidden states in buf_h [M, H] and, with `head`, the logits of
+// its rows. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D], buf_gu
+// [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8). Request r
+// owns tokens query_start_loc[r] .. query_start_loc[r + 1] - 1; attention runs in tiles of at
+// most tile_tokens of one request's tokens. Returns 0; -7 for tokens that do not add up to M,
+// check_inputs' errors (nothing written either way); or the first kernel's error.
 //
-// Few rows (decode of up to loom_linear_q8_direct_rows streams) run the whole stack in one
-// OpenMP region instead of one per op: the linears and the attention share their work out from
-// counters (loom_linear_q8_team, loom_paged_attention_team), the small elementwise ops run on
-// thread 0, and a barrier separates dependent ops. The same kernels on the same values in the
-// same order: the same bits either way.
+// Few rows (decode of up to loom_linear_q8_direct_rows streams) run the whole stack, and the
+// head, in one OpenMP region instead of one per op: the linears and the attention share their
+// work out from counters (loom_linear_q8_team, loom_paged_attention_team), the small
+// elementwise ops run on thread 0, and a barrier separates dependent ops. The same kernels on
+// the same values in the same order: the same bits either way.
 int loom_llama_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
-    const float *rope_table, int64_t M, float *hidden, const int64_t *positions,
-    const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles,
-    int64_t num_tiles, float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu,
-    float *buf_act, int nt, int kv_type, int kernel)
+    const float *rope_table, int64_t rope_rows, const LoomEmbedQ8 *embed, int64_t M,
+    float *hidden, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+    int64_t max_blocks, const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens,
+    float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
+    const LoomHeadQ8 *head, int nt, int kv_type, int kernel)
 {
+    if (query_start_loc[0] != 0 || query_start_loc[num_reqs] != M || tile_tokens < 1) return -7;
+    for (int64_t r = 0; r < num_reqs; r++)
+        if (query_start_loc[r + 1] < query_start_loc[r]) return -7;
+    int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
+    if (!tiles) return -2;
+    const int64_t num_tiles = make_tiles(query_start_loc, num_reqs, tile_tokens, tiles);
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
         nt, kv_type, kernel,
     };
-    int rc;
-    memcpy(buf_h, hidden, (size_t)(M * H) * sizeof(float));
-    loom_add_rms_norm_f32(buf_h, NULL, layers[0].in_norm, M, H, eps, nt);
-    if (M <= loom_linear_q8_direct_rows && nt > 1) {
-        if ((rc = check_step(&s))) return rc;
-        int64_t *next = calloc((size_t)num_layers * 5, sizeof(int64_t));  // one counter an op
-        if (!next) return -2;
-        Barrier bar = {0, 0, 0};
-        int no_vnni = 0;
-        const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
-#pragma omp parallel num_threads(nt)
-        {
-            Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
-            if ((kernel & 4) && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
-                __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
-            Step own = s;
-            if (kernel & 4) {  // all threads or none: if any lacks its buffer, the AVX kernel
-                barrier_wait(&bar, t.team);
-                if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) own.kernel &= 3;
-            }
-            run_layers(&own, &t);
-        }
-        free(next);
-    } else if ((rc = run_layers(&s, NULL))) {
-        return rc;
-    }
-    loom_add_rms_norm_f32(buf_h, hidden, final_norm, M, H, eps, nt);
-    return 0;
+    const int rc = run_step(&s, rope_rows, embed, final_norm, head);
+    free(tiles);
+    return rc;
 }
