@@ -254,12 +254,17 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
 
 
 def test_int8_quantizer_kernel_matches_torch() -> None:
-    """The load-time C quantizer gives quantize_groups' bits (random, constant, tiny groups)."""
+    """The load-time C quantizer (also the int8 KV cache's writer) gives quantize_groups' values
+    (random, constant, tiny groups, groups whose least or greatest value is a signed zero)."""
     require_cpu_kernels()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 96, generator=g) * 0.02
     w[3, :32] = 0.25  # constant group: scale 0, q 0
     w[4, 32:64] *= 1e-30  # denormal-scale group
+    w[5, :32] = w[5, :32].abs()
+    w[5, 7], w[5, 20] = -0.0, 0.0  # least value zero, met as -0 first
+    w[6, 32:64] = -w[6, 32:64].abs()
+    w[6, 40], w[6, 50] = 0.0, -0.0  # greatest value zero
     for got, want in zip(quantize_groups_fast(w), quantize_groups(w)):
         assert torch.equal(got, want)
 

@@ -455,8 +455,37 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 // q = 0 for a constant group. Exact IEEE steps (this file is built without fast math), so the
 // same bits as loom.quant.int8.quantize_groups (tested). Also the int8 KV cache's writer
 // (layer_ops.c).
+#ifdef __AVX512F__
+// The first of the 32 values (a: 0..15, b: 16..31) equal to v, as a scan keeping the first of
+// equal values finds it: +0 and -0 compare equal, and the scan keeps the sign it met first.
+static inline float first_equal(const float *src, __m512 a, __m512 b, float v)
+{
+    const __m512 t = _mm512_set1_ps(v);
+    const uint32_t hit = (uint32_t)_mm512_cmp_ps_mask(a, t, _CMP_EQ_OQ) |
+                         (uint32_t)_mm512_cmp_ps_mask(b, t, _CMP_EQ_OQ) << 16;
+    return hit ? src[__builtin_ctz(hit)] : v;
+}
+#endif
+
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min)
 {
+#ifdef __AVX512F__
+    // the scalar steps below 16 lanes at a time (IEEE division and rounding, the scan's zero
+    // signs: the same bits; ~10x fewer cycles, where the scalar loop was ~3% of a prompt's step
+    // with the int8 KV cache)
+    const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+    const float lo = first_equal(src, a, b, _mm512_reduce_min_ps(_mm512_min_ps(a, b)));
+    const float hi = first_equal(src, a, b, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+    const float s = (hi - lo) / 255.0f;
+    const __m512 safe = _mm512_set1_ps(s > 0.0f ? s : 1.0f), vlo = _mm512_set1_ps(lo);
+    const __m512 top = _mm512_set1_ps(255.0f), zero = _mm512_setzero_ps();
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(h ? b : a, vlo), safe),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(v)));
+    }
+#else
     float lo = src[0], hi = src[0];
     for (int j = 1; j < GROUP; j++) {
         lo = src[j] < lo ? src[j] : lo;
@@ -469,6 +498,7 @@ void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *m
         v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
         q[j] = (uint8_t)v;
     }
+#endif
     *scale = s;
     *min = lo;
 }
