@@ -5,7 +5,10 @@ the same bits, without Python between ~300 kernel calls a step. It applies when 
 linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
 kernel and the model has no q/k norm; otherwise the model keeps its per-module path. With
 `--int8-batch-kernel amx` (or `bf16`) its linears run on AMX tiles (bf16 dot products) in steps
-of more than 8 rows, as the modules' do (loom.quant.int8).
+of more than 8 rows, as the modules' do (loom.quant.int8). The call also looks the token ids up
+in an int8-grid embedding table and, given the output projection and the rows that sample
+(`LlamaForCausalLM.forward_logits`), computes their logits: Python after ~98 MB of weights
+streamed through the caches runs cold, so each call it makes costs a step far more than warm.
 """
 
 from __future__ import annotations
@@ -97,12 +100,11 @@ class Q8Decoder:
         self.scale = attn0.attn.scale
         self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
         embed = model.embed_tokens
-        # int8-grid embeddings are looked up in the call; others by the module, in Python
-        self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings) if isinstance(
-            embed, Int8Embedding) else None
-        w = None if self.embed is not None else embed.weight
-        self.activation = torch.empty(0, dtype=w.dtype if w is not None else torch.float32,
-                                      device=w.device if w is not None else "cpu")
+        self.embed: EmbedQ8 | None = None  # an int8-grid table is looked up in the call
+        # an empty tensor of the activations' dtype and device (the embeddings')
+        self.activation = torch.empty(0) if isinstance(embed, Int8Embedding) else embed.weight[:0]
+        if isinstance(embed, Int8Embedding):
+            self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings)
         self.layers: ctypes.Array | None = None
         self.cache: torch.Tensor | None = None  # the cache the layers point into
         self.ok = False  # whether the kernels take that cache
@@ -166,6 +168,7 @@ class Q8Decoder:
         """input_ids, positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]
         for the step in the forward context, and `head`'s logits of hidden `rows` (int64)
         [len(rows), vocab] where the head is an int8 linear the call runs too (else None)."""
+        assert self.ok, "usable() decides first"
         md = get_forward_context().attn_metadata
         m = input_ids.shape[0]
         buf_qkv, buf_attn, buf_gu, buf_act, head_x = self._scratch(m)

@@ -165,9 +165,9 @@ class LlamaForCausalLM(nn.Module):
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward, then compute_logits of hidden `rows` (int64 indices; None for none): the
-        output projection runs in the C stack's call where that runs (the same bits, without
-        Python between the two)."""
+        """forward, then compute_logits of hidden `rows` (int64 indices; logits None when there
+        are none): the output projection runs in the C stack's call where that runs (the same
+        bits, without Python between the two)."""
         stack = self.model.c_stack()
         if stack is None:
             hidden, logits = self.model(input_ids, positions), None
