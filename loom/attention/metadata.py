@@ -53,7 +53,8 @@ class AttentionMetadata:
     computed: np.ndarray  # [num_reqs] tokens each request had cached before this step
     # Masks built on first use, keyed by sliding window (None = full causal); shared by layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    # The C kernel's work tiles, built on first use, keyed by tokens per tile; shared by layers.
+    # The per-module path's attention tiles (cpu_kernel.step_tiles), built on first use, keyed by
+    # tokens per tile; shared by layers. The C decoder stack cuts its own.
     tiles: dict[int, np.ndarray] = field(default_factory=dict)
 
     # Derived on first use, for the torch reference backend (shared by all layers; the C kernels

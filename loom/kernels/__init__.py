@@ -34,6 +34,7 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
+    "loom_attention_tiles": (_i64, [_ptr, _i64, _i64, _ptr]),
     "loom_paged_attention_f32": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,

@@ -136,15 +136,15 @@ class Q8Decoder:
                 a.attn.sliding_window or 0,
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
-        # VNNI only where every linear has its fp16 copies (the loader sets all or none)
-        linears = [m for layer in self.model.layers for m in _linears(layer)]
-        vnni = all(m.decode_kernel == "vnni" for m in linears)
-        self.code = BATCH_CODES[linears[0].batch_kernel] | (DECODE_VNNI if vnni else 0)
+        # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
+        # linears set apart by hand run the AVX kernel, which every one has
+        codes = {_kernel_code(m) for layer in self.model.layers for m in _linears(layer)}
+        self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["avx"]
 
     def _scratch(self, m: int) -> list[torch.Tensor]:
         h, i = self.hidden, self.inter
         widths = ((self.num_heads + 2 * self.kv_heads) * self.head_dim,
-                  self.num_heads * self.head_dim, 2 * i, i, h)
+                  self.num_heads * self.head_dim, 2 * i, i, h, h)
         if not self.scratch or self.scratch[0].shape[0] < m:
             # a fresh allocation each step was page-faulted in again
             self.scratch = [torch.empty((m, n)) for n in widths]
@@ -171,10 +171,9 @@ class Q8Decoder:
         assert self.ok, "usable() decides first"
         md = get_forward_context().attn_metadata
         m = input_ids.shape[0]
-        buf_qkv, buf_attn, buf_gu, buf_act, head_x = self._scratch(m)
-        buf_h = torch.empty((m, self.hidden))
-        if self.embed is not None:
-            x = torch.empty((m, self.hidden))
+        buf_qkv, buf_attn, buf_gu, buf_act, head_x, x = self._scratch(m)
+        buf_h = torch.empty((m, self.hidden))  # returned: the caller's until it lets go
+        if self.embed is not None:  # looked up into x, the residual stream
             assert input_ids.dtype == torch.int64 and input_ids.is_contiguous()
             self.embed.ids = input_ids.data_ptr()
             embed = ctypes.byref(self.embed)
@@ -201,8 +200,7 @@ class Q8Decoder:
             buf_act.data_ptr(), c_head, torch.get_num_threads(), kv_type(self.cache), self.code,
         )
         if rc == -4:
-            raise IndexError(f"a position past the rotary table "
-                             f"({rotary.cos_sin_cache.shape[0]} positions)")
+            rotary.check_positions(positions)  # the module path's IndexError (past the end)
         if rc == -5:
             raise IndexError(f"a token id outside the vocabulary ({self.embed.vocab} tokens)")
         if rc != 0:

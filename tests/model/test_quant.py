@@ -11,6 +11,8 @@ from gguf.quants import quantize
 from torch import nn
 
 import loom.quant.int8 as int8_module
+from loom.attention.forward_context import set_forward_context
+from loom.attention.metadata import build_attention_metadata
 from loom.config import ConfigError
 from loom.kernels import cpu_kernels
 from loom.kernels.decoder import BATCH_CODES, Q8Decoder
@@ -29,7 +31,7 @@ from loom.quant.int8 import (
 )
 from loom.tokenizer.tokenizer import Tokenizer
 from tests.cpu_kernels import require_amx, require_bf16, require_cpu_kernels, require_vnni
-from tests.paged_batch import PagedBatch, rel_err
+from tests.paged_batch import BLOCK, PagedBatch, rel_err
 
 TEXTS = [
     "The capital of France is Paris, and the capital of Germany is Berlin. Both cities are",
@@ -241,16 +243,33 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
             for _ in range(3):
                 out.append(batch.step({k: [int(v[-1].argmax())] for k, v in out[-1].items()}))
                 heads.append(batch.last)
-            # the head in the stack's call (forward_logits): the head module's bits
-            assert all(torch.equal(fused, module) for fused, module in heads)
-            runs[stack] = (out, loaded.model.model.stack)
+            runs[stack] = (out, loaded.model.model.stack, heads)
     finally:
         torch.set_num_threads(threads)
     assert isinstance(runs[None][1], Q8Decoder) and runs[False][1] is False
+    # the head in the stack's call (forward_logits): the head module's bits
+    assert all(torch.equal(fused, module) for fused, module in runs[None][2])
     assert runs[None][1].code == (4 if kernel == "vnni" else 0) | BATCH_CODES.get(kernel, 0)
     for a, b in zip(runs[None][0], runs[False][0]):
         for k in prompts:
             assert torch.equal(a[k], b[k])
+
+
+def test_int8_decoder_stack_checks_its_inputs() -> None:
+    """The C stack reads the rotary table and the embedding rows unchecked, so its call checks
+    positions and token ids first: the module path's IndexError, nothing written."""
+    require_cpu_kernels()
+    loaded = load_model(resolve_model(None), "float32", quantization="int8")
+    PagedBatch(loaded)  # binds the KV caches
+    md, _ = build_attention_metadata([[1]], [0], [1], BLOCK, torch.device("cpu"))
+    rows = loaded.model.model.rotary_emb.cos_sin_cache.shape[0]
+    vocab = loaded.config.vocab_size
+    with set_forward_context(md):
+        assert loaded.model.model.c_stack() is not None
+        with pytest.raises(IndexError, match="past the rotary table"):
+            loaded.model(torch.tensor([5]), torch.tensor([rows]))
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            loaded.model(torch.tensor([vocab]), torch.tensor([0]))
 
 
 def test_int8_quantizer_kernel_matches_torch() -> None:

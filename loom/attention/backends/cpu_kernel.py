@@ -48,17 +48,18 @@ def step_tiles(md: AttentionMetadata, num_heads: int, head_dim: int) -> np.ndarr
 
 def build_tiles(query_start_loc: np.ndarray, tokens: int) -> np.ndarray:
     """[num_tiles, 3] int64 rows (request, first token, number of tokens): each request's query
-    tokens cut into runs of at most `tokens`.
+    tokens cut into runs of at most `tokens` (paged_attention.c's loom_attention_tiles, the rule
+    the C decoder stack cuts its steps by).
 
     Example: query_start_loc [0, 1, 13], tokens 8 -> [[0, 0, 1], [1, 1, 8], [1, 9, 4]]."""
-    starts, ends = query_start_loc[:-1], query_start_loc[1:]
-    counts = -(-(ends - starts) // tokens)  # tiles per request
-    req = np.repeat(np.arange(len(starts)), counts)
-    first_tile = np.cumsum(counts) - counts
-    k = np.arange(int(counts.sum())) - first_tile[req]
-    tok0 = starts[req] + k * tokens
-    ntok = np.minimum(tokens, ends[req] - tok0)
-    return np.ascontiguousarray(np.stack([req, tok0, ntok], axis=1), dtype=np.int64)
+    qsl = np.ascontiguousarray(query_start_loc, dtype=np.int64)
+    tiles = np.empty((int(qsl[-1]), 3), dtype=np.int64)  # room for a tile a token
+    n = cpu_kernels().loom_attention_tiles(qsl.ctypes.data, len(qsl) - 1, tokens,
+                                           tiles.ctypes.data)
+    if n < 0:
+        raise ValueError(f"query_start_loc must start at 0 and not decrease, tokens >= 1 "
+                         f"(got {qsl.tolist()}, {tokens})")
+    return tiles[:n]
 
 
 def paged_attention(

@@ -27,7 +27,7 @@ typedef struct {
 } LoomLinearQ8;
 
 // The stack's optional ends. The token embeddings, looked up in the call: table [vocab, H] on
-// the int8 grid (scales and minimums fp32; w->s16, w->m16 unused).
+// the int8 grid (scales and minimums fp32; table.s16, table.m16 unused).
 typedef struct {
     LoomLinearQ8 table;
     int64_t vocab;
@@ -81,6 +81,8 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
                               const float *bias, int64_t N, float *y, int64_t ldy, int bits,
                               int64_t *next, int team);
 int loom_linear_q8_vnni_reserve(int64_t K);
+int64_t loom_attention_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
+                             int64_t *tiles);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 void loom_paged_attention_team(
@@ -344,28 +346,10 @@ static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *emb
     return 0;
 }
 
-// Each request's query tokens (query_start_loc [num_reqs + 1]) cut into runs of at most `tokens`:
-// rows (request, first token, number of tokens) into tiles (room for M rows). Returns the count.
-// cpu_kernel.py's build_tiles.
-static int64_t make_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
-                          int64_t *tiles)
-{
-    int64_t n = 0;
-    for (int64_t r = 0; r < num_reqs; r++)
-        for (int64_t t0 = query_start_loc[r]; t0 < query_start_loc[r + 1]; t0 += tokens, n++) {
-            const int64_t left = query_start_loc[r + 1] - t0;
-            tiles[3 * n] = r;
-            tiles[3 * n + 1] = t0;
-            tiles[3 * n + 2] = left < tokens ? left : tokens;
-        }
-    return n;
-}
-
 // loom_llama_forward_q8 once its tiles are made.
-static int run_step(const Step *sp, int64_t rope_rows, const LoomEmbedQ8 *embed,
+static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
                     const float *final_norm, const LoomHeadQ8 *head)
 {
-    const Step s = *sp;
     const int64_t M = s.M, H = s.H, I = s.I;
     const int nt = s.nt, kernel = s.kernel;
     int rc;
@@ -427,19 +411,21 @@ int loom_llama_forward_q8(
     float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
     const LoomHeadQ8 *head, int nt, int kv_type, int kernel)
 {
-    if (query_start_loc[0] != 0 || query_start_loc[num_reqs] != M || tile_tokens < 1) return -7;
-    for (int64_t r = 0; r < num_reqs; r++)
-        if (query_start_loc[r + 1] < query_start_loc[r]) return -7;
+    if (query_start_loc[num_reqs] != M) return -7;
     int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
     if (!tiles) return -2;
-    const int64_t num_tiles = make_tiles(query_start_loc, num_reqs, tile_tokens, tiles);
+    const int64_t num_tiles = loom_attention_tiles(query_start_loc, num_reqs, tile_tokens, tiles);
+    if (num_tiles < 0) {
+        free(tiles);
+        return -7;
+    }
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
         nt, kv_type, kernel,
     };
-    const int rc = run_step(&s, rope_rows, embed, final_norm, head);
+    const int rc = run_step(s, rope_rows, embed, final_norm, head);
     free(tiles);
     return rc;
 }

@@ -453,29 +453,18 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 // One group of 32 fp32 values onto the grid above: min = least value, scale = (greatest -
 // least) / 255, q = round((w - min) / scale) (half to even, as torch.round) clamped to 0..255;
 // q = 0 for a constant group. Exact IEEE steps (this file is built without fast math), so the
-// same bits as loom.quant.int8.quantize_groups (tested). Also the int8 KV cache's writer
+// same values as loom.quant.int8.quantize_groups (tested). Also the int8 KV cache's writer
 // (layer_ops.c).
-#ifdef __AVX512F__
-// The first of the 32 values (a: 0..15, b: 16..31) equal to v, as a scan keeping the first of
-// equal values finds it: +0 and -0 compare equal, and the scan keeps the sign it met first.
-static inline float first_equal(const float *src, __m512 a, __m512 b, float v)
-{
-    const __m512 t = _mm512_set1_ps(v);
-    const uint32_t hit = (uint32_t)_mm512_cmp_ps_mask(a, t, _CMP_EQ_OQ) |
-                         (uint32_t)_mm512_cmp_ps_mask(b, t, _CMP_EQ_OQ) << 16;
-    return hit ? src[__builtin_ctz(hit)] : v;
-}
-#endif
-
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min)
 {
 #ifdef __AVX512F__
-    // the scalar steps below 16 lanes at a time (IEEE division and rounding, the scan's zero
-    // signs: the same bits; ~10x fewer cycles, where the scalar loop was ~3% of a prompt's step
-    // with the int8 KV cache)
+    // the scalar steps below 16 lanes at a time: IEEE division and rounding, the same values
+    // (a least or greatest value of zero may keep the other zero's sign, which no q, scale or
+    // dequantized value sees); ~10x fewer cycles, where the scalar loop was ~3% of a prompt's
+    // step with the int8 KV cache
     const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-    const float lo = first_equal(src, a, b, _mm512_reduce_min_ps(_mm512_min_ps(a, b)));
-    const float hi = first_equal(src, a, b, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+    const float lo = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
+    const float hi = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
     const float s = (hi - lo) / 255.0f;
     const __m512 safe = _mm512_set1_ps(s > 0.0f ? s : 1.0f), vlo = _mm512_set1_ps(lo);
     const __m512 top = _mm512_set1_ps(255.0f), zero = _mm512_setzero_ps();

@@ -261,6 +261,28 @@ static int64_t tile_parts(int64_t num_tiles, int64_t kv_heads, int threads)
     return num_tiles < 2 * threads ? kv_heads : 1;
 }
 
+// Each request's query tokens (query_start_loc [num_reqs + 1]) cut into runs of at most `tokens`:
+// rows (request, first token, number of tokens) into tiles, which has room for one a token
+// (query_start_loc[num_reqs] rows). Returns the number of tiles, or -1 for a query_start_loc
+// that does not start at 0 and grow, or tokens < 1. The one rule for both callers: the stack's
+// (decoder_q8.c) and the per-module path's (cpu_kernel.build_tiles).
+int64_t loom_attention_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
+                             int64_t *tiles)
+{
+    if (query_start_loc[0] != 0 || tokens < 1) return -1;
+    for (int64_t r = 0; r < num_reqs; r++)
+        if (query_start_loc[r + 1] < query_start_loc[r]) return -1;
+    int64_t n = 0;
+    for (int64_t r = 0; r < num_reqs; r++)
+        for (int64_t t0 = query_start_loc[r]; t0 < query_start_loc[r + 1]; t0 += tokens, n++) {
+            const int64_t left = query_start_loc[r + 1] - t0;
+            tiles[3 * n] = r;
+            tiles[3 * n + 1] = t0;
+            tiles[3 * n + 2] = left < tokens ? left : tokens;
+        }
+    return n;
+}
+
 // 0 if the kernel can take these tiles and shapes; -1 if a tile's scratch (2 x rows x head_dim
 // floats, on the stack) is too big, or the heads or the int8 cache's head size do not fit.
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
