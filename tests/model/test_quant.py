@@ -218,9 +218,10 @@ def test_unknown_quantization_is_rejected() -> None:
 def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     """int8 on the CPU runs every layer in one C call: the same bits as module by module, for
     the prefill and three decode steps. Decode of up to 8 streams runs the stack in one OpenMP
-    region (shared work counters, its own barriers), 9 op by op. With the AMX kernel both ways
-    run it for the prefill (and the 9-stream decode), the AVX kernel for the 3-stream decode; the
-    same with the bf16 kernel. The VNNI decode kernel runs the 1- and 3-stream decodes (in the
+    region (shared work counters, its own barriers), 9 op by op, except with the bf16 kernel,
+    whose prefill and 9-stream decode also run in one region (its team form; the norms, rope
+    and silu split by rows). With the AMX kernel both ways run it for the prefill (and the
+    9-stream decode), the AVX kernel for the 3-stream decode; the same with the bf16 kernel. The VNNI decode kernel runs the 1- and 3-stream decodes (in the
     region: each thread quantizes x itself), the AVX kernel the prefill and the 9-stream one."""
     require_cpu_kernels()
     {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(

@@ -81,6 +81,14 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
                               const float *bias, int64_t N, float *y, int64_t ldy, int bits,
                               int64_t *next, int team);
 int loom_linear_q8_vnni_reserve(int64_t K);
+int loom_bf16_available(void);
+int loom_linear_q8_bf16_reserve(int64_t K_max);
+void loom_bf16_rows_team(const float *x, int64_t M, int64_t K, int64_t ldx, uint16_t *xb,
+                         int tid, int team);
+void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *w,
+                              const float *scales, const float *mins, const float *bias,
+                              int64_t N, float *y, int64_t ldy, int bits, int64_t *next,
+                              int team);
 int64_t loom_attention_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
                              int64_t *tiles);
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
@@ -164,13 +172,13 @@ typedef struct {
     float eps, scale;
     const float *rope_table;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
+    uint16_t *buf_xb;  // a team's x rows in bf16 for the bf16 kernel (past 8 rows), shared
     const int64_t *positions, *slots, *block_tables, *tiles;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
 } Step;
 
-// A thread of the one region a step runs in at few rows (NULL: op by op, each op its own
-// region). `next` walks the step's work counters, one an op, the same way in every thread.
+// A thread of the one region a step runs in (NULL: op by op, each op its own region). `next` walks the step's work counters, one an op, the same way in every thread.
 typedef struct {
     int tid, team;
     Barrier *bar;
@@ -183,11 +191,19 @@ static void sync_team(Team *t)
     if (t) barrier_wait(t->bar, t->team);
 }
 
-// A small elementwise op runs on thread 0 of a team (at these few rows the per-op path runs it
-// serially too), on nt threads op by op.
-static int small_op_threads(const Step *s, const Team *t)
+// The rows [*r0, *r1) of a small elementwise op (the norms, rope, silu) this thread runs, and
+// on how many threads (0: none here). Op by op: all rows on nt threads. In a team: at few rows
+// all on thread 0 (the per-op path runs them serially too), past that each thread its share.
+#define SPLIT_ROWS 16
+static int small_op_rows(const Step *s, const Team *t, int64_t *r0, int64_t *r1)
 {
-    return t ? (t->tid == 0 ? 1 : 0) : s->nt;
+    *r0 = 0;
+    *r1 = s->M;
+    if (!t) return s->nt;
+    if (s->M < SPLIT_ROWS) return t->tid == 0;
+    *r0 = s->M * t->tid / t->team;
+    *r1 = s->M * (t->tid + 1) / t->team;
+    return *r1 > *r0;
 }
 
 // y = x W^T (+ bias) for one of a layer's linears.
@@ -205,10 +221,15 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomL
                              : loom_linear_q8_f32)(x, s->M, K, K, W->w, W->s, W->m, bias, N, y,
                                                    N, bits, s->nt);
     }
-    if (vnni)
+    if (vnni) {
         loom_linear_q8_vnni_team(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, N, bits,
                                  t->next++, t->team);
-    else
+    } else if (s->M > loom_linear_q8_direct_rows) {  // the bf16 kernel (run_step's condition)
+        loom_bf16_rows_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
+        sync_team(t);
+        loom_linear_q8_bf16_team(s->buf_xb, s->M, K, W->w, W->s, W->m, bias, N, y, N, bits,
+                                 t->next++, t->team);
+    } else
         loom_linear_q8_team(x, s->M, K, K, W->w, W->s, W->m, bias, N, y, N, bits, t->next++,
                             t->team);
     sync_team(t);
@@ -235,31 +256,36 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
 // the region), so every thread meets every barrier.
 static int run_layers(const Step *s, Team *t)
 {
-    const int64_t M = s->M, H = s->H, I = s->I;
-    int rc, nt;
+    const int64_t H = s->H, I = s->I;
+    int64_t r0, r1;  // the rows of a small op here
+    const int nt = small_op_rows(s, t, &r0, &r1);
+    const int64_t n = r1 - r0;
+    int rc;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const LoomLayerQ8 *L = &s->layers[l];
         if (l > 0) {  // hidden += the last MLP's output; buf_h = norm(hidden)
-            if ((nt = small_op_threads(s, t)))
-                loom_add_rms_norm_f32(s->buf_h, s->hidden, L->in_norm, M, H, s->eps, nt);
+            if (nt)
+                loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->in_norm, n, H,
+                                      s->eps, nt);
             sync_team(t);
         }
         if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
             return rc;
-        if ((nt = small_op_threads(s, t)))
-            loom_rope_write_kv_f32(s->buf_qkv, s->qkv_n, M, s->num_heads, s->kv_heads, s->D,
-                                   s->rope_table, s->positions, s->slots, L->k_cache, L->v_cache,
-                                   nt, s->kv_type);
+        if (nt)
+            loom_rope_write_kv_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, s->num_heads,
+                                   s->kv_heads, s->D, s->rope_table, s->positions + r0,
+                                   s->slots + r0, L->k_cache, L->v_cache, nt, s->kv_type);
         sync_team(t);
         if ((rc = attention(s, t, L))) return rc;
         if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h)))
             return rc;
-        if ((nt = small_op_threads(s, t)))
-            loom_add_rms_norm_f32(s->buf_h, s->hidden, L->post_norm, M, H, s->eps, nt);
+        if (nt)
+            loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->post_norm, n, H,
+                                  s->eps, nt);
         sync_team(t);
         if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu)))
             return rc;
-        if ((nt = small_op_threads(s, t))) loom_silu_mul_f32(s->buf_gu, s->buf_act, M, I, nt);
+        if (nt) loom_silu_mul_f32(s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, n, I, nt);
         sync_team(t);
         if ((rc = linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h)))
             return rc;
@@ -303,12 +329,15 @@ static Step head_step(const Step *s, const LoomHeadQ8 *head)
 // the head over the rows it wants; in a team each op's part, as run_layers.
 static int finish(const Step *s, Team *t, const float *final_norm, const LoomHeadQ8 *head)
 {
-    const int nt = small_op_threads(s, t);
+    int64_t r0, r1;
+    const int nt = small_op_rows(s, t, &r0, &r1);
     if (nt) {
-        loom_add_rms_norm_f32(s->buf_h, s->hidden, final_norm, s->M, s->H, s->eps, nt);
-        for (int64_t r = 0; head && r < head->num_rows; r++)
-            memcpy(head->x + r * s->H, s->buf_h + head->rows[r] * s->H,
-                   (size_t)s->H * sizeof(float));
+        loom_add_rms_norm_f32(s->buf_h + r0 * s->H, s->hidden + r0 * s->H, final_norm, r1 - r0,
+                              s->H, s->eps, nt);
+        for (int64_t r = 0; head && r < head->num_rows; r++)  // the head's rows normed here
+            if (head->rows[r] >= r0 && head->rows[r] < r1)
+                memcpy(head->x + r * s->H, s->buf_h + head->rows[r] * s->H,
+                       (size_t)s->H * sizeof(float));
     }
     sync_team(t);
     if (!head || head->num_rows == 0) return 0;
@@ -357,33 +386,48 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
     if (embed) embed_rows(embed, M, H, s.hidden);
     memcpy(s.buf_h, s.hidden, (size_t)(M * H) * sizeof(float));
     loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
-    if (M <= loom_linear_q8_direct_rows && nt > 1) {
+    const int few = loom_linear_q8_direct_rows;
+    const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
+    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too
+    const int many = M > few && bf16 && (!head || head->num_rows <= few || (head->kernel & 3) == 2);
+    if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)s.num_layers * 5 + 1, sizeof(int64_t));  // one an op
-        if (!next) return -2;
-        Barrier bar = {0, 0, 0};
-        int no_vnni = 0;
-        const int vnni = (kernel & 4) || (head && (head->kernel & 4));
         const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
+        Step shared = s;
+        if (many) shared.buf_xb = aligned_alloc(64, (size_t)(M * k_max) * sizeof(uint16_t));
+        if (!next || (many && !shared.buf_xb)) {
+            free(next);
+            free(shared.buf_xb);
+            return -2;
+        }
+        Barrier bar = {0, 0, 0};
+        int no_vnni = 0, no_bf16 = 0;
+        const int vnni = (kernel & 4) || (head && (head->kernel & 4));
 #pragma omp parallel num_threads(nt)
         {
             Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
             if (vnni && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
                 __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
-            Step own = s;
+            if (many && loom_linear_q8_bf16_reserve(k_max))  // each thread's block buffer
+                __atomic_store_n(&no_bf16, 1, __ATOMIC_RELAXED);
+            Step own = shared;
             LoomHeadQ8 own_head = head ? *head : (LoomHeadQ8){0};
-            if (vnni) {  // all threads or none: if any lacks its buffer, the AVX kernel
+            if (vnni || many) {  // all threads or none
                 barrier_wait(&bar, t.team);
-                if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {
+                if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {  // the AVX kernel
                     own.kernel &= 3;
                     own_head.kernel &= 3;
                 }
             }
-            run_layers(&own, &t);
-            finish(&own, &t, final_norm, head ? &own_head : NULL);
+            if (!__atomic_load_n(&no_bf16, __ATOMIC_RELAXED)) {
+                run_layers(&own, &t);
+                finish(&own, &t, final_norm, head ? &own_head : NULL);
+            }
         }
         free(next);
-        return 0;
+        free(shared.buf_xb);
+        return no_bf16 ? -2 : 0;
     }
     if ((rc = run_layers(&s, NULL))) return rc;
     return finish(&s, NULL, final_norm, head);
@@ -397,11 +441,14 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
 // most tile_tokens of one request's tokens. Returns 0; -7 for tokens that do not add up to M,
 // check_inputs' errors (nothing written either way); or the first kernel's error.
 //
-// Few rows (decode of up to loom_linear_q8_direct_rows streams) run the whole stack, and the
-// head, in one OpenMP region instead of one per op: the linears and the attention share their
-// work out from counters (loom_linear_q8_team, loom_paged_attention_team), the small
-// elementwise ops run on thread 0, and a barrier separates dependent ops. The same kernels on
-// the same values in the same order: the same bits either way.
+// The whole stack, and the head, runs in one OpenMP region instead of one per op: the linears
+// and the attention share their work out from counters (loom_linear_q8_team or
+// loom_linear_q8_vnni_team up to loom_linear_q8_direct_rows rows, loom_linear_q8_bf16_team past
+// that, loom_paged_attention_team), the small elementwise ops run on thread 0 at few rows and
+// on each thread's share of the rows past SPLIT_ROWS, and a barrier separates dependent ops.
+// Past the few rows only the bf16 batch kernel has a team form: with the AVX or AMX batch
+// kernel such steps (prompts, many streams) run op by op. The same kernels on the same values
+// in the same order: the same bits either way.
 int loom_llama_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
@@ -422,7 +469,7 @@ int loom_llama_forward_q8(
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
-        hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, positions, slots, block_tables, tiles,
+        hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables, tiles,
         nt, kv_type, kernel,
     };
     const int rc = run_step(s, rope_rows, embed, final_norm, head);

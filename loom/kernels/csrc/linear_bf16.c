@@ -120,6 +120,68 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x0, const
 
 #endif
 
+#ifdef HAVE_BF16
+// Rows m0 .. m1 - 1 of x (bf16, K a row) past weight rows n0 .. n0 + nb - 1, converted to bf16
+// in wbuf first: y rows m0 .. m1 - 1, columns n0 .. n0 + nb - 1.
+static void block_pass(const uint16_t *xb, int64_t m0, int64_t m1, int64_t K, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int64_t n0, int64_t nb_rows,
+                       uint16_t *wbuf)
+{
+    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    const int64_t nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+    for (int64_t r = 0; r < nb; r++)
+        for (int64_t g = 0; g < groups; g++)
+            group_bf16(w + (n0 + r) * row_bytes, bits, g, scales[(n0 + r) * groups + g],
+                       mins[(n0 + r) * groups + g], wbuf + r * K + g * GROUP);
+    const int64_t nbp = (nb + 3) / 4 * 4;
+    for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0;
+    for (int64_t m = m0; m < m1; m += 4) {
+        const int64_t mr = m1 - m < 4 ? m1 - m : 4;
+        for (int64_t r = 0; r < nbp; r += 4) {
+            float t[16];
+            const uint16_t *xr = xb + m * K, *wr = wbuf + r * K;
+            switch (mr) {
+            case 4: tile(xr, 4, K, wr, t); break;
+            case 3: tile(xr, 3, K, wr, t); break;
+            case 2: tile(xr, 2, K, wr, t); break;
+            default: tile(xr, 1, K, wr, t); break;
+            }
+            const int64_t cols = nb - r < 4 ? nb - r : 4;
+            for (int64_t i = 0; i < mr; i++)
+                for (int64_t j = 0; j < cols; j++)
+                    y[(m + i) * ldy + n0 + r + j] = t[4 * i + j] + (bias ? bias[n0 + r + j] : 0.0f);
+        }
+    }
+}
+
+// x rows m0 .. m1 - 1 (ldx floats apart) into xb as bf16, K a row, rounded to nearest even.
+static void rows_bf16(const float *x, int64_t m0, int64_t m1, int64_t K, int64_t ldx,
+                      uint16_t *xb)
+{
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < K; k += 32)
+            _mm512_storeu_si512(xb + m * K + k,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16),
+                                                             _mm512_loadu_ps(x + m * ldx + k)));
+}
+#endif
+
+// The blocking of a call: weight rows a block (*nb_rows) and blocks (returned) for `threads`
+// threads, x rows a pass over them (*m_chunk).
+static int64_t blocking(int64_t N, int64_t K, int threads, int64_t *nb_rows, int64_t *m_chunk)
+{
+    *m_chunk = (X_BYTES / 2) / K & ~(int64_t)3;
+    *m_chunk = *m_chunk < 16 ? 16 : *m_chunk;
+    return loom_weight_blocks(N, BLOCK_BYTES / 2 / K, 4, threads, nb_rows);
+}
+
+// A block's bf16 buffer for rows of up to K (blocking's *nb_rows, padded to 4): bytes.
+static size_t block_buffer_bytes(int64_t K)
+{
+    return (size_t)(BLOCK_BYTES / 2 / K + 3 + 4) * K * sizeof(uint16_t);
+}
+
 int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         const float *scales, const float *mins, const float *bias, int64_t N,
                         float *y, int64_t ldy, int bits, int num_threads)
@@ -129,23 +191,16 @@ int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const
         return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
                                   num_threads);
 #ifdef HAVE_BF16
-    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
-    int64_t nb_rows;
-    const int64_t num_blocks = loom_weight_blocks(N, BLOCK_BYTES / 2 / K, 4, num_threads, &nb_rows);
-    int64_t m_chunk = (X_BYTES / 2) / K & ~(int64_t)3;
-    m_chunk = m_chunk < 16 ? 16 : m_chunk;
+    int64_t nb_rows, m_chunk;
+    const int64_t num_blocks = blocking(N, K, num_threads, &nb_rows, &m_chunk);
     uint16_t *xb = loom_scratch(0, (size_t)M * K * sizeof(uint16_t));
     if (!xb) return -2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k += 32)
-                _mm512_storeu_si512(xb + m * K + k,
-                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16),
-                                                                 _mm512_loadu_ps(x + m * ldx + k)));
-        uint16_t *wbuf = loom_scratch(1, (size_t)(nb_rows + 4) * K * sizeof(uint16_t));
+        for (int64_t m = 0; m < M; m++) rows_bf16(x, m, m + 1, K, ldx, xb);
+        uint16_t *wbuf = loom_scratch(1, block_buffer_bytes(K));
         if (!wbuf) {
 #pragma omp atomic write
             failed = 1;
@@ -153,38 +208,65 @@ int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < num_blocks; b++) {
-                if (!wbuf) continue;
-                const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-                for (int64_t r = 0; r < nb; r++)
-                    for (int64_t g = 0; g < groups; g++)
-                        group_bf16(w + (n0 + r) * row_bytes, bits, g, scales[(n0 + r) * groups + g],
-                                   mins[(n0 + r) * groups + g], wbuf + r * K + g * GROUP);
-                const int64_t nbp = (nb + 3) / 4 * 4;
-                for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0;
-                for (int64_t m = m0; m < m1; m += 4) {
-                    const int64_t mr = m1 - m < 4 ? m1 - m : 4;
-                    for (int64_t r = 0; r < nbp; r += 4) {
-                        float t[16];
-                        const uint16_t *xr = xb + m * K, *wr = wbuf + r * K;
-                        switch (mr) {
-                        case 4: tile(xr, 4, K, wr, t); break;
-                        case 3: tile(xr, 3, K, wr, t); break;
-                        case 2: tile(xr, 2, K, wr, t); break;
-                        default: tile(xr, 1, K, wr, t); break;
-                        }
-                        const int64_t cols = nb - r < 4 ? nb - r : 4;
-                        for (int64_t i = 0; i < mr; i++)
-                            for (int64_t j = 0; j < cols; j++)
-                                y[(m + i) * ldy + n0 + r + j] =
-                                    t[4 * i + j] + (bias ? bias[n0 + r + j] : 0.0f);
-                    }
-                }
-            }
+            for (int64_t b = 0; b < num_blocks; b++)
+                if (wbuf)
+                    block_pass(xb, m0, m1, K, w, scales, mins, bias, N, y, ldy, bits,
+                               b * nb_rows, nb_rows, wbuf);
         }
     }
     return failed ? -2 : 0;
 #else
     return -3;
+#endif
+}
+
+// For loom_linear_q8_bf16_team in a thread of a team: reserves the calling thread's block
+// buffer for rows of up to K_max. 0, -2 if it cannot be allocated, -3 without the kernel.
+int loom_linear_q8_bf16_reserve(int64_t K_max)
+{
+#ifdef HAVE_BF16
+    // at least block_buffer_bytes(K) for every K up to K_max
+    return loom_scratch(1, BLOCK_BYTES + (size_t)K_max * 7 * sizeof(uint16_t)) ? 0 : -2;
+#else
+    (void)K_max;
+    return -3;
+#endif
+}
+
+// Thread `tid` of a team of `team`'s share of x's M rows into xb (bf16, K a row): every thread
+// calls it, then a barrier, before loom_linear_q8_bf16_team reads xb.
+void loom_bf16_rows_team(const float *x, int64_t M, int64_t K, int64_t ldx, uint16_t *xb,
+                         int tid, int team)
+{
+#ifdef HAVE_BF16
+    rows_bf16(x, M * tid / team, M * (tid + 1) / team, K, ldx, xb);
+#else
+    (void)x; (void)M; (void)K; (void)ldx; (void)xb; (void)tid; (void)team;
+#endif
+}
+
+// loom_linear_q8_bf16 past loom_linear_q8_direct_rows rows for a thread of an OpenMP team that
+// is already running (decoder_q8.c), from x already in bf16 (xb, loom_bf16_rows_team): every
+// thread calls it with the same arguments and `next` zeroed, after loom_linear_q8_bf16_reserve
+// succeeded in it, and takes (x chunk, weight block) units one at a time from *next, as the
+// omp loops above do. The caller's barrier ends the op. The same bits as loom_linear_q8_bf16.
+void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *w,
+                              const float *scales, const float *mins, const float *bias,
+                              int64_t N, float *y, int64_t ldy, int bits, int64_t *next,
+                              int team)
+{
+#ifdef HAVE_BF16
+    int64_t nb_rows, m_chunk;
+    const int64_t num_blocks = blocking(N, K, team, &nb_rows, &m_chunk);
+    const int64_t units = (M + m_chunk - 1) / m_chunk * num_blocks;
+    uint16_t *wbuf = loom_scratch(1, block_buffer_bytes(K));  // reserved: no failure
+    for (int64_t u; (u = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < units;) {
+        const int64_t m0 = u / num_blocks * m_chunk, m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
+        block_pass(xb, m0, m1, K, w, scales, mins, bias, N, y, ldy, bits,
+                   u % num_blocks * nb_rows, nb_rows, wbuf);
+    }
+#else  // not reached: reserve fails
+    (void)xb; (void)M; (void)K; (void)w; (void)scales; (void)mins; (void)bias; (void)N;
+    (void)y; (void)ldy; (void)bits; (void)next; (void)team;
 #endif
 }
