@@ -167,6 +167,7 @@ static void rows_bf16(const float *x, int64_t m0, int64_t m1, int64_t K, int64_t
 }
 #endif
 
+#ifdef HAVE_BF16
 // The blocking of a call: weight rows a block (*nb_rows) and blocks (returned) for `threads`
 // threads, x rows a pass over them (*m_chunk).
 static int64_t blocking(int64_t N, int64_t K, int threads, int64_t *nb_rows, int64_t *m_chunk)
@@ -181,6 +182,7 @@ static size_t block_buffer_bytes(int64_t K)
 {
     return (size_t)(BLOCK_BYTES / 2 / K + 3 + 4) * K * sizeof(uint16_t);
 }
+#endif
 
 int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         const float *scales, const float *mins, const float *bias, int64_t N,
