@@ -15,6 +15,19 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels() is not None
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1).indices of x [rows, n] (the first of ties; a row's first NaN if it has one),
+    in one C pass over fp32 rows on the CPU: torch's reduction took ~1.4 ms a step at 32 streams
+    of a 49152-token vocabulary, a few percent of the step. Other tensors: torch."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
+            or x.shape[1] == 0 or cpu_kernels() is None):
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu_kernels().loom_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                   out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> None:

@@ -33,6 +33,24 @@ def test_add_rms_norm(n):
     torch.testing.assert_close(x3, F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 49152), (32, 49152), (3, 7), (5, 16), (4, 33), (2, 1001)])
+def test_argmax_rows_is_torch_max_indices(rows, n):
+    """The sampler's greedy pick: torch's max(dim=-1).indices, ties, infinities, NaN and strided
+    rows included (16 lanes, then a tail, then across lanes)."""
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g)
+    x[0, n // 2] = x[0, n - 1] = x[0].max() + 1  # a tie: the first wins
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, n // 3], x[2, 0] = float("nan"), float("inf")  # NaN beats everything
+    if rows > 3:
+        x[3, n - 1] = float("nan")  # in the tail
+    assert torch.equal(cpu_ops.argmax_rows(x), x.max(dim=-1).indices)
+    wide = torch.randn(rows, n + 5, generator=g)[:, :n]  # rows n + 5 floats apart
+    assert torch.equal(cpu_ops.argmax_rows(wide), wide.max(dim=-1).indices)
+
+
 @pytest.mark.parametrize("n", [1, 40])
 def test_silu_mul(n):
     gu = torch.randn(n, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
