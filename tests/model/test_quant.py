@@ -213,7 +213,8 @@ def test_unknown_quantization_is_rejected() -> None:
 
 @pytest.mark.parametrize("streams,kernel", [
     (1, "avx"), (3, "avx"), (4, "avx"), (8, "avx"), (9, "avx"), (3, "amx"), (9, "amx"),
-    (3, "bf16"), (9, "bf16"), (1, "vnni"), (3, "vnni"), (9, "vnni"),
+    (3, "bf16"), (9, "bf16"), (1, "vnni"), (3, "vnni"), (9, "vnni"), (3, "vnni+bf16"),
+    (9, "vnni+bf16"),
 ])
 def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     """int8 on the CPU runs every layer in one C call: the same bits as module by module, for
@@ -222,15 +223,21 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     whose prefill and 9-stream decode also run in one region (its team form; the norms, rope
     and silu split by rows). With the AMX kernel both ways run it for the prefill (and the
     9-stream decode), the AVX kernel for the 3-stream decode; the same with the bf16 kernel. The VNNI decode kernel runs the 1- and 3-stream decodes (in the
-    region: each thread quantizes x itself), the AVX kernel the prefill and the 9-stream one."""
+    region: each thread quantizes x itself), the AVX kernel the prefill and the 9-stream one.
+    Both (the benchmarks' setting): the prompts and the 9-stream decode on the bf16 kernel in
+    one region, the 3-stream decode on VNNI, and a prompt step's head (a row a stream) on VNNI
+    inside the bf16 step's region."""
     require_cpu_kernels()
-    {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(
-        kernel, require_cpu_kernels)()
+    for name in kernel.split("+"):
+        {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(
+            name, require_cpu_kernels)()
     source = resolve_model(None)
     tok = Tokenizer.from_source(source)
     prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " x" * i) for i in range(streams)}
-    kernels = ({"int8_decode_kernel": "vnni"} if kernel == "vnni"
-               else {"int8_batch_kernel": kernel})
+    batch_kernel = kernel.removeprefix("vnni").removeprefix("+") or "avx"
+    kernels = {"int8_batch_kernel": batch_kernel}
+    if kernel.startswith("vnni"):
+        kernels["int8_decode_kernel"] = "vnni"
     loaded = load_model(source, "float32", quantization="int8", **kernels)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the one-region path needs a team, even on one core
@@ -250,7 +257,7 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     assert isinstance(runs[None][1], Q8Decoder) and runs[False][1] is False
     # the head in the stack's call (forward_logits): the head module's bits
     assert all(torch.equal(fused, module) for fused, module in runs[None][2])
-    assert runs[None][1].code == (4 if kernel == "vnni" else 0) | BATCH_CODES.get(kernel, 0)
+    assert runs[None][1].code == (4 if kernel.startswith("vnni") else 0) | BATCH_CODES[batch_kernel]
     for a, b in zip(runs[None][0], runs[False][0]):
         for k in prompts:
             assert torch.equal(a[k], b[k])
