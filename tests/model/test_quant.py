@@ -222,11 +222,11 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     region (shared work counters, its own barriers), 9 op by op, except with the bf16 kernel,
     whose prefill and 9-stream decode also run in one region (its team form; the norms, rope
     and silu split by rows). With the AMX kernel both ways run it for the prefill (and the
-    9-stream decode), the AVX kernel for the 3-stream decode; the same with the bf16 kernel. The VNNI decode kernel runs the 1- and 3-stream decodes (in the
-    region: each thread quantizes x itself), the AVX kernel the prefill and the 9-stream one.
-    Both (the benchmarks' setting): the prompts and the 9-stream decode on the bf16 kernel in
-    one region, the 3-stream decode on VNNI, and a prompt step's head (a row a stream) on VNNI
-    inside the bf16 step's region."""
+    9-stream decode), the AVX kernel for the 3-stream decode; the same with the bf16 kernel. The
+    VNNI decode kernel runs the 1- and 3-stream decodes (in the region: each thread quantizes x
+    itself), the AVX kernel the prefill and the 9-stream one. Both (the benchmarks' setting):
+    the prompts and the 9-stream decode on the bf16 kernel in one region, the 3-stream decode on
+    VNNI, and a prompt step's head (a row a stream) on VNNI inside the bf16 step's region."""
     require_cpu_kernels()
     for name in kernel.split("+"):
         {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(

@@ -178,7 +178,8 @@ typedef struct {
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
 } Step;
 
-// A thread of the one region a step runs in (NULL: op by op, each op its own region). `next` walks the step's work counters, one an op, the same way in every thread.
+// A thread of the one region a step runs in (NULL: op by op, each op its own region). `next`
+// walks the step's work counters, one an op, the same way in every thread.
 typedef struct {
     int tid, team;
     Barrier *bar;
@@ -389,7 +390,8 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
     const int few = loom_linear_q8_direct_rows;
     const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
     // past `few` rows a team runs only the bf16 kernel: every linear, the head's too
-    const int many = M > few && bf16 && (!head || head->num_rows <= few || (head->kernel & 3) == 2);
+    const int many =
+        M > few && bf16 && (!head || head->num_rows <= few || (head->kernel & 3) == 2);
     if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)s.num_layers * 5 + 1, sizeof(int64_t));  // one an op
@@ -469,7 +471,8 @@ int loom_llama_forward_q8(
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
-        hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables, tiles,
+        hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables,
+        tiles,
         nt, kv_type, kernel,
     };
     const int rc = run_step(s, rope_rows, embed, final_norm, head);

@@ -118,9 +118,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x0, const
     _mm512_storeu_ps(out, sum16(a));
 }
 
-#endif
 
-#ifdef HAVE_BF16
 // Rows m0 .. m1 - 1 of x (bf16, K a row) past weight rows n0 .. n0 + nb - 1, converted to bf16
 // in wbuf first: y rows m0 .. m1 - 1, columns n0 .. n0 + nb - 1.
 static void block_pass(const uint16_t *xb, int64_t m0, int64_t m1, int64_t K, const uint8_t *w,
@@ -150,7 +148,8 @@ static void block_pass(const uint16_t *xb, int64_t m0, int64_t m1, int64_t K, co
             const int64_t cols = nb - r < 4 ? nb - r : 4;
             for (int64_t i = 0; i < mr; i++)
                 for (int64_t j = 0; j < cols; j++)
-                    y[(m + i) * ldy + n0 + r + j] = t[4 * i + j] + (bias ? bias[n0 + r + j] : 0.0f);
+                    y[(m + i) * ldy + n0 + r + j] =
+                        t[4 * i + j] + (bias ? bias[n0 + r + j] : 0.0f);
         }
     }
 }
@@ -165,9 +164,7 @@ static void rows_bf16(const float *x, int64_t m0, int64_t m1, int64_t K, int64_t
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16),
                                                              _mm512_loadu_ps(x + m * ldx + k)));
 }
-#endif
 
-#ifdef HAVE_BF16
 // The blocking of a call: weight rows a block (*nb_rows) and blocks (returned) for `threads`
 // threads, x rows a pass over them (*m_chunk).
 static int64_t blocking(int64_t N, int64_t K, int threads, int64_t *nb_rows, int64_t *m_chunk)
