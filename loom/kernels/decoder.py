@@ -100,11 +100,14 @@ class Q8Decoder:
         self.scale = attn0.attn.scale
         self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
         embed = model.embed_tokens
-        self.embed: EmbedQ8 | None = None  # an int8-grid table is looked up in the call
         # an empty tensor of the activations' dtype and device (the embeddings')
-        self.activation = torch.empty(0) if isinstance(embed, Int8Embedding) else embed.weight[:0]
-        if isinstance(embed, Int8Embedding):
+        self.activation: torch.Tensor
+        self.embed: EmbedQ8 | None
+        if isinstance(embed, Int8Embedding):  # an int8-grid table is looked up in the call
             self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings)
+            self.activation = torch.empty(0)
+        else:
+            self.embed, self.activation = None, embed.weight[:0]
         self.layers: ctypes.Array | None = None
         self.cache: torch.Tensor | None = None  # the cache the layers point into
         self.ok = False  # whether the kernels take that cache

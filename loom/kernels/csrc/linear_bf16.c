@@ -15,6 +15,7 @@
 
 #pragma GCC optimize("no-fast-math")
 
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -181,44 +182,6 @@ static size_t block_buffer_bytes(int64_t K)
 }
 #endif
 
-int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                        const float *scales, const float *mins, const float *bias, int64_t N,
-                        float *y, int64_t ldy, int bits, int num_threads)
-{
-    if (loom_linear_q8_check(K, bits)) return -1;
-    if (M <= loom_linear_q8_direct_rows)
-        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
-                                  num_threads);
-#ifdef HAVE_BF16
-    int64_t nb_rows, m_chunk;
-    const int64_t num_blocks = blocking(N, K, num_threads, &nb_rows, &m_chunk);
-    uint16_t *xb = loom_scratch(0, (size_t)M * K * sizeof(uint16_t));
-    if (!xb) return -2;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) rows_bf16(x, m, m + 1, K, ldx, xb);
-        uint16_t *wbuf = loom_scratch(1, block_buffer_bytes(K));
-        if (!wbuf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
-            const int64_t m1 = M - m0 < m_chunk ? M : m0 + m_chunk;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < num_blocks; b++)
-                if (wbuf)
-                    block_pass(xb, m0, m1, K, w, scales, mins, bias, N, y, ldy, bits,
-                               b * nb_rows, nb_rows, wbuf);
-        }
-    }
-    return failed ? -2 : 0;
-#else
-    return -3;
-#endif
-}
-
 // For loom_linear_q8_bf16_team in a thread of a team: reserves the calling thread's block
 // buffer for rows of up to K_max. 0, -2 if it cannot be allocated, -3 without the kernel.
 int loom_linear_q8_bf16_reserve(int64_t K_max)
@@ -247,8 +210,8 @@ void loom_bf16_rows_team(const float *x, int64_t M, int64_t K, int64_t ldx, uint
 // loom_linear_q8_bf16 past loom_linear_q8_direct_rows rows for a thread of an OpenMP team that
 // is already running (decoder_q8.c), from x already in bf16 (xb, loom_bf16_rows_team): every
 // thread calls it with the same arguments and `next` zeroed, after loom_linear_q8_bf16_reserve
-// succeeded in it, and takes (x chunk, weight block) units one at a time from *next, as the
-// omp loops above do. The caller's barrier ends the op. The same bits as loom_linear_q8_bf16.
+// succeeded in it, and takes (x chunk, weight block) units one at a time from *next. The
+// caller's barrier ends the op. loom_linear_q8_bf16 (below) is this in a region of its own.
 void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *w,
                               const float *scales, const float *mins, const float *bias,
                               int64_t N, float *y, int64_t ldy, int bits, int64_t *next,
@@ -267,5 +230,45 @@ void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const ui
 #else  // not reached: reserve fails
     (void)xb; (void)M; (void)K; (void)w; (void)scales; (void)mins; (void)bias; (void)N;
     (void)y; (void)ldy; (void)bits; (void)next; (void)team;
+#endif
+}
+
+// As loom_linear_q8_f32 (same arguments), which it runs itself for up to
+// loom_linear_q8_direct_rows rows. Returns 0; -1 on bad K or bits; -2 when a buffer cannot be
+// allocated; -3 where this build has no bf16 kernel (loom_bf16_available).
+int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const float *scales, const float *mins, const float *bias, int64_t N,
+                        float *y, int64_t ldy, int bits, int num_threads)
+{
+    if (loom_linear_q8_check(K, bits)) return -1;
+    if (M <= loom_linear_q8_direct_rows)
+        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                  num_threads);
+#ifdef HAVE_BF16
+    // the team form above in a region of its own: x converted a share a thread, then (x rows,
+    // weight block) units from one counter
+    uint16_t *xb = loom_scratch(0, (size_t)M * K * sizeof(uint16_t));
+    if (!xb) return -2;
+    int64_t next = 0;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int team = omp_get_num_threads();
+        loom_bf16_rows_team(x, M, K, ldx, xb, omp_get_thread_num(), team);
+        if (loom_linear_q8_bf16_reserve(K)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int skip;
+#pragma omp atomic read
+        skip = failed;
+        if (!skip)
+            loom_linear_q8_bf16_team(xb, M, K, w, scales, mins, bias, N, y, ldy, bits, &next,
+                                     team);
+    }
+    return failed ? -2 : 0;
+#else
+    return -3;
 #endif
 }
