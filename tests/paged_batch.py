@@ -38,9 +38,9 @@ class PagedBatch:
             self.blocks[rid].append(self.next_block)
             self.next_block += 1
 
-    @torch.inference_mode()
-    def step(self, work: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """work: rid -> new token ids to compute. Returns rid -> logits [len(new), vocab]."""
+    def _inputs(self, work: dict[str, list[int]]):
+        """Blocks for `work`, then (rids, attention metadata, positions, ids, each request's end
+        row + 1) for the step."""
         rids = list(work)
         for rid in rids:
             if rid not in self.blocks:
@@ -52,11 +52,33 @@ class PagedBatch:
         )
         ids = torch.tensor([t for r in rids for t in work[r]], device=self.device)
         ends = np.cumsum([len(work[r]) for r in rids])
+        for rid in rids:
+            self.computed[rid] += len(work[rid])
+        return rids, md, torch.from_numpy(positions).to(self.device), ids, ends
+
+    @torch.inference_mode()
+    def step(self, work: dict[str, list[int]], sample: list[str] | None = None
+             ) -> dict[str, torch.Tensor]:
+        """work: rid -> new token ids to compute. Returns rid -> logits [len(new), vocab].
+
+        With `sample` (the rids whose last row samples), the model runner's call instead: the
+        last layer's MLP runs on those rows alone; returns rid -> that row's logits [1, vocab]
+        and sets `last` to (forward_logits' logits, the head module's of the hidden rows)."""
+        rids, md, positions, ids, ends = self._inputs(work)
+        if sample is not None:
+            rows = np.array([ends[i] - 1 for i, r in enumerate(rids) if r in sample],
+                            dtype=np.int64)
+            with set_forward_context(md):
+                hidden, last = self.model.forward_logits(ids, positions, rows, only_rows=True)
+                assert hidden.shape[0] == len(rows)
+                self.last = (None if last is None else last.clone(),
+                             self.model.compute_logits(hidden).clone())
+            got = self.last[0] if self.last[0] is not None else self.last[1]
+            return {r: got[j : j + 1] for j, r in enumerate(r for r in rids if r in sample)}
         with set_forward_context(md):
             # each request's last row's logits as the runner asks for them (the int8 C stack
             # runs the head in its call), and as the head module computes them
-            hidden, last = self.model.forward_logits(
-                ids, torch.from_numpy(positions).to(self.device), ends - 1)
+            hidden, last = self.model.forward_logits(ids, positions, ends - 1)
             # copies: an int8 head writes its logits into one buffer it reuses (Int8Linear)
             last = last.clone()
             self.last = (last, self.model.compute_logits(hidden[ends - 1]).clone())
@@ -66,7 +88,6 @@ class PagedBatch:
             n = len(work[rid])
             out[rid] = logits[start : start + n]
             start += n
-            self.computed[rid] += n
         return out
 
 

@@ -106,6 +106,15 @@ class FreeKVCacheBlockQueue:
         nxt.prev_free_block = block
         self.num_free_blocks += 1
 
+    def peek(self, n: int) -> list[KVCacheBlock]:
+        """The first `n` queued blocks (fewer if fewer are queued): the next handed out."""
+        out = []
+        block = self._head.next_free_block
+        while len(out) < n and block is not None and block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All queued blocks, head (next reused) first. O(n): for tests and integrity checks."""
         out = []

@@ -4,7 +4,8 @@ Threads (the only two that touch engine state):
 - the event loop thread calls `add_request` / `abort` / `abort_all`; each becomes a command on a
   thread-safe queue and never touches the LLMEngine itself;
 - the engine thread owns the LLMEngine: it drains commands, runs `step()` while any request is
-  unfinished, and blocks on the command queue (no polling) when there is nothing to do.
+  unfinished, and when there is nothing to do faults in the KV-cache pages the next requests
+  will write (until a command arrives), then blocks on the command queue (no polling).
 Outputs go back to one asyncio queue per request through `loop.call_soon_threadsafe`, one
 callback per step. `docs/serving.md` explains why this is a thread and not a process.
 
@@ -226,7 +227,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                commands = self._next_commands(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                if idle:
+                    self._prefault_while_idle()
+                commands = self._next_commands(block=idle)
                 if any(isinstance(c, _Stop) for c in commands):
                     self._fail_all(EngineShutdownError("the server is shutting down"))
                     return
@@ -241,6 +245,12 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
         finally:
             self._drain_after_exit()
+
+    def _prefault_while_idle(self) -> None:
+        """Fault in the KV-cache pages the next requests will write, a few blocks at a time
+        (~0.1 ms each), until a command arrives or they are all in."""
+        while self._commands.empty() and self.engine.prefault_kv_cache(2):
+            pass
 
     def _next_commands(self, block: bool) -> list[_Command]:
         """All queued commands; with block=True wait (sleeping) for at least one."""

@@ -28,7 +28,9 @@ from loom.structured.backend import CompiledGrammar, GrammarError
 from loom.structured.manager import StructuredOutputManager
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
-from loom.worker.kv_cache import bytes_per_block, determine_num_blocks, kv_cache_dtype
+from loom.worker.kv_cache import (
+    KVPrefaulter, bytes_per_block, determine_num_blocks, kv_cache_dtype,
+)
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,11 @@ class LLMEngine:
         )
         self.structured = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size)
         self.num_blocks = num_blocks
+        self.prefaulter = KVPrefaulter(self.runner.kv_caches)
+        # blocks to keep faulted in ahead of the pool: two steps' worth of fresh prompt tokens,
+        # at most 64 (~15 MB on the default model with the int8 cache)
+        self.prefault_ahead = min(2 * -(-self.scheduler_config.max_num_batched_tokens
+                                        // cache_config.block_size), 64)
         self.load_seconds = loaded.load_seconds
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
@@ -130,6 +137,15 @@ class LLMEngine:
         # way (as vLLM does), so its full collections do not walk them again and again. (No
         # gc.collect() first: it would add to the start-up.)
         gc.freeze()
+
+    def prefault_kv_cache(self, max_blocks: int) -> int:
+        """Fault in the host pages of up to `max_blocks` of the blocks the pool hands out next
+        (KVPrefaulter), for a caller with nothing else to do; returns how many it did (0: all
+        `prefault_ahead` next blocks are in already, or this device has no need)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        ids = [b.block_id for b in pool.free_block_queue.peek(self.prefault_ahead)]
+        return self.prefaulter.populate(
+            [b for b in ids if b not in self.prefaulter.resident][:max_blocks])
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size

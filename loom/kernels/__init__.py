@@ -59,7 +59,7 @@ SIGNATURES = {
     "loom_llama_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
                _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
-               _ptr, _ptr, _ptr, _int, _int, _int]
+               _ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _int]
     ),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),

@@ -167,11 +167,18 @@ class Q8Decoder:
         positions: torch.Tensor,
         head: torch.nn.Module | None = None,
         rows: np.ndarray | None = None,
+        only_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]
-        for the step in the forward context, and `head`'s logits of hidden `rows` (int64)
-        [len(rows), vocab] where the head is an int8 linear the call runs too (else None)."""
+        for the step in the forward context, and `head`'s logits of hidden `rows` (int64,
+        ascending) [len(rows), vocab] where the head is an int8 linear the call runs too (else
+        None). only_rows: the last layer's MLP runs on `rows` alone and the hidden states are
+        theirs, [len(rows), hidden] (LlamaModel.forward's `keep`)."""
         assert self.ok, "usable() decides first"
+        keep = None
+        if only_rows:
+            assert rows is not None and rows.dtype == np.int64 and rows.flags.c_contiguous
+            keep, rows = rows, np.arange(len(rows), dtype=np.int64)  # the head's: kept rows
         md = get_forward_context().attn_metadata
         m = input_ids.shape[0]
         buf_qkv, buf_attn, buf_gu, buf_act, head_x, x = self._scratch(m)
@@ -200,7 +207,9 @@ class Q8Decoder:
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             md.query_start_loc.data_ptr(), md.query_start_loc.shape[0] - 1, self.tile_tokens,
             buf_h.data_ptr(), buf_qkv.data_ptr(), buf_attn.data_ptr(), buf_gu.data_ptr(),
-            buf_act.data_ptr(), c_head, torch.get_num_threads(), kv_type(self.cache), self.code,
+            buf_act.data_ptr(), c_head, None if keep is None else keep.ctypes.data,
+            -1 if keep is None else len(keep), torch.get_num_threads(), kv_type(self.cache),
+            self.code,
         )
         if rc == -4:
             rotary.check_positions(positions)  # the module path's IndexError (past the end)
@@ -208,4 +217,4 @@ class Q8Decoder:
             raise IndexError(f"a token id outside the vocabulary ({self.embed.vocab} tokens)")
         if rc != 0:
             raise RuntimeError(f"int8 decoder kernel failed ({rc})")
-        return buf_h, logits
+        return (buf_h if keep is None else buf_h[: len(keep)]), logits

@@ -95,15 +95,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None
+        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next layer's
-        norm adds the two (fused on the CPU), as Hugging Face's x + mlp(norm(x)) does."""
+        norm adds the two (fused on the CPU), as Hugging Face's x + mlp(norm(x)) does. With
+        `keep` (row indices), every row's K and V go to the cache but only those rows go on
+        past attention: both outputs are theirs alone."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_norm(x, residual)
         x = self.self_attn(rope, x)
+        if keep is not None:
+            x, residual = x[keep], residual[keep]
+            if not len(keep):
+                return x, residual
         x, residual = self.post_attention_layernorm.add_norm(x, residual)
         return self.mlp(x), residual
 
@@ -125,15 +132,24 @@ class LlamaModel(nn.Module):
             self.stack = decoder.Q8Decoder(self) if decoder.eligible(self) else False
         return self.stack if self.stack and self.stack.usable() else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-normed hidden states [num_tokens, hidden],
+        or with `keep` (ascending int64 rows) those rows' alone: the last layer's MLP runs on
+        them only (llama.cpp's output rows; the other rows' K and V are in the cache by then)."""
         stack = self.c_stack()
         if stack is not None:  # every layer in one C call
-            return stack.forward(input_ids, positions)[0]
+            return stack.forward(input_ids, positions, rows=keep, only_rows=keep is not None)[0]
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
+        last = len(self.layers) - 1
+        rows = None if keep is None else torch.from_numpy(keep).to(x.device)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, rows if i == last else None)
+        if not x.shape[0]:
+            return x
         return self.norm.add_norm(x, residual)[0]
 
 
@@ -163,18 +179,23 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # [n, vocab]
 
     def forward_logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: np.ndarray
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: np.ndarray,
+        only_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward, then compute_logits of hidden `rows` (int64 indices; logits None when there
-        are none): the output projection runs in the C stack's call where that runs (the same
-        bits, without Python between the two)."""
+        """forward, then compute_logits of hidden `rows` (ascending int64 indices; logits None
+        when there are none): the output projection runs in the C stack's call where that runs
+        (the same bits, without Python between the two). only_rows: the hidden states returned
+        are those rows' alone, and the last layer's MLP skips the others (LlamaModel.forward's
+        `keep`); else every row's."""
         stack = self.model.c_stack()
         if stack is None:
-            hidden, logits = self.model(input_ids, positions), None
+            hidden = self.model(input_ids, positions, rows if only_rows else None)
+            logits = None
         else:
-            hidden, logits = stack.forward(input_ids, positions, self.lm_head, rows)
+            hidden, logits = stack.forward(input_ids, positions, self.lm_head, rows, only_rows)
         if logits is None and len(rows):
-            logits = self.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])
+            logits = self.compute_logits(
+                hidden if only_rows else hidden[torch.from_numpy(rows).to(hidden.device)])
         return hidden, logits
 
     def attention_layers(self) -> list[Attention]:

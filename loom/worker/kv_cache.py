@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 
@@ -104,3 +105,54 @@ def allocate_kv_caches(
             cache = torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
         caches.append(cache)
     return caches
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents untouched
+
+
+class KVPrefaulter:
+    """Faults in the host pages of chosen KV-cache blocks before a step writes them.
+
+    The cache's memory comes from calloc untouched (allocate_kv_caches), so the first write to
+    each page costs a page fault and the kernel zeroing the page: for a 128-token prompt on the
+    default model 1-6 ms of its step, on the rope + KV write. The engine calls `populate` with
+    the blocks it hands out next while it has nothing else to do. madvise(MADV_POPULATE_WRITE)
+    commits the pages without writing them (block contents, and the pages a block shares with
+    its neighbours, stay as they are); where the kernel lacks it, nothing happens.
+    """
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.ok = bool(caches) and all(c.device.type == "cpu" for c in caches)
+        self.halves: list[tuple[int, int]] = []  # (address of block 0, bytes a block): K, V
+        if self.ok:
+            for c in caches:
+                block_bytes = c[0, 0].numel() * c.element_size()
+                self.halves += [(c[0].data_ptr(), block_bytes), (c[1].data_ptr(), block_bytes)]
+            self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._page = 4096
+        self.resident: set[int] = set()
+
+    def populate(self, block_ids: list[int]) -> int:
+        """Commit the pages of `block_ids` (those not committed here before); returns how many
+        blocks that was (0: none new, or no way to do it here)."""
+        new = sorted(b for b in block_ids if b not in self.resident)
+        if not self.ok or not new:
+            return 0
+        runs: list[list[int]] = []  # consecutive ids: one call a run
+        for b in new:
+            if runs and runs[-1][1] == b:
+                runs[-1][1] = b + 1
+            else:
+                runs.append([b, b + 1])
+        page = self._page
+        for base, size in self.halves:
+            for start, end in runs:
+                lo = (base + start * size) // page * page
+                hi = base + end * size
+                if self._madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+                    logger.debug("no MADV_POPULATE_WRITE here (errno %d)", ctypes.get_errno())
+                    self.ok = False
+                    return 0
+        self.resident.update(new)
+        return len(new)

@@ -108,11 +108,16 @@ class ModelRunner:
         # A request samples when this step reaches the end of its known tokens.
         sampling = [i for i, (s, c, n) in enumerate(zip(states, computed, num_sched))
                     if c + n == len(s.token_ids)]
+        # Past the last layer's attention only the sampling rows matter, unless a prompt's
+        # logprobs need every row's hidden state.
+        all_rows = any(s.sampling_params.prompt_logprobs is not None
+                       and c < s.num_prompt_tokens for s, c in zip(states, computed))
         with set_forward_context(md):
             hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
                 torch.from_numpy(input_ids).to(self.device),
                 torch.from_numpy(positions).to(self.device),
                 ends[sampling] - 1,
+                only_rows=not all_rows,
             )
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)

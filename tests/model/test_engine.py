@@ -3,6 +3,8 @@ n > 1 block sharing, aborts. Every pair must produce identical tokens."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -304,3 +306,45 @@ def test_unset_step_budget_is_512_tokens_on_the_cpu(make_llm) -> None:
     out = llm.generate(["Hello " * 600], SamplingParams(temperature=0, max_tokens=2),
                        use_tqdm=False)[0]  # a prompt over the budget: prefilled in chunks
     assert len(out.prompt_token_ids) > 512 and len(out.outputs[0].token_ids) == 2
+
+
+def _resident_pages(t: torch.Tensor) -> list[bool]:
+    """mincore(2) over the pages under `t` (its first page aligned down): in memory or not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    lo = t.data_ptr() // page * page
+    n = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) == 0
+    return [bool(v & 1) for v in vec]
+
+
+def test_idle_engine_faults_in_the_next_blocks_pages(make_llm) -> None:
+    """The KV cache's pages are committed when first written; an idle engine commits those of
+    the blocks it hands out next (prefault_kv_cache, `prefault_ahead` of them) without changing
+    a byte, and the answers stay the same. (2 GiB: each layer's cache is then big enough for
+    calloc to map it fresh, untouched; smaller ones may come zeroed from the heap, in memory.)"""
+    llm = make_llm(None, kv_cache_memory=2**31, quantization="int8", kv_cache_dtype="int8")
+    engine = llm.engine
+    caches = engine.runner.kv_caches
+    nxt = [b.block_id for b in engine.scheduler.kv_cache_manager.block_pool.free_block_queue.peek(3)]
+    assert nxt == [1, 2, 3]  # a fresh pool hands out blocks in order
+    far = engine.num_blocks // 2  # away from the pages K shares with V
+    if engine.prefaulter.populate([]) == 0 and not engine.prefaulter.ok:
+        pytest.skip("no MADV_POPULATE_WRITE on this kernel")
+    assert not any(_resident_pages(caches[5][0, far]))  # never written: not committed
+    done = 0
+    while (n := engine.prefault_kv_cache(4)) > 0:
+        assert n <= 4
+        done += n
+    assert done == engine.prefault_ahead == 64  # at most 64 (2 x 2048 tokens / 16 is more)
+    for layer in (0, 29):
+        for half in (0, 1):
+            assert all(_resident_pages(caches[layer][half, 1 : 1 + done]))
+            assert not any(_resident_pages(caches[layer][half, far]))
+    assert all(int(c[:, : 1 + done].abs().sum()) == 0 for c in caches)  # nothing written
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    before = token_ids(llm.chat(chats()[:3], params, use_tqdm=False))
+    assert engine.prefault_kv_cache(1000) > 0  # the next ones, past the blocks now used
+    assert token_ids(llm.chat(chats()[:3], params, use_tqdm=False)) == before  # prefix hits
+    engine.check_integrity()

@@ -263,9 +263,85 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
             assert torch.equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("streams,kernel", [(2, "avx"), (9, "avx"), (3, "bf16"), (9, "bf16"),
+                                            (3, "vnni+bf16"), (9, "vnni+bf16")])
+def test_int8_stack_keeps_only_the_sampling_rows(streams, kernel) -> None:
+    """The model runner's call (forward_logits with only_rows): past the last layer's attention
+    only the rows that sample go on (the MLP, final norm and head of `streams` rows, on the
+    few-row or the batch kernel as their number says). Per chunked prompt: a first chunk where
+    no row samples, then the rest of every prompt sampling its last row, then two decode steps.
+    The C stack gives the module path's bits; a chunk that keeps no row still writes every
+    row's K and V (the next chunk's logits as after a first chunk that kept them all); where
+    every row samples (decode) nothing moves: the full step's bits; and the prompts' kept rows
+    agree with the full step's top-1, their logits within bf16-level error."""
+    require_cpu_kernels()
+    for name in kernel.split("+"):
+        {"bf16": require_bf16, "vnni": require_vnni}.get(name, require_cpu_kernels)()
+    tok = Tokenizer.from_source(source := resolve_model(None))
+    prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " y" * i) for i in range(streams)}
+    first = {k: p[:10] for k, p in prompts.items()}
+    rest = {k: p[10:] for k, p in prompts.items()}
+    kernels = {"int8_batch_kernel": kernel.removeprefix("vnni").removeprefix("+") or "avx"}
+    if kernel.startswith("vnni"):
+        kernels["int8_decode_kernel"] = "vnni"
+    loaded = load_model(source, "float32", quantization="int8", **kernels)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the one-region path needs a team, even on one core
+    runs = {}
+    try:
+        for stack, keep in ((None, True), (False, True), (None, False)):
+            loaded.model.model.stack = stack
+            batch = PagedBatch(loaded)
+            if keep:
+                assert batch.step(first, sample=[]) == {} and batch.last[1].shape[0] == 0
+                out = [batch.step(rest, sample=list(prompts))]
+            else:
+                batch.step(first)
+                out = [{k: v[-1:] for k, v in batch.step(rest).items()}]
+            heads = [batch.last]
+            for _ in range(2):
+                work = {k: [int(v[-1].argmax())] for k, v in out[-1].items()}
+                out.append(batch.step(work, sample=list(prompts)) if keep else batch.step(work))
+                heads.append(batch.last)
+            runs[stack, keep] = out, heads
+    finally:
+        torch.set_num_threads(threads)
+    (kept, kept_heads), (module, _), (full, _) = runs[None, True], runs[False, True], runs[None, False]
+    assert all(torch.equal(fused, head) for fused, head in kept_heads)
+    for a, b in zip(kept, module):
+        assert all(torch.equal(a[k], b[k]) for k in prompts)
+    for a, b in zip(kept[1:], full[1:]):
+        assert all(torch.equal(a[k], b[k]) for k in prompts)
+    for k in prompts:
+        assert int(kept[0][k].argmax()) == int(full[0][k].argmax())
+        assert rel_err(kept[0][k], full[0][k]) < 0.02, k
+
+
+def test_last_layer_keeps_only_the_sampling_rows_on_the_module_path() -> None:
+    """The fp32 model (no C stack) with only_rows: hidden states of the sampling rows alone, with
+    the full step's logits (to fp32 summation order) and the same K and V written: the next
+    step's logits as after the full step."""
+    loaded = load_model(resolve_model(None), "float32")
+    tok = Tokenizer.from_source(resolve_model(None))
+    prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)]) for i in range(3)}
+    runs = []
+    for keep in (True, False):
+        batch = PagedBatch(loaded)
+        out = batch.step(prompts, sample=["0", "2"]) if keep else batch.step(prompts)
+        nxt = batch.step({k: [7] for k in prompts}, sample=list(prompts) if keep else None)
+        runs.append((out, nxt))
+    (kept, kept_next), (full, full_next) = runs
+    assert set(kept) == {"0", "2"} and all(kept[k].shape[0] == 1 for k in kept)
+    for k in kept:
+        assert torch.allclose(kept[k][0], full[k][-1], rtol=1e-4, atol=1e-4)
+    for k in prompts:
+        assert torch.allclose(kept_next[k][0], full_next[k][-1], rtol=1e-4, atol=1e-4)
+
+
 def test_int8_decoder_stack_checks_its_inputs() -> None:
     """The C stack reads the rotary table and the embedding rows unchecked, so its call checks
-    positions and token ids first: the module path's IndexError, nothing written."""
+    positions, token ids and the rows it keeps first: the module path's IndexError (a kernel
+    error for kept rows out of order or outside the step), nothing written."""
     require_cpu_kernels()
     loaded = load_model(resolve_model(None), "float32", quantization="int8")
     PagedBatch(loaded)  # binds the KV caches
@@ -278,6 +354,11 @@ def test_int8_decoder_stack_checks_its_inputs() -> None:
             loaded.model(torch.tensor([5]), torch.tensor([rows]))
         with pytest.raises(IndexError, match="outside the vocabulary"):
             loaded.model(torch.tensor([vocab]), torch.tensor([0]))
+    md, _ = build_attention_metadata([[1]], [0], [2], BLOCK, torch.device("cpu"))
+    with set_forward_context(md):  # kept rows must ascend within the step
+        for keep in ([1, 0], [0, 2], [1, 1]):
+            with pytest.raises(RuntimeError, match=r"\(-6\)"):
+                loaded.model.model(torch.tensor([5, 6]), torch.tensor([0, 1]), np.array(keep))
 
 
 def test_int8_quantizer_kernel_matches_torch() -> None:

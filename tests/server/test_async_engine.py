@@ -65,6 +65,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_next_step = False
         self.thread_ids: set[int] = set()
+        self.to_prefault = 0  # blocks prefault_kv_cache still has to do
+        self.prefault_calls = 0
+        self.prefault_delay = 0.0
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -83,6 +86,14 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def prefault_kv_cache(self, max_blocks: int) -> int:
+        self.thread_ids.add(threading.get_ident())
+        self.prefault_calls += 1
+        time.sleep(self.prefault_delay)
+        done = min(max_blocks, self.to_prefault)
+        self.to_prefault -= done
+        return done
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -191,6 +202,24 @@ async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
         async for _ in stream:
             pass
     assert not engine.is_running
+
+
+async def test_idle_thread_prefaults_until_done_or_a_request_comes() -> None:
+    """Idle, the engine thread faults in the next KV blocks' pages (a few a call) until there
+    are none left, then sleeps; a request that arrives meanwhile stops it after that call."""
+    fake = FakeEngine()
+    fake.to_prefault = 9
+    engine = await _started(fake)
+    await asyncio.sleep(0.2)
+    assert fake.to_prefault == 0 and fake.prefault_calls == 6  # 2 a call, then one saying 0
+    assert threading.get_ident() not in fake.thread_ids
+    fake.to_prefault, fake.prefault_delay = 1000, 0.01  # busy prefaulting when a request comes
+    outs = [o async for o in engine.generate([1], _params(3), "a")]  # not 5 s later
+    assert outs[-1].finished and 0 < fake.to_prefault
+    calls = fake.prefault_calls
+    await asyncio.sleep(0.05)  # idle again: back at it
+    assert fake.prefault_calls > calls
+    await engine.shutdown()
 
 
 def _app(fake: FakeEngine) -> tuple[AsyncEngine, httpx.AsyncClient]:

@@ -174,6 +174,8 @@ typedef struct {
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     uint16_t *buf_xb;  // a team's x rows in bf16 for the bf16 kernel (past 8 rows), shared
     const int64_t *positions, *slots, *block_tables, *tiles;
+    const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
+    int64_t num_keep;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
 } Step;
@@ -253,17 +255,54 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
     return 0;
 }
 
-// The layers, in the module path's order. In a team no op fails (the step was checked before
-// the region), so every thread meets every barrier.
-static int run_layers(const Step *s, Team *t)
+// The rest of a layer once attention's output projection is in buf_h: hidden += it, buf_h =
+// the post-attention norm of hidden, then the MLP (its output in buf_h).
+static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
 {
     const int64_t H = s->H, I = s->I;
+    int64_t r0, r1;  // the rows of a small op here
+    const int nt = small_op_rows(s, t, &r0, &r1);
+    int rc;
+    if (nt)
+        loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->post_norm, r1 - r0, H,
+                              s->eps, nt);
+    sync_team(t);
+    if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu))) return rc;
+    if (nt) loom_silu_mul_f32(s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, r1 - r0, I, nt);
+    sync_team(t);
+    return linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h);
+}
+
+// The last layer's rows that go on past attention (s->keep; the rest feed nothing but their
+// own K and V, written by then): row keep[r] of buf_h and of hidden moved to row r, and the
+// step's rows cut to them. Rows only move up (keep ascends), on thread 0.
+static void keep_rows(Step *s, Team *t)
+{
+    if (!t || t->tid == 0)
+        for (int64_t r = 0; r < s->num_keep; r++)
+            if (s->keep[r] != r) {
+                memcpy(s->buf_h + r * s->H, s->buf_h + s->keep[r] * s->H,
+                       (size_t)s->H * sizeof(float));
+                memcpy(s->hidden + r * s->H, s->hidden + s->keep[r] * s->H,
+                       (size_t)s->H * sizeof(float));
+            }
+    sync_team(t);
+    s->M = s->num_keep;
+}
+
+// The layers, in the module path's order. In a team no op fails (the step was checked before
+// the region), so every thread meets every barrier. With s->keep, the last layer's MLP (and
+// the final norm and head after it) runs on those rows only, and s->M is their number after.
+static int run_layers(Step *s, Team *t)
+{
+    const int64_t H = s->H;
     int64_t r0, r1;  // the rows of a small op here
     const int nt = small_op_rows(s, t, &r0, &r1);
     const int64_t n = r1 - r0;
     int rc;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const LoomLayerQ8 *L = &s->layers[l];
+        const int last = l == s->num_layers - 1;
         if (l > 0) {  // hidden += the last MLP's output; buf_h = norm(hidden)
             if (nt)
                 loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->in_norm, n, H,
@@ -277,19 +316,14 @@ static int run_layers(const Step *s, Team *t)
                                    s->kv_heads, s->D, s->rope_table, s->positions + r0,
                                    s->slots + r0, L->k_cache, L->v_cache, nt, s->kv_type);
         sync_team(t);
+        if (last && s->keep && s->num_keep == 0) {  // no row goes on: K and V were all
+            s->M = 0;
+            return 0;
+        }
         if ((rc = attention(s, t, L))) return rc;
-        if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h)))
-            return rc;
-        if (nt)
-            loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->post_norm, n, H,
-                                  s->eps, nt);
-        sync_team(t);
-        if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu)))
-            return rc;
-        if (nt) loom_silu_mul_f32(s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, n, I, nt);
-        sync_team(t);
-        if ((rc = linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h)))
-            return rc;
+        if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h))) return rc;
+        if (last && s->keep) keep_rows(s, t);
+        if ((rc = mlp(s, t, L))) return rc;
     }
     return 0;
 }
@@ -362,7 +396,8 @@ static int check_step(const Step *s)
 }
 
 // The step's inputs the kernels read unchecked: -4 for a position past the rotary table, -5
-// for a token id outside the embedding table, -6 for a head row outside the step.
+// for a token id outside the embedding table, -6 for kept rows not ascending within the step or
+// a head row outside them (the step's rows without `keep`).
 static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *embed,
                         const LoomHeadQ8 *head)
 {
@@ -370,8 +405,11 @@ static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *emb
         if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
         if (embed && (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab)) return -5;
     }
+    for (int64_t r = 0; s->keep && r < s->num_keep; r++)
+        if (s->keep[r] < (r ? s->keep[r - 1] + 1 : 0) || s->keep[r] >= s->M) return -6;
+    const int64_t rows = s->keep ? s->num_keep : s->M;  // what the head's rows index
     for (int64_t r = 0; head && r < head->num_rows; r++)
-        if (head->rows[r] < 0 || head->rows[r] >= s->M) return -6;
+        if (head->rows[r] < 0 || head->rows[r] >= rows) return -6;
     if (head && head->num_rows && loom_linear_q8_check(s->H, (int)head->w.bits)) return -1;
     return 0;
 }
@@ -431,13 +469,16 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
         free(shared.buf_xb);
         return no_bf16 ? -2 : 0;
     }
-    if ((rc = run_layers(&s, NULL))) return rc;
-    return finish(&s, NULL, final_norm, head);
+    Step own = s;
+    if ((rc = run_layers(&own, NULL))) return rc;
+    return finish(&own, NULL, final_norm, head);
 }
 
 // hidden [M, H]: the embeddings in (or, with `embed`, looked up here), the residual stream
 // after. Returns the final-normed hidden states in buf_h [M, H] and, with `head`, the logits of
-// its rows. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D], buf_gu
+// its rows. With `keep` (num_keep ascending rows; NULL: all), the last layer's MLP, the final
+// norm and the head run on those rows only (llama.cpp's output rows): buf_h [num_keep, H] holds
+// their states and the head's rows index them. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D], buf_gu
 // [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8). Request r
 // owns tokens query_start_loc[r] .. query_start_loc[r + 1] - 1; attention runs in tiles of at
 // most tile_tokens of one request's tokens. Returns 0; -7 for tokens that do not add up to M,
@@ -458,7 +499,8 @@ int loom_llama_forward_q8(
     float *hidden, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
     int64_t max_blocks, const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens,
     float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
-    const LoomHeadQ8 *head, int nt, int kv_type, int kernel)
+    const LoomHeadQ8 *head, const int64_t *keep, int64_t num_keep, int nt, int kv_type,
+    int kernel)
 {
     if (query_start_loc[num_reqs] != M) return -7;
     int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
@@ -472,7 +514,7 @@ int loom_llama_forward_q8(
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables,
-        tiles,
+        tiles, keep, num_keep,
         nt, kv_type, kernel,
     };
     const int rc = run_step(s, rope_rows, embed, final_norm, head);
