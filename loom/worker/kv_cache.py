@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
+import sys
 
 import numpy as np
 import torch
@@ -118,11 +120,13 @@ class KVPrefaulter:
     default model 1-6 ms of its step, on the rope + KV write. The engine calls `populate` with
     the blocks it hands out next while it has nothing else to do. madvise(MADV_POPULATE_WRITE)
     commits the pages without writing them (block contents, and the pages a block shares with
-    its neighbours, stay as they are); where the kernel lacks it, nothing happens.
+    its neighbours, stay as they are); where the kernel lacks it (Linux before 5.14, other
+    systems), nothing happens.
     """
 
     def __init__(self, caches: list[torch.Tensor]) -> None:
-        self.ok = bool(caches) and all(c.device.type == "cpu" for c in caches)
+        self.ok = (sys.platform.startswith("linux") and bool(caches)
+                   and all(c.device.type == "cpu" for c in caches))
         self.halves: list[tuple[int, int]] = []  # (address of block 0, bytes a block): K, V
         if self.ok:
             for c in caches:
@@ -130,7 +134,7 @@ class KVPrefaulter:
                 self.halves += [(c[0].data_ptr(), block_bytes), (c[1].data_ptr(), block_bytes)]
             self._madvise = ctypes.CDLL(None, use_errno=True).madvise
             self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            self._page = 4096
+            self._page = mmap.PAGESIZE
         self.resident: set[int] = set()
 
     def populate(self, block_ids: list[int]) -> int:
