@@ -328,8 +328,8 @@ def test_idle_engine_faults_in_the_next_blocks_pages(make_llm) -> None:
     llm = make_llm(None, kv_cache_memory=2**31, quantization="int8", kv_cache_dtype="int8")
     engine = llm.engine
     caches = engine.runner.kv_caches
-    nxt = [b.block_id for b in engine.scheduler.kv_cache_manager.block_pool.free_block_queue.peek(3)]
-    assert nxt == [1, 2, 3]  # a fresh pool hands out blocks in order
+    queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
+    assert [b.block_id for b in queue.peek(3)] == [1, 2, 3]  # a fresh pool: blocks in order
     far = engine.num_blocks // 2  # away from the pages K shares with V
     assert not any(_resident_pages(caches[5][0, far]))  # never written: not committed
     done = engine.prefault_kv_cache(4)

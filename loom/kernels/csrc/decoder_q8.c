@@ -478,11 +478,12 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
 // after. Returns the final-normed hidden states in buf_h [M, H] and, with `head`, the logits of
 // its rows. With `keep` (num_keep ascending rows; NULL: all), the last layer's MLP, the final
 // norm and the head run on those rows only (llama.cpp's output rows): buf_h [num_keep, H] holds
-// their states and the head's rows index them. Scratch: buf_qkv [M, (heads + 2 kv_heads) D], buf_attn [M, heads D], buf_gu
-// [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8). Request r
-// owns tokens query_start_loc[r] .. query_start_loc[r + 1] - 1; attention runs in tiles of at
-// most tile_tokens of one request's tokens. Returns 0; -7 for tokens that do not add up to M,
-// check_inputs' errors (nothing written either way); or the first kernel's error.
+// their states and the head's rows index them. Scratch: buf_qkv [M, (heads + 2 kv_heads) D],
+// buf_attn [M, heads D], buf_gu [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0
+// fp32, 1 fp16, 2 int8). Request r owns tokens query_start_loc[r] .. query_start_loc[r + 1] - 1;
+// attention runs in tiles of at most tile_tokens of one request's tokens. Returns 0; -7 for
+// tokens that do not add up to M, check_inputs' errors (nothing written either way); or the
+// first kernel's error.
 //
 // The whole stack, and the head, runs in one OpenMP region instead of one per op: the linears
 // and the attention share their work out from counters (loom_linear_q8_team or
