@@ -93,8 +93,10 @@ def allocate_kv_caches(
     """One [2, num_blocks, block_size, kv_heads, row_width] tensor per layer, zeroed.
 
     Attention reads whole blocks, including slots no request has written yet (masked out, so
-    they must hold finite numbers). On the host the zeroes come from calloc, whose fresh pages
-    are zero without being touched: memory is only committed when first written.
+    they must hold finite numbers). On the host the zeroes come from calloc: a layer's cache past
+    glibc's mmap threshold (at most 32 MiB) is a fresh mapping, zero without being touched, its
+    memory committed only when first written; a smaller one may come from the heap, zeroed and
+    committed at once.
     """
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads,
              row_width(model_config.head_dim, dtype))
@@ -115,8 +117,8 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents untou
 class KVPrefaulter:
     """Faults in the host pages of chosen KV-cache blocks before a step writes them.
 
-    The cache's memory comes from calloc untouched (allocate_kv_caches), so the first write to
-    each page costs a page fault and the kernel zeroing the page: for a 128-token prompt on the
+    A cache past glibc's mmap threshold comes from calloc untouched (allocate_kv_caches), so the
+    first write to each page costs a page fault and the kernel zeroing the page: for a 128-token prompt on the
     default model 1-6 ms of its step, on the rope + KV write. The engine calls `populate` with
     the blocks it hands out next while it has nothing else to do. madvise(MADV_POPULATE_WRITE)
     commits the pages without writing them (block contents, and the pages a block shares with
