@@ -142,10 +142,9 @@ class LLMEngine:
         """Fault in the host pages of up to `max_blocks` of the blocks the pool hands out next
         (KVPrefaulter), for a caller with nothing else to do; returns how many it did (0: all
         `prefault_ahead` next blocks are in already, or this device has no need)."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        ids = [b.block_id for b in pool.free_block_queue.peek(self.prefault_ahead)]
+        queue = self.scheduler.kv_cache_manager.block_pool.free_block_queue
         return self.prefaulter.populate(
-            [b for b in ids if b not in self.prefaulter.resident][:max_blocks])
+            [b.block_id for b in queue.peek(self.prefault_ahead)], max_blocks)
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size

@@ -139,10 +139,10 @@ class KVPrefaulter:
             self._page = mmap.PAGESIZE
         self.resident: set[int] = set()
 
-    def populate(self, block_ids: list[int]) -> int:
-        """Commit the pages of `block_ids` (those not committed here before); returns how many
-        blocks that was (0: none new, or no way to do it here)."""
-        new = sorted(b for b in block_ids if b not in self.resident)
+    def populate(self, block_ids: list[int], max_blocks: int | None = None) -> int:
+        """Commit the pages of the first `max_blocks` (default: all) of `block_ids` not committed
+        here before; returns how many blocks that was (0: none new, or no way to do it here)."""
+        new = sorted([b for b in block_ids if b not in self.resident][:max_blocks])
         if not self.ok or not new:
             return 0
         runs: list[list[int]] = []  # consecutive ids: one call a run

@@ -211,6 +211,19 @@ def test_unknown_quantization_is_rejected() -> None:
             load_model(resolve_model(None), device="cuda", quantization=method)
 
 
+def _kernel_args(kernel: str) -> dict[str, str]:
+    """load_model's int8 kernel arguments for "avx", "amx", "bf16", "vnni" or "vnni+<batch>"
+    (the decode kernel, then the batch kernel), after skipping where the CPU lacks one."""
+    require_cpu_kernels()
+    for name in kernel.split("+"):
+        {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(
+            name, require_cpu_kernels)()
+    kernels = {"int8_batch_kernel": kernel.removeprefix("vnni").removeprefix("+") or "avx"}
+    if kernel.startswith("vnni"):
+        kernels["int8_decode_kernel"] = "vnni"
+    return kernels
+
+
 @pytest.mark.parametrize("streams,kernel", [
     (1, "avx"), (3, "avx"), (4, "avx"), (8, "avx"), (9, "avx"), (3, "amx"), (9, "amx"),
     (3, "bf16"), (9, "bf16"), (1, "vnni"), (3, "vnni"), (9, "vnni"), (3, "vnni+bf16"),
@@ -227,17 +240,11 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     itself), the AVX kernel the prefill and the 9-stream one. Both (the benchmarks' setting):
     the prompts and the 9-stream decode on the bf16 kernel in one region, the 3-stream decode on
     VNNI, and a prompt step's head (a row a stream) on VNNI inside the bf16 step's region."""
-    require_cpu_kernels()
-    for name in kernel.split("+"):
-        {"amx": require_amx, "bf16": require_bf16, "vnni": require_vnni}.get(
-            name, require_cpu_kernels)()
+    kernels = _kernel_args(kernel)
+    batch_kernel = kernels["int8_batch_kernel"]
     source = resolve_model(None)
     tok = Tokenizer.from_source(source)
     prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " x" * i) for i in range(streams)}
-    batch_kernel = kernel.removeprefix("vnni").removeprefix("+") or "avx"
-    kernels = {"int8_batch_kernel": batch_kernel}
-    if kernel.startswith("vnni"):
-        kernels["int8_decode_kernel"] = "vnni"
     loaded = load_model(source, "float32", quantization="int8", **kernels)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the one-region path needs a team, even on one core
@@ -274,16 +281,11 @@ def test_int8_stack_keeps_only_the_sampling_rows(streams, kernel) -> None:
     row's K and V (the next chunk's logits as after a first chunk that kept them all); where
     every row samples (decode) nothing moves: the full step's bits; and the prompts' kept rows
     agree with the full step's top-1, their logits within bf16-level error."""
-    require_cpu_kernels()
-    for name in kernel.split("+"):
-        {"bf16": require_bf16, "vnni": require_vnni}.get(name, require_cpu_kernels)()
+    kernels = _kernel_args(kernel)
     tok = Tokenizer.from_source(source := resolve_model(None))
     prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " y" * i) for i in range(streams)}
     first = {k: p[:10] for k, p in prompts.items()}
     rest = {k: p[10:] for k, p in prompts.items()}
-    kernels = {"int8_batch_kernel": kernel.removeprefix("vnni").removeprefix("+") or "avx"}
-    if kernel.startswith("vnni"):
-        kernels["int8_decode_kernel"] = "vnni"
     loaded = load_model(source, "float32", quantization="int8", **kernels)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the one-region path needs a team, even on one core

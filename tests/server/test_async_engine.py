@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -204,20 +205,28 @@ async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
     assert not engine.is_running
 
 
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until cond() holds or `timeout` seconds pass (however busy the machine)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def test_idle_thread_prefaults_until_done_or_a_request_comes() -> None:
     """Idle, the engine thread faults in the next KV blocks' pages (a few a call) until there
     are none left, then sleeps; a request that arrives meanwhile stops it after that call."""
     fake = FakeEngine()
     fake.to_prefault = 9
     engine = await _started(fake)
-    await asyncio.sleep(0.2)
+    await _until(lambda: fake.prefault_calls >= 6)
+    await asyncio.sleep(0.05)
     assert fake.to_prefault == 0 and fake.prefault_calls == 6  # 2 a call, then one saying 0
     assert threading.get_ident() not in fake.thread_ids
     fake.to_prefault, fake.prefault_delay = 1000, 0.01  # busy prefaulting when a request comes
     outs = [o async for o in engine.generate([1], _params(3), "a")]  # not 5 s later
     assert outs[-1].finished and 0 < fake.to_prefault
     calls = fake.prefault_calls
-    await asyncio.sleep(0.05)  # idle again: back at it
+    await _until(lambda: fake.prefault_calls > calls)  # idle again: back at it
     assert fake.prefault_calls > calls
     await engine.shutdown()
 

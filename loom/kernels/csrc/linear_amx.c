@@ -183,11 +183,9 @@ static void block(const uint16_t *slab, const float *sc, const float *mc, const 
 }
 #endif
 
-int loom_linear_q8_check(int64_t K, int bits);
-int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                       const float *scales, const float *mins, const float *bias, int64_t N,
-                       float *y, int64_t ldy, int bits, int num_threads);
-extern const int loom_linear_q8_direct_rows;
+int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int num_threads);
 void *loom_scratch(int which, size_t bytes);
 
 // As loom_linear_q8_f32 (same arguments), which it runs itself for up to
@@ -198,10 +196,9 @@ int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads)
 {
-    if (loom_linear_q8_check(K, bits)) return -1;
-    if (M <= loom_linear_q8_direct_rows)
-        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
-                                  num_threads);
+    const int front = loom_linear_q8_front(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                           num_threads);
+    if (front <= 0) return front;
     if (!loom_amx_available()) return -3;
 #ifdef HAVE_AMX
     // x rows a pass: their tiles (hi and lo) within X_BYTES, so they stay in L2 (2 MiB a core

@@ -28,11 +28,9 @@
 #define BLOCK_BYTES (128 * 1024)  // converted block (bf16), per thread
 #define X_BYTES (512 * 1024)      // x rows (bf16) a pass: with the block, within L2
 
-int loom_linear_q8_check(int64_t K, int bits);
-int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                       const float *scales, const float *mins, const float *bias, int64_t N,
-                       float *y, int64_t ldy, int bits, int num_threads);
-extern const int loom_linear_q8_direct_rows;
+int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int num_threads);
 void *loom_scratch(int which, size_t bytes);
 int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_threads, int64_t *rows);
 
@@ -240,10 +238,9 @@ int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const
                         const float *scales, const float *mins, const float *bias, int64_t N,
                         float *y, int64_t ldy, int bits, int num_threads)
 {
-    if (loom_linear_q8_check(K, bits)) return -1;
-    if (M <= loom_linear_q8_direct_rows)
-        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
-                                  num_threads);
+    const int front = loom_linear_q8_front(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                           num_threads);
+    if (front <= 0) return front;
 #ifdef HAVE_BF16
     // the team form above in a region of its own: x converted a share a thread, then (x rows,
     // weight block) units from one counter

@@ -415,6 +415,18 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 
 const int loom_linear_q8_direct_rows = M_DIRECT;
 
+// The front the batch kernels (linear_amx.c, linear_bf16.c) share, with loom_linear_q8_f32's
+// arguments: 1 where theirs runs (more than loom_linear_q8_direct_rows rows, good K and bits);
+// else loom_linear_q8_f32 runs the call (its direct path, or its -1 for bad K or bits) and its
+// result, 0 or negative, is the call's.
+int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int num_threads)
+{
+    if (M > M_DIRECT && !loom_linear_q8_check(K, bits)) return 1;
+    return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits, num_threads);
+}
+
 // A thread's next guided chunk of `units` work units shared through *next by a team of `team`
 // (a share of what is left, at least `least`): [*u0, *u1). Returns 0 when none are left.
 int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
