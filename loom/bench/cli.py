@@ -13,11 +13,18 @@ import logging
 import math
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.bench import ENDPOINTS
+from loom.engine.arg_utils import (
+    add_dataclass_args,
+    from_namespace,
+    positive_float,
+    positive_int,
+)
+from loom.engine.args import EngineArgs
 
 # The bench modules (httpx, numpy, rich) are imported by the commands that use them, not here:
 # every `loom` command builds this parser, and `loom serve` should not pay for them at start-up.
@@ -28,26 +35,6 @@ if TYPE_CHECKING:
 def _fail(msg: str) -> SystemExit:
     print(f"loom bench: error: {msg}", file=sys.stderr)
     return SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,8 +67,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model name sent in requests (default: the first of /v1/models)")
     p.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
-    p.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
-    p.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=128, help="max_tokens per request")
     p.add_argument("--dataset", default=None,
                    help='JSONL file, one {"prompt": text, "output_len": n (optional)} per line')
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
@@ -93,7 +80,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                    help="ask for token usage in the stream (stream_options.include_usage)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--request-timeout", type=_positive_float, default=600.0,
+    p.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="seconds any single wait on the server may take")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -197,12 +184,11 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     from loom.bench.datasets import DatasetError
     from loom.bench.offline import format_throughput, run_throughput
     from loom.engine.llm import LLM
-    from loom.entrypoints.cli import engine_kwargs
 
     _check_dataset(ns)
     t0 = time.perf_counter()
     try:
-        llm = LLM(ns.model, **engine_kwargs(ns))
+        llm = LLM(**asdict(from_namespace(EngineArgs, ns)))
     except (OSError, ValueError) as e:
         raise _fail(f"cannot load the model {ns.model or '(default)'}: {e}") from None
     load_s = time.perf_counter() - t0
@@ -245,7 +231,7 @@ def cmd_startup(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     """Register `loom bench` and its subcommands on the top-level subparsers."""
     bench = sub.add_parser("bench", help="benchmark a server (any OpenAI-compatible) or the engine")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -253,10 +239,10 @@ def add_bench_parser(sub: Any) -> None:
     p = bsub.add_parser("serve", help="streamed load against one server, vLLM bench serve figures")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     _add_load_args(p)
-    p.add_argument("--num-prompts", type=_positive_int, default=100)
-    p.add_argument("--concurrency", "--max-concurrency", type=_positive_int, default=None,
+    p.add_argument("--num-prompts", type=positive_int, default=100)
+    p.add_argument("--concurrency", "--max-concurrency", type=positive_int, default=None,
                    help="most requests in flight (default: unbounded)")
-    p.add_argument("--request-rate", type=_positive_float, default=math.inf,
+    p.add_argument("--request-rate", type=positive_float, default=math.inf,
                    help="requests/s with Poisson arrivals (default: inf, all at once)")
     p.add_argument("--result-json", default=None, help="write figures and per-request records")
     p.set_defaults(func=_run(cmd_serve))
@@ -266,21 +252,19 @@ def add_bench_parser(sub: Any) -> None:
                    help="a server to measure (repeatable)")
     _add_load_args(p)
     p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
-    p.add_argument("--repeats", type=_positive_int, default=1, help="runs per level (median)")
-    p.add_argument("--prompts-per-level", type=_positive_int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per level (median)")
+    p.add_argument("--prompts-per-level", type=positive_int, default=1,
                    help="requests per level = max(this x concurrency, --min-prompts)")
-    p.add_argument("--min-prompts", type=_positive_int, default=4)
+    p.add_argument("--min-prompts", type=positive_int, default=4)
     p.add_argument("--result-json", default="sweep.json")
     p.add_argument("--plot", default="sweep.png", help="PNG path ('' for none)")
     p.set_defaults(func=_run(cmd_sweep))
 
-    from loom.entrypoints.cli import add_engine_args
-
     p = bsub.add_parser("throughput", help="offline LLM.generate throughput")
-    add_engine_args(p, positional_model=False)
-    p.add_argument("--num-prompts", type=_positive_int, default=32)
-    p.add_argument("--input-len", type=_positive_int, default=128)
-    p.add_argument("--output-len", type=_positive_int, default=128)
+    add_dataclass_args(p, EngineArgs, skip=("served_model_name",))
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--dataset", default=None)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--result-json", default=None)
@@ -290,8 +274,8 @@ def add_bench_parser(sub: Any) -> None:
     p = bsub.add_parser("startup", help="time a server command until /health and a first token")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="where the server listens")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0)
-    p.add_argument("--repeats", type=_positive_int, default=1)
+    p.add_argument("--timeout", type=positive_float, default=300.0)
+    p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--log", default=None, help="file for the server's output")
     p.add_argument("--result-json", default=None)
     p.add_argument("server_command", nargs=argparse.REMAINDER, help="-- the server command")

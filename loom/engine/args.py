@@ -1,46 +1,102 @@
-"""Engine arguments shared by the LLM class, the CLI and the server."""
+"""Engine arguments shared by the LLM class, the CLI and the server.
+
+Each field is also a command-line flag of `loom serve`, `loom generate` and `loom bench
+throughput`, generated from its `flag(...)` declaration (loom.engine.arg_utils): adding an engine
+option is adding a field here.
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
+from loom.config import KV_CACHE_DTYPES
+from loom.engine.arg_utils import CACHE, KERNELS, MODEL, SCHEDULER, SERVER, flag, positive_int
 
-
-# `loom serve`'s step budget on the CPU. A step of 2048 prompt tokens takes ~4 s on a 2-core
-# CPU, and every running stream waits for it; 512 cut TTFT p50 at 32 streams about in half
-# (6263 / 6147 -> 3107 / 3356 ms, 64 requests of 128 + 128 tokens, int8) at the same tokens/s
-# (164.7 / 162.8 -> 167.3 / 163.2). The LLM class keeps 2048: offline, only throughput counts.
+# `loom serve`'s step budget on the CPU: every running stream waits for a step, so a long prompt
+# chunk stalls them all; offline (the LLM class) only throughput counts, and 2048 stays.
 SERVE_CPU_BATCHED_TOKENS = 512
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the template text itself, or a file holding it."""
+    if "{%" in value or "{{" in value:
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the chat template {value}: {e}") from None
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None  # .gguf path, HF folder, cached repo id; None = packaged SmolLM2
-    dtype: str = "auto"
-    quantization: str | None = None  # "fp16" | "int8" | "int4": weight-only linears (loom.quant)
-    # int8's kernel for steps of more than 8 rows: avx (batch-invariant bits), amx (Intel AMX
-    # tiles: faster prefill and many streams; loom.quant.int8), bf16 (AVX512-BF16 dot products,
-    # bf16 precision) or auto (amx where present, else avx)
-    int8_batch_kernel: str = "avx"
-    # int8's kernel for steps of up to 8 rows (decode): avx (fp32 x), or vnni (AVX512-VNNI integer
-    # dot products, x in two int8 digits a group of 32: near fp32, faster; loom.quant.int8)
-    int8_decode_kernel: str = "avx"
-    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
-    max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 256
-    # Token budget of one step; None: SERVE_CPU_BATCHED_TOKENS on the CPU, 2048 elsewhere.
-    max_num_batched_tokens: int | None = 2048
-    kv_cache_memory: int | None = None  # bytes; None: half the free memory, capped at need
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16 | int8
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    seed: int | None = 0
-    chat_template: str | None = None
-    served_model_name: str | None = None
+    model: str | None = flag(
+        None, "a .gguf file, a Hugging Face folder, a repo id in the local HF cache, or nothing "
+              "for the packaged SmolLM2-135M-Instruct", MODEL)
+    dtype: str = flag(
+        "auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)", MODEL,
+        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = flag("auto", "cpu, cuda or auto (cuda when torch sees a GPU)", MODEL)
+    seed: int | None = flag(0, "global random seed", MODEL)
+    chat_template: str | None = flag(
+        None, "a Jinja chat template (file path or the template text) replacing the model's",
+        MODEL, type=chat_template_text)
+    served_model_name: str | None = flag(
+        None, "the model name clients must send in `model` and that /v1/models lists "
+              "(default: the model argument, or 'smollm2')", SERVER)
+
+    quantization: str | None = flag(
+        None, "weight-only quantized linear layers for faster CPU decode: int8 (Loom's kernel: "
+              "groups of 32 with scale and minimum, fp32 activations; keeps GGUF 4-bit weights "
+              "exactly, fastest for a few streams), fp16 (fbgemm, fp32 activations; near "
+              "lossless, fastest for many streams) or int4 (groups of 32, bf16 activations). "
+              "The output projection takes fp16, or int8 when int8 loads it from a GGUF block "
+              "format", KERNELS, choices=("fp16", "int4", "int8"))
+    int8_batch_kernel: str = flag(
+        "avx", "with --quantization int8, the kernel for steps of more than 8 rows (prompts, "
+               "many streams): avx (a request's bits do not depend on its batch), amx (Intel "
+               "AMX tiles, fp32-level precision, faster there; needs a CPU with AMX-BF16), bf16 "
+               "(AVX512-BF16 dot products, bf16 precision, faster there; e.g. AMD Zen 4) or "
+               "auto (amx where the CPU has it, else avx)", KERNELS,
+        choices=("avx", "amx", "bf16", "auto"))
+    int8_decode_kernel: str = flag(
+        "avx", "with --quantization int8, the kernel for steps of up to 8 rows (decode of a few "
+               "streams): avx (fp32 activations; a request's bits do not depend on its batch) "
+               "or vnni (AVX512-VNNI integer dot products with activations split into two int8 "
+               "digits a group of 32: near fp32 precision, faster; e.g. AMD Zen 4, Intel Ice "
+               "Lake and later)", KERNELS, choices=("avx", "vnni"))
+    num_threads: int | None = flag(
+        None, "torch CPU threads (default: one per core). Loom also defaults OpenMP to a short "
+              "spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either is set; on "
+              "cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE", KERNELS,
+        type=positive_int)
+
+    max_model_len: int | None = flag(
+        None, "longest prompt + output in tokens (default: the model's context length)",
+        SCHEDULER)
+    max_num_seqs: int = flag(256, "most requests in one step", SCHEDULER)
+    max_num_batched_tokens: int | None = flag(
+        2048, "token budget of one step (prefill chunks + decodes); default 512 on the CPU (a "
+              "long prefill step stalls every running stream), 2048 on CUDA", SCHEDULER,
+        cli_default=None)
+
+    kv_cache_memory: int | None = flag(
+        None, "bytes for the KV cache (default: half the free memory, capped at need)", CACHE)
+    kv_cache_dtype: str = flag(
+        "auto", "K/V storage: auto (the model's dtype), float16 (half the bytes, like "
+                "llama.cpp's default) or int8 (groups of 32 with an fp32 scale and minimum: "
+                "62.5%% of float16's bytes); attention computes in fp32", CACHE,
+        choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = flag(
+        True, "reuse the KV cache of shared prompt prefixes", CACHE)
+    block_size: int = flag(16, "tokens per KV-cache block", CACHE)
+    num_gpu_blocks_override: int | None = flag(
+        None, "exact number of KV-cache blocks (testing)", CACHE)
 
     def resolved_max_num_batched_tokens(self, device: str) -> int:
+        """The step budget: as given; unset (the CLI's default), SERVE_CPU_BATCHED_TOKENS on
+        the CPU and 2048 elsewhere."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return SERVE_CPU_BATCHED_TOKENS if device == "cpu" else 2048
@@ -48,4 +104,6 @@ class EngineArgs:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"

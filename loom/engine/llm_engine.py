@@ -26,6 +26,7 @@ from loom.sample.metadata import check_token_ids_in_vocab
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.backend import CompiledGrammar, GrammarError
 from loom.structured.manager import StructuredOutputManager
+from loom.threads import set_num_threads
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.worker.kv_cache import (
@@ -76,6 +77,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        set_num_threads(args.num_threads)
         device = torch.device(args.resolved_device())
         if args.seed is not None:
             torch.manual_seed(args.seed)

@@ -82,4 +82,4 @@ def test_set_num_threads() -> None:
 def test_cli_rejects_a_bad_thread_count(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["generate", "hi", "--num-threads", "0"])
-    assert e.value.code == 2 and "--num-threads must be at least 1" in capsys.readouterr().err
+    assert e.value.code == 2 and "--num-threads: must be at least 1" in capsys.readouterr().err

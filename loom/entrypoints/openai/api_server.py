@@ -8,7 +8,6 @@ JSON or SSE. Every error leaves in OpenAI's envelope (errors.py).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import logging
@@ -17,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -26,7 +25,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loom import __version__
 from loom.engine.async_engine import AsyncEngine, EngineShutdownError
-from loom.entrypoints.openai.cli_args import add_serve_parser
 from loom.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from loom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loom.entrypoints.openai.protocol import (
@@ -39,7 +37,11 @@ from loom.entrypoints.openai.serving_chat import create_chat_completion, render_
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
 
-__all__ = ["add_serve_parser", "build_app", "run_server"]
+if TYPE_CHECKING:
+    from loom.engine.args import EngineArgs
+    from loom.entrypoints.openai.server_args import ServerArgs
+
+__all__ = ["build_app", "run_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,34 +221,31 @@ class GracefulServer(uvicorn.Server):
         ))
 
 
-def run_server(ns: argparse.Namespace) -> None:
+def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
     """Load the model, then serve until SIGTERM/SIGINT (see GracefulServer)."""
     from loom.config import ConfigError
-    from loom.engine.args import EngineArgs
     from loom.engine.llm_engine import LLMEngine
-    from loom.entrypoints.cli import engine_kwargs
     from loom.loader.resolve import ModelNotFoundError
 
-    logging.getLogger().setLevel(ns.log_level.upper())
+    logging.getLogger().setLevel(args.log_level.upper())
     try:
-        engine = LLMEngine(EngineArgs(model=ns.model, served_model_name=ns.served_model_name,
-                                      **engine_kwargs(ns)))
+        engine = LLMEngine(engine_args)
     except (ConfigError, ModelNotFoundError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    async_engine = AsyncEngine(engine, ns.max_waiting_requests)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests)
     metrics = ServerMetrics(lambda: async_engine.snapshot, engine.model_name)
     async_engine.on_output = metrics.observe
     ctx = ServerContext(
         engine=async_engine, tokenizer=engine.tokenizer, model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,
-        log_requests=not ns.disable_log_requests, tool_call_parser=ns.tool_call_parser,
+        log_requests=not args.disable_log_requests, tool_call_parser=args.tool_call_parser,
     )
-    app = build_app(ctx, metrics, ns.api_key)
+    app = build_app(ctx, metrics, args.api_key)
     config = uvicorn.Config(
-        app, host=ns.host, port=ns.port, log_level=ns.log_level,
-        access_log=not ns.disable_log_requests,
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        access_log=not args.disable_log_requests,
         # A backstop only: GracefulServer aborts leftovers after the grace period itself.
-        timeout_graceful_shutdown=int(ns.timeout_graceful_shutdown) + 5,
+        timeout_graceful_shutdown=int(args.timeout_graceful_shutdown) + 5,
     )
-    GracefulServer(config, ctx, ns.timeout_graceful_shutdown).run()
+    GracefulServer(config, ctx, args.timeout_graceful_shutdown).run()
     logger.info("server stopped")

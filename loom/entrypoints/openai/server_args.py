@@ -1,0 +1,36 @@
+"""`ServerArgs`: what `loom serve` needs beyond the engine (the HTTP side). Each field is also a
+`loom serve` flag, generated from its `flag(...)` declaration (loom.engine.arg_utils): adding a
+server option is adding a field here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.engine.arg_utils import SERVER, flag, non_negative_float, non_negative_int
+from loom.tools.parsers import PARSERS
+
+DEFAULT_GRACE_SECONDS = 10.0
+API_KEY_ENV = "LOOM_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = flag("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)", SERVER)
+    port: int = flag(8000, "TCP port to listen on", SERVER)
+    api_key: str | None = flag(
+        None, "require `Authorization: Bearer KEY` on every route except /health, /version and "
+              f"/metrics (default: ${API_KEY_ENV} if set, else no key)", SERVER)
+    tool_call_parser: str = flag(
+        "auto", "how tool calls appear in the model's output; auto: from the chat template "
+                "(hermes when the template knows no tools)", SERVER, choices=("auto", *PARSERS))
+    max_waiting_requests: int | None = flag(
+        None, "answer 429 when this many requests already wait to be scheduled "
+              "(default: no limit)", SERVER, type=non_negative_int)
+    disable_log_requests: bool = flag(
+        False, "do not log each request and its sampling parameters (nor the access log)", SERVER)
+    timeout_graceful_shutdown: float = flag(
+        DEFAULT_GRACE_SECONDS, "seconds running requests get to finish after SIGTERM/SIGINT "
+                               "before they are aborted with an error", SERVER,
+        type=non_negative_float)
+    log_level: str = flag("info", "server log level", SERVER,
+                          choices=("critical", "error", "warning", "info", "debug"))
