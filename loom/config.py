@@ -35,6 +35,22 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention kind ("sliding_attention" / "full_attention"); empty: every layer
+    # uses `sliding_window` (Mistral). Gemma 2/3 interleave the two.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
+    # Mixture of experts (0 experts: a dense MLP in every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
+    # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         positive = (
@@ -52,8 +68,39 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"model config: unsupported hidden_act {self.hidden_act!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"model config: unsupported hidden_act {self.hidden_act!r}; "
+                              f"supported: {', '.join(HIDDEN_ACTS)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(f"model config: {len(self.layer_types)} layer_types for "
+                                  f"{self.num_hidden_layers} layers")
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise ConfigError(f"model config: unsupported layer types {sorted(unknown)}; "
+                                  f"supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ConfigError("model config: sliding_attention layers need a sliding_window")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
+                              f"must be in 1..num_experts ({self.num_experts})")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"model config: unsupported pooling {self.pooling!r}; "
+                              f"supported: {', '.join(POOLINGS)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (not self.moe_layers or layer in self.moe_layers)
+
+
+HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+POOLINGS = ("last", "mean")
 
 
 # --kv-cache-dtype: auto is the model's dtype (loom.worker.kv_cache maps the names to torch's;

@@ -13,7 +13,9 @@ TINY = dict(
 
 
 def _configs() -> dict[str, object]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+    )
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -29,10 +31,19 @@ def _configs() -> dict[str, object]:
         "mistral": MistralConfig(**TINY, sliding_window=12),
         "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+        # Gemma: a window of 8 positions on the sliding layers, the full context on the others
+        "gemma3": Gemma3TextConfig(
+            **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "gemma2": Gemma2Config(
+            **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+        ),
     }
 
 
-ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

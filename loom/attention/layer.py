@@ -11,14 +11,19 @@ from loom.attention.forward_context import get_forward_context
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> None:
+        """`sliding_window`: a query attends the last that many positions (itself included);
+        `scale` multiplies q.k (default head_dim ** -0.5); `softcap` caps the scaled scores as
+        cap * tanh(score / cap) (Gemma 2), on the torch path (the C kernel has no cap)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
         self.use_kernel: bool | None = None  # the C kernel when it can run here; decided once
@@ -35,11 +40,11 @@ class Attention(nn.Module):
             self.use_kernel = cpu_kernel.supported(
                 q, self.kv_cache, self.num_heads, self.num_kv_heads, self.head_dim
             )
-        if self.use_kernel:
+        if self.use_kernel and self.softcap is None:
             return cpu_kernel.paged_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
         mask = md.masks.get(self.sliding_window)
         if mask is None:
             mask = md.masks[self.sliding_window] = torch_ref.build_mask(
                 md, self.sliding_window, q.dtype
             )
-        return torch_ref.paged_attention(q, self.kv_cache, md, mask, self.scale)
+        return torch_ref.paged_attention(q, self.kv_cache, md, mask, self.scale, self.softcap)

@@ -14,8 +14,11 @@ from loom.config import ConfigError, ModelConfig
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either transformers 5 `rope_parameters` or older top-level keys."""
+    """(theta, scaling) from either transformers 5 `rope_parameters` or older top-level keys;
+    per-layer-type parameters (Gemma 3) give the full-attention layers'."""
     params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if scaling.get("rope_type", "default") == "default":
@@ -31,6 +34,41 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+_GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 2/3's own config: interleaved sliding and full layers (each with its RoPE base in
+    Gemma 3), the attention scale, soft-capping, GELU-tanh."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{path}: {arch} with use_bidirectional_attention is not supported")
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types:  # older configs: every `pattern`-th layer is global (Gemma 2: every other)
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                      or (6 if arch == "Gemma3ForCausalLM" else 2))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]
+    local = cfg.get("rope_local_base_freq")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        sliding = params["sliding_attention"]
+        if sliding.get("rope_type", "default") != "default":
+            raise ConfigError(f"{path}: rope scaling {sliding['rope_type']!r} on the sliding "
+                              "layers is not supported")
+        local = sliding.get("rope_theta")
+    return dict(
+        layer_types=tuple(types),
+        qk_norm=arch == "Gemma3ForCausalLM",
+        rope_local_theta=None if local is None else float(local),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        sliding_window=cfg.get("sliding_window"),
+    )
 
 
 def model_config_from_hf(folder: Path) -> ModelConfig:
@@ -55,7 +93,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         gen_path = folder / "generation_config.json"
         if gen_path.exists():
             eos = _as_tuple(json.loads(gen_path.read_text()).get("eos_token_id")) or eos
-        return ModelConfig(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -76,6 +114,9 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
+        if arch in _GEMMAS:
+            fields.update(_gemma_fields(arch, cfg, path))
+        return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None
 

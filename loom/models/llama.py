@@ -25,7 +25,7 @@ from loom.loader.weight_map import load_packed_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -40,7 +40,11 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
+        scalar = config.query_pre_attn_scalar
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer),
+            scale=None if scalar is None else scalar**-0.5, softcap=config.attn_logit_softcapping,
+        )
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -77,9 +81,13 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_act.startswith("gelu")  # gelu_pytorch_tanh (Gemma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if cpu_ops.usable(gate_up) and gate_up.is_contiguous():
             return self.down_proj(cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -87,9 +95,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,7 +127,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -163,10 +173,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_cls(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -197,6 +209,12 @@ class LlamaForCausalLM(nn.Module):
             logits = self.compute_logits(
                 hidden if only_rows else hidden[torch.from_numpy(rows).to(hidden.device)])
         return hidden, logits
+
+    def c_stack_refusal(self) -> str | None:
+        """Why the one-call C decoder stack (int8) cannot run this model, or None if it can."""
+        if self.config.qk_norm:
+            return f"{self.config.architecture} with q/k norms"
+        return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

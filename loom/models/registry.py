@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
+from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
@@ -13,6 +14,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

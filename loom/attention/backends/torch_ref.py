@@ -70,8 +70,10 @@ def paged_attention(
     md: AttentionMetadata,
     mask: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; `softcap`:
+    scores capped as softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, row = kv_cache.shape
     num_reqs = md.seq_lens.shape[0]
@@ -94,10 +96,27 @@ def paged_attention(
     else:
         q_pad = q.new_zeros(num_reqs, md.max_query_len, num_heads, head_dim)
         q_pad[md.token_req_idx, md.token_local_idx] = q
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-        enable_gqa=num_heads != kv_heads,
-    )  # [num_reqs, num_heads, max_q, head_dim]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != kv_heads,
+        )  # [num_reqs, num_heads, max_q, head_dim]
+    else:
+        out = _softcapped_attention(q_pad.transpose(1, 2), k, v, mask, scale, softcap)
     if decode_only:
         return out.view(num_reqs, num_heads, head_dim)
     return out.transpose(1, 2)[md.token_req_idx, md.token_local_idx]
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with capped scores (SDPA has no cap): q [reqs, heads, max_q, head_dim], k, v
+    [reqs, kv_heads, keys, head_dim] -> [reqs, heads, max_q, head_dim]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [reqs, heads, max_q, keys]
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
