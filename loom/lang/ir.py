@@ -11,14 +11,22 @@ from loom.lang.errors import LangError
 Expr = Any
 
 
+class Seq(tuple):
+    """`"text" + gen(...) + "more"`: expressions in order (what `+` between them builds)."""
+
+    def __add__(self, other: Expr) -> Seq:  # type: ignore[override]
+        return Seq((*self, other))
+
+    def __radd__(self, other: Expr) -> Seq:
+        return Seq((other, *self))
+
+
 class _Concat:
-    """`"text" + gen(...) + "more"`: expressions concatenate into a tuple, added in order."""
+    def __add__(self, other: Expr) -> Seq:
+        return Seq((self, other))
 
-    def __add__(self, other: Expr) -> tuple[Expr, ...]:
-        return (self, other)
-
-    def __radd__(self, other: Expr) -> tuple[Expr, ...]:
-        return (other, self)
+    def __radd__(self, other: Expr) -> Seq:
+        return Seq((other, self))
 
 
 @dataclass(frozen=True)

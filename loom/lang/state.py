@@ -6,12 +6,11 @@ batches them and shares their prefix. Reading (`s["name"]`, `s.text()`, `s.fork(
 for what was added before it. The first failure stops the state; reads raise it.
 
 Threads: the program's thread adds; one worker (started when work arrives, gone when none is
-left) executes. `_lock` guards the queue, the text and the variables.
+left) executes. `_lock` guards the queue, the text, the variables and the streamed pieces.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,9 +22,6 @@ from loom.lang.ir import Gen, Role, Select
 
 if TYPE_CHECKING:
     from loom.lang.backend import Backend
-
-_END = object()
-
 
 @dataclass
 class VarMeta:
@@ -62,7 +58,9 @@ class ProgramState:
         self._ops: deque[Callable[[], None]] = deque()
         self._working = False
         self._error: BaseException | None = None
-        self._events: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if stream else None
+        # streamed (variable, text) pieces, kept so that every text_iter sees all of them
+        self._events: list[tuple[str | None, str]] | None = [] if stream else None
+        self._ended = False
 
     # ---- adding (the program's thread) ----------------------------------------------------
 
@@ -138,19 +136,29 @@ class ProgramState:
         text, or with `var` only the generated text of that variable."""
         if self._events is None:
             raise LangError("this state does not stream; run the program with stream=True")
+        i = 0
         while True:
-            item = self._events.get()
-            if item is _END:
-                self._events.put(_END)  # a second iterator ends too
-                self.sync()
-                return
-            name, delta = item
+            with self._lock:
+                while i >= len(self._events) and not self._ended:
+                    self._lock.wait()
+                if i >= len(self._events):
+                    break
+                name, delta = self._events[i]
+                i += 1
             if var is None or name == var:
                 yield delta
+        self.sync()
+
+    def _emit(self, var: str | None, text: str) -> None:
+        if self._events is not None and text:
+            with self._lock:
+                self._events.append((var, text))
+                self._lock.notify_all()
 
     def _end_stream(self) -> None:
-        if self._events is not None:
-            self._events.put(_END)
+        with self._lock:
+            self._ended = True
+            self._lock.notify_all()
 
     # ---- forks ----------------------------------------------------------------------------
 
@@ -168,8 +176,8 @@ class ProgramState:
     def _append(self, text: str, var: str | None = None, emit: bool = True) -> None:
         with self._lock:
             self._text += text
-        if emit and text and self._events is not None:
-            self._events.put((var, text))
+        if emit:
+            self._emit(var, text)
 
     def _exec(self, expr: Any) -> None:
         if isinstance(expr, str):
@@ -198,15 +206,13 @@ class ProgramState:
 
         def on_delta(delta: str) -> None:
             streamed.append(delta)
-            if self._events is not None:
-                self._events.put((expr.name, delta))
+            self._emit(expr.name, delta)
 
         result = self.backend.generate(self._text, spec, on_delta)
         sent = "".join(streamed)
         rest = result.text[len(sent):] if result.text.startswith(sent) else result.text
         self._append(result.text, emit=False)
-        if rest and self._events is not None:
-            self._events.put((expr.name, rest))
+        self._emit(expr.name, rest)
         self._set(expr.name, VarMeta(
             "gen", result.text, result.prompt_tokens, result.completion_tokens,
             result.cached_tokens, result.finish_reason, result.logprobs))
