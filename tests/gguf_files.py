@@ -16,6 +16,11 @@ _NAMES = {
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_GEMMA_NAMES = {
+    **_NAMES, "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -42,8 +47,18 @@ def write_gguf(
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    gemma = arch.startswith("gemma")
+    if gemma:  # what llama.cpp's converter writes (the norms as 1 + w, below)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        if "sliding_attention" in rope:
+            w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, key, None) is not None:
+                getattr(w, f"add_{key}")(getattr(cfg, key))
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -58,11 +73,13 @@ def write_gguf(
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_NAMES[module]}.{kind}"
+            gname = f"blk.{layer}.{(_GEMMA_NAMES if gemma else _NAMES)[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj" and kind == "weight":
                 a = _permute(a, heads)
             elif arch == "llama" and module == "self_attn.k_proj" and kind == "weight":
                 a = _permute(a, kv)
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1
         qt = next((t for key, t in (overrides or {}).items() if f".{key}." in gname), qtype)
         if a.ndim == 2 and qt != GGMLQuantizationType.F32:
             w.add_tensor(gname, quantize(a, qt), raw_dtype=qt)

@@ -25,8 +25,11 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _PERMUTED_QK = {"llama"}
+_GEMMAS = {"gemma2", "gemma3"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -40,6 +43,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,12 +72,13 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.get(key, default)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMAS else _LAYER_NAMES
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -89,6 +100,9 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     scaling = _rope_scaling(reader, arch)
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
+    extra = _gemma_fields(reader, arch, path) if arch in _GEMMAS else {}
+    if arch in _GEMMAS:  # the end of a chat turn stops generation (llama.cpp's EOG by text)
+        eos.append(extra.pop("end_of_turn"))
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -108,6 +122,38 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         sliding_window=field(reader, f"{arch}.attention.sliding_window"),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        **extra,
+    )
+
+
+def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma 2/3 rather than storing: every 2nd (Gemma 2) or 6th
+    (Gemma 3) layer global, the rest sliding; the sliding layers' RoPE base 10000 (Gemma 3);
+    the attention scale head_dim ** -0.5, (hidden / heads) ** -0.5 for the 27B models."""
+    layers = int(field(reader, f"{arch}.block_count"))
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag a layer: sliding or not
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        period = int(pattern or (6 if arch == "gemma3" else 2))
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if field(reader, f"{arch}.attention.sliding_window") is None:
+        raise GGUFError(f"{path}: metadata key {arch}.attention.sliding_window is missing")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    is_27b = layers == (62 if arch == "gemma3" else 46)
+    tokens = field(reader, "tokenizer.ggml.tokens", [])
+    return dict(
+        layer_types=tuple(types),
+        rope_local_theta=(float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+                          if arch == "gemma3" else None),
+        query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim),
+        attn_logit_softcapping=field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=field(reader, f"{arch}.final_logit_softcapping"),
+        hidden_act="gelu_pytorch_tanh",
+        end_of_turn=tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None,
     )
 
 
@@ -139,7 +185,7 @@ def iter_gguf_tensors(
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
         shape = t.shape
@@ -157,13 +203,16 @@ def iter_gguf_tensors(
         if heads is not None:
             w = (w.map_rows(lambda a: _unpermute(a, heads))
                  if isinstance(w, Q8Groups) else _unpermute(w, heads))
+        if arch in _GEMMAS and name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
 
 
 def q8_tensors(reader: GGUFFile) -> dict[str, int]:
     """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True)` yields as
     int8 groups."""
-    return {hf_name(t.name) or t.name: group_bits(t.tensor_type)
+    arch = gguf_architecture(reader)
+    return {hf_name(t.name, arch) or t.name: group_bits(t.tensor_type)
             for t in reader.tensors if groupable(t.tensor_type, t.shape)}
 
 

@@ -212,6 +212,11 @@ def load_model(
         head = getattr(model, HEAD, None)
         if isinstance(head, Int8Linear) and head.grouped:
             head.reuse_output = True  # logits live until the next step (the runner's use)
+        refusal = model.c_stack_refusal() if quantization == "int8" else None
+        if refusal is not None:  # said at load, never a silent fallback
+            logger.warning("quantization int8: Loom's one-call C decoder stack runs Llama-family "
+                           "layers only, not %s; this model runs layer by layer (int8 linears, "
+                           "per-op kernels)", refusal)
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)
