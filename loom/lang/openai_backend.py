@@ -121,9 +121,10 @@ class OpenAIBackend(Backend):
             scores = self._score_exact(prompt, choices)
             if scores is not None:
                 return scores
-            warnings.warn(f"{self.base_url} cannot score prompts (echo + logprobs); select falls "
-                          "back to a greedy generation matched against the choices",
-                          LangFallbackWarning, stacklevel=2)
+        reason = "told not to score" if self.exact_select is False else "cannot score prompts"
+        warnings.warn(f"{self.base_url}: {reason} (echo + logprobs); select falls back to a "
+                      "greedy generation matched against the choices", LangFallbackWarning,
+                      stacklevel=2)
         return self._score_by_generation(prompt, choices)
 
     def _score_exact(self, prompt: str, choices: Sequence[str]) -> ChoiceScores | None:
