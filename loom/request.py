@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from loom.core.block_hash import BlockHash, extend_block_hashes
+from loom.block_hash import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
     from loom.sampling_params import SamplingParams

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from loom.structured.params import StructuredOutputsParams
+from loom.errors import SamplingParamsError
+from loom.structured.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 _MAX_LOGPROBS = 20
 _MAX_N = 128
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -59,8 +53,6 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.structured_outputs is not None:
-            from loom.structured.params import StructuredOutputsParams
-
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
 

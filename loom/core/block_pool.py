@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from loom.core.block_hash import BlockHash
+from loom.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False, repr=False)

@@ -19,9 +19,10 @@ from loom.config import ModelConfig
 from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
 from loom.layers.norm import RMSNorm
-from loom.kernels import cpu_ops, decoder
+from loom.kernels import cpu_ops
 from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from loom.loader.weight_map import load_packed_weights
+from loom.models import q8_decoder
+from loom.models.weight_map import load_packed_weights
 
 
 class LlamaAttention(nn.Module):
@@ -134,12 +135,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.stack: decoder.Q8Decoder | bool | None = None  # the one-call C stack, if it applies
+        self.stack: q8_decoder.Q8Decoder | bool | None = None  # the one-call C stack, if any
 
-    def c_stack(self) -> decoder.Q8Decoder | None:
+    def c_stack(self) -> q8_decoder.Q8Decoder | None:
         """The one-call C stack where it runs this step (int8 on the CPU), else None."""
         if self.stack is None:  # decided on the first step, after any quantization
-            self.stack = decoder.Q8Decoder(self) if decoder.eligible(self) else False
+            self.stack = q8_decoder.Q8Decoder(self) if q8_decoder.eligible(self) else False
         return self.stack if self.stack and self.stack.usable() else None
 
     def forward(

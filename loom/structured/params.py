@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from loom.sampling_params import SamplingParamsError
+from loom.errors import SamplingParamsError
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -66,6 +66,14 @@ def _load_hf_tokenizer(source: ModelSource) -> Any:
     cached = _cache_dir() / _gguf_cache_key(source.path)
     logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", source.path, cached)
     tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    if not getattr(tok, "chat_template", None):
+        from loom.loader.gguf_file import read_gguf
+        from loom.tokenizer.templates import builtin_template
+
+        arch = read_gguf(source.path).get("general.architecture")
+        tok.chat_template = builtin_template(arch)
+        if tok.chat_template is not None:
+            logger.info("%s carries no chat template; using %s's turn format", source.path, arch)
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:  # a read-only home must not stop serving

@@ -15,7 +15,7 @@ from loom.attention.forward_context import set_forward_context
 from loom.attention.metadata import build_attention_metadata
 from loom.config import ConfigError
 from loom.kernels import cpu_kernels
-from loom.kernels.decoder import BATCH_CODES, Q8Decoder
+from loom.models.q8_decoder import BATCH_CODES, Q8Decoder
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.quant.base import quantize_linears_

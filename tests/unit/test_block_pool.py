@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from loom.core.block_hash import (
+from loom.block_hash import (
     ROOT_BLOCK_HASH,
     extend_block_hashes,
     hash_block_tokens,
@@ -174,7 +174,7 @@ def test_reset_prefix_cache_only_when_idle() -> None:
 # ---- hashes --------------------------------------------------------------------------------
 
 _HASH_SNIPPET = (
-    "from loom.core.block_hash import hash_block_tokens as h;"
+    "from loom.block_hash import hash_block_tokens as h;"
     "p = h(None, [1, 2, 3, 4], ('lora', 7));"
     "print(h(p, [5, 6, 7, 8], ('lora', 7)).hex())"
 )

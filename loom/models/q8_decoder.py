@@ -1,4 +1,5 @@
-"""The whole decoder stack of an int8 Llama-family model in one C call (csrc/decoder_q8.c).
+"""The whole decoder stack of an int8 Llama-family model in one C call
+(loom/kernels/csrc/decoder_q8.c).
 
 It runs the kernels the per-module path runs, in the same order, on the same buffers' values:
 the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
