@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml
 
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test]'
+	# Chromium and its driver for the web page tests (tests/product): Debian's packages, as root;
+	# skipped when present. Without them those tests skip and say why.
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+	      chromium-driver) || echo "chromium could not be installed: the browser tests will skip"; \
+	  else echo "no chromium (needs root and apt-get): the browser tests will skip"; fi; fi
 	touch $@
 
 install: $(STAMP)

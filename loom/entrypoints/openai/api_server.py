@@ -25,6 +25,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loom import __version__
 from loom.engine.async_engine import AsyncEngine, EngineShutdownError
+from loom.entrypoints.openai.body import (
+    BodySizeLimitMiddleware, install_openapi, openapi_body, parse_body,
+)
 from loom.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from loom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loom.entrypoints.openai.protocol import (
@@ -36,6 +39,9 @@ from loom.entrypoints.openai.protocol import (
 from loom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
+from loom.entrypoints.openai import web
+
+from loom.entrypoints.openai.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from loom.engine.args import EngineArgs
@@ -46,7 +52,7 @@ __all__ = ["build_app", "run_server"]
 logger = logging.getLogger(__name__)
 
 # Routes that answer without an API key (probes and scrapers).
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", *web.OPEN_PATHS})
 
 router = APIRouter()
 
@@ -83,25 +89,26 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(
-    body: CompletionRequest, request: Request
-) -> JSONResponse | StreamingResponse:
+# Bodies are parsed and validated on a worker thread (body.py), not by FastAPI on the loop.
+@router.post("/v1/completions", response_model=None, openapi_extra=openapi_body(CompletionRequest))
+async def completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI completions; see serving_completion.py."""
+    body = await parse_body(request, CompletionRequest)
     return await create_completion(_ctx(request), body, request)
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request
-) -> JSONResponse | StreamingResponse:
+@router.post("/v1/chat/completions", response_model=None,
+             openapi_extra=openapi_body(ChatCompletionRequest))
+async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI chat completions; see serving_chat.py."""
+    body = await parse_body(request, ChatCompletionRequest)
     return await create_chat_completion(_ctx(request), body, request)
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+@router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+async def tokenize(request: Request) -> JSONResponse:
     """Token ids of `prompt`, or of `messages` rendered with the chat template (vLLM's shape)."""
+    body = await parse_body(request, TokenizeRequest)
     ctx = _ctx(request)
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -109,15 +116,19 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        tokens = render_messages(ctx, body.messages, body.add_generation_prompt)
+        tokens = await asyncio.to_thread(render_messages, ctx, body.messages,
+                                         body.add_generation_prompt)
     else:
-        tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        prompt = body.prompt or ""
+        ctx.check_text_size(len(prompt), "prompt")
+        tokens = await asyncio.to_thread(ctx.tokenizer.encode, prompt, body.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": ctx.max_model_len,
                          "tokens": tokens})
 
 
-@router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+@router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+async def detokenize(request: Request) -> JSONResponse:
+    body = await parse_body(request, DetokenizeRequest)
     ctx = _ctx(request)
     ctx.check_model(body.model)
     vocab = ctx.tokenizer.vocab_size
@@ -147,7 +158,10 @@ class APIKeyMiddleware:
         await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
 
 
-def build_app(ctx: ServerContext, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(
+    ctx: ServerContext, metrics: ServerMetrics, api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
     """The ASGI app; starting it (lifespan) starts the engine thread, stopping it stops it."""
 
     @asynccontextmanager
@@ -165,7 +179,11 @@ def build_app(ctx: ServerContext, metrics: ServerMetrics, api_key: str | None = 
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.include_router(router)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest])
+    app.include_router(web.router)  # the chat page, /dashboard and its feed
     return app
 
 
@@ -239,8 +257,9 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
         engine=async_engine, tokenizer=engine.tokenizer, model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,
         log_requests=not args.disable_log_requests, tool_call_parser=args.tool_call_parser,
+        max_token_chars=engine.tokenizer.max_token_chars,
     )
-    app = build_app(ctx, metrics, args.api_key)
+    app = build_app(ctx, metrics, args.api_key, args.max_request_body_bytes)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_log_requests,
