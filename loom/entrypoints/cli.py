@@ -8,10 +8,10 @@ import argparse
 import logging
 
 from loom.bench import cli as bench
-from loom.entrypoints import generate
+from loom.entrypoints import generate, hub_cli
 from loom.entrypoints.openai import cli_args as serve
 
-SUBCOMMANDS = (serve, generate, bench)
+SUBCOMMANDS = (serve, generate, bench, hub_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

