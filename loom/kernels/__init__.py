@@ -1,36 +1,30 @@
-"""Small C kernels for the CPU, compiled on first use with the machine's C compiler and cached.
+"""Loom's C kernels for the CPU: the build this process runs and its entry points.
 
-The source lies in `csrc/`. It is built with `-O3 -march=native -ffast-math -fopenmp` into
-`$LOOM_CACHE_DIR/kernels` (default `~/.cache/loom/kernels`), under a name that hashes the source,
-the flags, the compiler's version and the CPU's feature flags, so a changed source or machine
-rebuilds and a warm machine loads in milliseconds. OpenMP resolves to the libgomp torch has
-already loaded, so kernels and torch share one thread pool.
+The sources lie in `csrc/`; loom.kernels.build compiles them once per instruction-set variant
+(at install, else on first use) and loom.kernels.dispatch chooses which this process loads and
+which kernels it runs in it (`select`, else the best for this CPU on first use). OpenMP resolves
+to the libgomp torch has already loaded, so kernels and torch share one thread pool.
 
-Where no compiler works, or `LOOM_CPU_KERNELS=0`, `cpu_kernels()` is None and callers use their
-torch path.
+Where no compiler works, no variant builds, or `LOOM_CPU_KERNELS=0`, `cpu_kernels()` is None and
+callers use their torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch  # first: the kernels' libgomp must resolve to the one torch loaded
 
+from loom.kernels import dispatch
+from loom.kernels.dispatch import KernelChoice
+
 logger = logging.getLogger(__name__)
 
-ENV_SWITCH = "LOOM_CPU_KERNELS"
-SOURCES = ("paged_attention.c", "layer_ops.c", "linear_q8.c", "linear_amx.c", "linear_bf16.c",
-           "linear_vnni.c", "decoder_q8.c")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+ENV_SWITCH = dispatch.ENV
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
@@ -86,45 +80,15 @@ def kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom"
-    )
-    return Path(root) / "kernels"
+    """Where the kernels' builds lie (loom.kernels.build.cache_dir)."""
+    from loom.kernels.build import cache_dir
+
+    return cache_dir()
 
 
 def cpu_flags() -> str:
-    """/proc/cpuinfo's flags line (the CPU's features; also in the kernels' cache key)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return cc if shutil.which(cc) else None
-
-
-def _build(cc: str, sources: list[Path], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    base = [cc, *CFLAGS, *map(str, sources), "-o", tmp]
-    try:
-        # libmvec holds the vector expf that -ffast-math loops call; not every libc has it.
-        for libs in (["-lmvec", "-lm"], ["-lm"]):
-            proc = subprocess.run([*base, *libs], capture_output=True, text=True)
-            if proc.returncode == 0:
-                os.replace(tmp, target)  # atomic: concurrent builders each write their own tmp
-                return
-        raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """The CPU's feature flags, space-separated (loom.kernels.dispatch.cpu_features)."""
+    return " ".join(sorted(dispatch.cpu_features()))
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -136,29 +100,78 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 @functools.cache
-def cpu_kernels() -> ctypes.CDLL | None:
-    """The compiled kernels, built if needed; None when disabled or no compiler can build them."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    cc = _compiler()
+def _selection(name: str, batch_invariant: bool) -> tuple[ctypes.CDLL, KernelChoice] | None:
+    """The library and kernels for --cpu-kernels `name`, built if needed; None where no
+    compiler or no variant builds. A variant that fails to build is disabled alone, loudly,
+    and "auto" takes the next one down; a named one that fails raises KernelChoiceError."""
+    from loom.kernels import build  # not at import: `python -m loom.kernels.build` runs it
+
+    cc = build.compiler()
     if cc is None:
         logger.warning("no C compiler (cc or $CC): CPU kernels off, Loom uses torch ops")
         return None
-    sources = [Path(__file__).parent / "csrc" / s for s in SOURCES]
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256()
-        for part in (*[s.read_bytes() for s in sources], " ".join(CFLAGS).encode(),
-                     version.encode(), cpu_flags().encode(), torch.__version__.encode()):
-            key.update(part)
-        target = cache_dir() / f"loom_cpu_{key.hexdigest()[:16]}.so"
-        if not target.exists():
-            logger.info("building CPU kernels into %s", target)
-            _build(cc, sources, target)
-            for old in target.parent.glob("loom_cpu_*.so"):  # other sources, flags or CPUs
-                if old != target:
-                    old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
-        return _load(target)
-    except Exception as e:  # a broken toolchain must not stop serving: torch paths still work
-        logger.warning("CPU kernels unavailable (%s); Loom uses torch ops", e)
-        return None
+    failed: set[str] = set()
+    while True:
+        try:
+            choice = dispatch.choose(name, batch_invariant, frozenset(failed))
+        except dispatch.KernelChoiceError:
+            if name != "auto":
+                raise
+            logger.warning("no CPU kernel variant built; Loom uses torch ops")
+            return None
+        try:
+            so = build.build(dispatch.variant(choice.variant), cc)
+            lib = _load(so)
+        except (build.BuildError, OSError, AttributeError) as e:
+            logger.warning("CPU kernels %r DISABLED: %s", choice.variant, e)
+            failed.add(choice.variant)
+            if name != "auto":
+                raise dispatch.KernelChoiceError(
+                    f"CPU kernels {name!r} failed to build: {e}") from None
+            continue
+        if choice.batch == "amx" and not lib.loom_amx_available():  # Linux withholds the tiles
+            choice = dataclasses.replace(choice, batch="bf16")
+        return lib, choice
+
+
+_current: list[tuple[ctypes.CDLL, KernelChoice] | None] = []  # the selection, once made
+
+
+def select(name: str = "auto", batch_invariant: bool = False) -> KernelChoice | None:
+    """Run the kernels of --cpu-kernels `name` (LOOM_CPU_KERNELS's where `name` is "auto") in
+    this process from now on; returns the choice (None: no C kernels, torch ops run).
+    KernelChoiceError for a name this CPU or this build cannot run."""
+    env = dispatch.requested()
+    if env == "0":
+        got = None
+    else:
+        name = env if name == "auto" else name
+        if name not in dispatch.NAMES:
+            raise dispatch.KernelChoiceError(
+                f"unknown CPU kernels {name!r}; choose from {', '.join(dispatch.NAMES)}")
+        got = _selection(name, batch_invariant)
+    _current[:] = [got]
+    return None if got is None else got[1]
+
+
+def _selected() -> tuple[ctypes.CDLL, KernelChoice] | None:
+    if not _current:
+        try:
+            select()
+        except dispatch.KernelChoiceError as e:  # a bad LOOM_CPU_KERNELS: torch paths still work
+            logger.warning("CPU kernels unavailable (%s); Loom uses torch ops", e)
+            _current[:] = [None]
+    return _current[0]
+
+
+def kernel_choice() -> KernelChoice | None:
+    """The kernels this process runs (LOOM_CPU_KERNELS's, or the best, unless select() chose)."""
+    got = _selected()
+    return None if got is None else got[1]
+
+
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The library of the selected build, built if needed; None when disabled or nothing
+    builds."""
+    got = _current[0] if _current else _selected()
+    return None if got is None else got[0]

@@ -329,11 +329,10 @@ static int run_layers(Step *s, Team *t)
 }
 
 // out[t] = the embedding of ids[t], q * scale + min rounded twice as Q8Groups.dequantize does
-// (torch's mul_ then add_: no fused multiply-add here). 4-bit rows hold a group's values j and
-// j + 16 in byte j's low and high nibbles.
-__attribute__((optimize("fp-contract=off"))) static void embed_rows(const LoomEmbedQ8 *E,
-                                                                    int64_t M, int64_t H,
-                                                                    float *out)
+// (torch's mul_ then add_: no fused multiply-add; loom/kernels/build.py compiles this file
+// without contraction). 4-bit rows hold a group's values j and j + 16 in byte j's low and high
+// nibbles.
+static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
 {
     const int64_t groups = H / 32, row_bytes = H * E->table.bits / 8;
     for (int64_t t = 0; t < M; t++) {

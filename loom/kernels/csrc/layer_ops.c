@@ -3,10 +3,12 @@
 // 576 floats) with one call. Parallel over tokens when there are enough of them.
 
 #include <stdint.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
+
+#include "half.h"
 
 #define PAR_MIN_TOKENS 16
 
@@ -84,7 +86,7 @@ void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, i
 }
 
 // n fp32 values -> fp16, rounded to nearest even (as torch's .half()).
-static inline void f32_to_f16(const float *src, int64_t n, _Float16 *dst)
+static inline void f32_to_f16(const float *src, int64_t n, uint16_t *dst)
 {
     int64_t i = 0;
 #ifdef __F16C__
@@ -92,7 +94,7 @@ static inline void f32_to_f16(const float *src, int64_t n, _Float16 *dst)
         _mm_storeu_si128((__m128i *)(dst + i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
-    for (; i < n; i++) dst[i] = (_Float16)src[i];
+    for (; i < n; i++) dst[i] = loom_f32_to_f16(src[i]);
 }
 
 // linear_q8.c
@@ -142,67 +144,11 @@ void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_h
             f32_to_kv_i8(k, kv_heads, D, (uint8_t *)k_cache + slots[t] * kv_heads * (D + D / 4));
             f32_to_kv_i8(v, kv_heads, D, (uint8_t *)v_cache + slots[t] * kv_heads * (D + D / 4));
         } else if (kv_type == 1) {
-            f32_to_f16(k, kv_heads * D, (_Float16 *)k_cache + at);
-            f32_to_f16(v, kv_heads * D, (_Float16 *)v_cache + at);
+            f32_to_f16(k, kv_heads * D, (uint16_t *)k_cache + at);
+            f32_to_f16(v, kv_heads * D, (uint16_t *)v_cache + at);
         } else {
             float *kc = (float *)k_cache + at, *vc = (float *)v_cache + at;
             for (int64_t i = 0; i < kv_heads * D; i++) { kc[i] = k[i]; vc[i] = v[i]; }
         }
     }
-}
-
-// out[r] = the index of the greatest of row r's n values (rows ld floats apart), the first of
-// ties, and the first NaN's where a row has one: torch's max(dim=-1).indices (the sampler's
-// greedy pick). IEEE compares, whatever the build's fast math.
-__attribute__((optimize("no-fast-math"))) static int64_t argmax_row(const float *x, int64_t n)
-{
-    int64_t i = 0, best = 0;
-    float top = x[0];
-#ifdef __AVX512F__
-    if (n >= 16 && n <= INT32_MAX) {  // 16 lanes, each its greatest and where it came first
-        __m512 lane_top = _mm512_loadu_ps(x);
-        const __m512i step = _mm512_set1_epi32(16);
-        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i lane_at = at;
-        __mmask16 nan = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
-        for (i = 16; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            at = _mm512_add_epi32(at, step);
-            const __mmask16 up = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
-            lane_top = _mm512_mask_mov_ps(lane_top, up, v);
-            lane_at = _mm512_mask_mov_epi32(lane_at, up, at);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        }
-        if (nan) {  // the first NaN (in what the lanes read), as torch
-            for (int64_t k = 0; k < i; k++)
-                if (x[k] != x[k]) return k;
-        }
-        float tops[16];
-        int32_t ats[16];
-        _mm512_storeu_ps(tops, lane_top);
-        _mm512_storeu_si512(ats, lane_at);
-        top = tops[0];
-        best = ats[0];
-        for (int k = 1; k < 16; k++)
-            if (tops[k] > top || (tops[k] == top && ats[k] < best)) {
-                top = tops[k];
-                best = ats[k];
-            }
-    }
-#endif
-    for (; i < n; i++) {
-        if (x[i] != x[i]) return i;
-        if (x[i] > top) {
-            top = x[i];
-            best = i;
-        }
-    }
-    return best;
-}
-
-void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
-                      int num_threads)
-{
-#pragma omp parallel for num_threads(num_threads) if (rows >= 2)
-    for (int64_t r = 0; r < rows; r++) out[r] = n > 0 ? argmax_row(x + r * ld, n) : 0;
 }

@@ -16,7 +16,7 @@
 // order differs from linear_q8.c's: a request's bits then depend on whether its step had more
 // than 8 rows.
 
-#pragma GCC optimize("no-fast-math")
+// Built without fast math (loom/kernels/build.py).
 
 #include <stdint.h>
 #include <stdlib.h>

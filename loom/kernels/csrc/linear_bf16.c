@@ -13,7 +13,7 @@
 // run linear_q8.c's direct path (decode of a few streams is bound by reading weights, not by
 // products).
 
-#pragma GCC optimize("no-fast-math")
+// Built without fast math (loom/kernels/build.py).
 
 #include <omp.h>
 #include <stdint.h>

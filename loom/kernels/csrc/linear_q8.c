@@ -17,11 +17,11 @@
 // every input row past it, four x rows by three weight rows per tile. So a request's result
 // does not depend on its batch.
 
-// Exact IEEE order here (the library is built with -ffast-math for the attention's expf): the
+// Exact IEEE order here (loom/kernels/build.py compiles this file without fast math): the
 // vector code below is explicit, and reassociation would sum the same output differently in
 // the direct and the block path.
-#pragma GCC optimize("no-fast-math")
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef __AVX2__
@@ -495,7 +495,7 @@ void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *m
     const float s = (hi - lo) / 255.0f;
     const float safe = s > 0.0f ? s : 1.0f;
     for (int j = 0; j < GROUP; j++) {
-        float v = __builtin_roundevenf((src[j] - lo) / safe);
+        float v = rintf((src[j] - lo) / safe);  // to nearest even
         v = v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
         q[j] = (uint8_t)v;
     }

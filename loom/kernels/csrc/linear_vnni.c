@@ -20,7 +20,7 @@
 // terms are one fma per 16 groups. Every output is summed in the same order whatever M, so a row
 // computes the same bits alone as with others (but not the AVX kernel's bits).
 
-#pragma GCC optimize("no-fast-math")
+// Built without fast math (loom/kernels/build.py).
 
 #include <stdint.h>
 #include <stdlib.h>

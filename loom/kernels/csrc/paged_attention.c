@@ -15,15 +15,17 @@
 // so each token's result depends only on its own query and context: the same bits alone as in
 // any batch.
 //
-// Built on first use by loom/kernels/__init__.py with gcc -O3 -march=native -ffast-math
-// -fopenmp; -ffast-math lets the dot products and expf (glibc's libmvec) vectorize. No infinity
-// is ever produced: a row's running maximum starts from the first key it sees.
+// Built with -ffast-math (loom/kernels/build.py): the dot products and expf (glibc's libmvec)
+// vectorize. No infinity is ever produced: a row's running maximum starts from the first key it
+// sees.
 
 #include <stdint.h>
 #include <math.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "half.h"
 
 #define KEY_CHUNK 16
 // Runs of keys ahead whose K and V rows are prefetched into L2 (the next run also into L1).
@@ -34,14 +36,14 @@
 enum { KV_F32 = 0, KV_F16 = 1, KV_INT8 = 2 };  // what the cache holds (loom/worker/kv_cache.py)
 
 // n fp16 values -> fp32 (the cache in fp16: --kv-cache-dtype float16).
-static inline void f16_to_f32(const _Float16 *src, int64_t n, float *dst)
+static inline void f16_to_f32(const uint16_t *src, int64_t n, float *dst)
 {
     int64_t i = 0;
 #ifdef __F16C__
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
-    for (; i < n; i++) dst[i] = (float)src[i];
+    for (; i < n; i++) dst[i] = loom_f16_to_f32(src[i]);
 }
 
 // n int8 cache rows (KV_INT8: each kv head's D uint8 values, then D / 32 fp32 scales and D / 32
@@ -143,8 +145,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
 
         if (KT == KV_F16) {
-            f16_to_f32((const _Float16 *)kraw, (j1 - j0) * kv_stride, kconv);
-            f16_to_f32((const _Float16 *)vraw, (j1 - j0) * kv_stride, vconv);
+            f16_to_f32((const uint16_t *)kraw, (j1 - j0) * kv_stride, kconv);
+            f16_to_f32((const uint16_t *)vraw, (j1 - j0) * kv_stride, vconv);
         } else if (KT == KV_INT8) {
             i8_to_f32(kraw, j1 - j0, row_bytes, kv_heads, h0, h1, D, kconv);
             i8_to_f32(vraw, j1 - j0, row_bytes, kv_heads, h0, h1, D, vconv);

@@ -1,0 +1,197 @@
+"""Compile Loom's C kernels once per instruction-set variant (loom.kernels.dispatch.VARIANTS).
+
+`python -m loom.kernels.build` (run by `make install`) builds every variant of this machine's
+architecture, each into its own shared object in `$LOOM_CACHE_DIR/kernels` (default
+`~/.cache/loom/kernels`), named after the architecture, the variant and a hash of the sources,
+the flags and the compiler's version: a changed source rebuilds, a warm machine loads in
+milliseconds. A variant the compiler cannot build is disabled alone: its error is printed (and
+logged where a process wanted it) and kept beside the others as `<name>.failed`, so no start
+tries again; the next variant down runs. Where nothing was built at install, the variant a
+process needs is compiled on first use.
+
+Flags are per file, so gcc and clang build the same arithmetic (clang ignores gcc's
+`optimize` pragmas and attributes): the attention and the elementwise ops with -ffast-math
+(their dot products, reductions and expf vectorize; they never see an infinity or a NaN), the
+linears, the quantizer and argmax in IEEE order (a request's bits then do not depend on its
+batch, the quantizer matches torch's, argmax sees NaN), the decoder stack also without fused
+multiply-adds (its embedding look-up rounds as torch's mul then add).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from loom.kernels.dispatch import Variant, machine, variants
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_attention.c", "layer_ops.c", "argmax.c", "linear_q8.c", "linear_amx.c",
+           "linear_bf16.c", "linear_vnni.c", "decoder_q8.c")
+COMMON = ("-O3", "-fPIC", "-fopenmp", "-Wall", "-Wno-psabi")
+FILE_FLAGS = {
+    "paged_attention.c": ("-ffast-math",),
+    "layer_ops.c": ("-ffast-math",),
+    "decoder_q8.c": ("-fno-fast-math", "-ffp-contract=off"),
+}
+IEEE = ("-fno-fast-math", "-ffp-contract=fast")  # every other file
+# libmvec holds the vector expf that -ffast-math loops call; not every libc has it
+LINK_LIBS = (("-lmvec", "-lm"), ("-lm",))
+
+
+class BuildError(RuntimeError):
+    """A variant the compiler could not build; the message starts with the compiler's error."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom"
+    )
+    return Path(root) / "kernels"
+
+
+def compiler() -> str | None:
+    """$CC or cc, where it exists."""
+    cc = os.environ.get("CC") or "cc"
+    return cc if shutil.which(cc) else None
+
+
+def file_flags(name: str) -> tuple[str, ...]:
+    return FILE_FLAGS.get(name, IEEE)
+
+
+def _key(v: Variant, cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for s in SOURCES:
+        h.update((CSRC / s).read_bytes())
+        h.update(" ".join(file_flags(s)).encode())
+    for part in (" ".join((*COMMON, *v.cflags)), version, v.arch):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def target(v: Variant, cc: str, out_dir: Path | None = None) -> Path:
+    """Where variant `v` built by `cc` lies (whether built or not)."""
+    return (out_dir or cache_dir()) / f"loom_{v.arch}_{v.name}_{_key(v, cc)}.so"
+
+
+def failed_marker(so: Path) -> Path:
+    return so.with_suffix(".failed")
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line] or lines
+    return "\n".join(errors[:n])
+
+
+def _compile(cc: str, v: Variant, source: str, obj: Path) -> str | None:
+    cmd = [cc, *COMMON, *v.cflags, *file_flags(source), "-c", str(CSRC / source), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return None if proc.returncode == 0 else f"{source}: {_first_lines(proc.stderr)}"
+
+
+def _link(cc: str, v: Variant, objs: list[Path], so: Path) -> None:
+    out = so.with_suffix(".tmp")
+    for libs in LINK_LIBS:
+        proc = subprocess.run([cc, "-shared", "-fopenmp", *map(str, objs), "-o", str(out), *libs],
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(out, so)  # atomic: concurrent builders each write their own
+            return
+    raise BuildError(f"link: {_first_lines(proc.stderr)}")
+
+
+def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = None,
+               force: bool = False) -> dict[str, Path | BuildError]:
+    """Variants `vs`' shared objects, compiled now unless already there (every file of every
+    variant in one pool of processes, one a core): name -> the path, or the BuildError that
+    disabled it (also kept as a `.failed` marker that later calls return again unless
+    `force`)."""
+    cc = cc or compiler()
+    if cc is None:
+        return {v.name: BuildError("no C compiler (cc or $CC)") for v in vs}
+    done: dict[str, Path | BuildError] = {}
+    todo: list[tuple[Variant, Path]] = []
+    for v in vs:
+        so = target(v, cc, out_dir)
+        marker = failed_marker(so)
+        if so.exists() and not force:
+            done[v.name] = so
+        elif marker.exists() and not force:
+            done[v.name] = BuildError(marker.read_text())
+        else:
+            todo.append((v, so))
+    if not todo:
+        return done
+    root = todo[0][1].parent
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        jobs = [(v, s, Path(tmp) / f"{v.name}-{s.removesuffix('.c')}.o")
+                for v, _ in todo for s in SOURCES]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            errors = list(pool.map(lambda j: _compile(cc, *j), jobs))
+        for v, so in todo:
+            mine = [e for (jv, _, _), e in zip(jobs, errors) if jv is v and e]
+            try:
+                if mine:
+                    raise BuildError("\n".join(mine))
+                _link(cc, v, [o for jv, _, o in jobs if jv is v], so)
+            except BuildError as e:
+                err = BuildError(f"{cc} could not build the {v.name} kernels "
+                                 f"({' '.join(v.cflags)}):\n{e}")
+                failed_marker(so).write_text(str(err))
+                done[v.name] = err
+                continue
+            failed_marker(so).unlink(missing_ok=True)
+            for old in root.glob(f"loom_{v.arch}_{v.name}_*"):  # older sources, flags, compilers
+                if old != so:
+                    old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
+            done[v.name] = so
+    return done
+
+
+def build(v: Variant, cc: str | None = None, out_dir: Path | None = None,
+          force: bool = False) -> Path:
+    """Variant `v`'s shared object (see build_many); BuildError if it cannot be built."""
+    got = build_many([v], cc, out_dir, force)[v.name]
+    if isinstance(got, BuildError):
+        raise got
+    return got
+
+
+def build_all(cc: str | None = None, arch: str | None = None, out_dir: Path | None = None,
+              force: bool = False) -> dict[str, Path | BuildError]:
+    """Every variant of `arch` (default: this machine's): see build_many."""
+    return build_many(variants(arch), cc, out_dir, force)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loom.kernels.build",
+                                description="compile Loom's C kernels for every CPU variant")
+    p.add_argument("--cc", default=None, help="the C compiler (default: $CC or cc)")
+    p.add_argument("--arch", default=None, help="x86_64 or aarch64 (default: this machine's)")
+    p.add_argument("--out", type=Path, default=None, help=f"folder (default: {cache_dir()})")
+    p.add_argument("--force", action="store_true", help="rebuild, and retry failed variants")
+    ns = p.parse_args(argv)
+    if (ns.cc or compiler()) is None:
+        print("loom kernels: no C compiler (cc or $CC): Loom runs its torch paths",
+              file=sys.stderr)
+        return 0
+    for name, got in build_all(ns.cc, ns.arch or machine(), ns.out, ns.force).items():
+        if isinstance(got, BuildError):
+            print(f"loom kernels: {name} DISABLED: {got}", file=sys.stderr)
+        else:
+            print(f"loom kernels: {name} built: {got}")
+    return 0  # a failed variant is disabled alone; the others (and torch's paths) still run
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+// Greedy argmax over fp32 rows (the sampler's), built without fast math (loom/kernels/build.py):
+// its compares must see NaN.
+
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+// out[r] = the index of the greatest of row r's n values (rows ld floats apart), the first of
+// ties, and the first NaN's where a row has one: torch's max(dim=-1).indices (the sampler's
+// greedy pick). IEEE compares.
+static int64_t argmax_row(const float *x, int64_t n)
+{
+    int64_t i = 0, best = 0;
+    float top = x[0];
+#ifdef __AVX512F__
+    if (n >= 16 && n <= INT32_MAX) {  // 16 lanes, each its greatest and where it came first
+        __m512 lane_top = _mm512_loadu_ps(x);
+        const __m512i step = _mm512_set1_epi32(16);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i lane_at = at;
+        __mmask16 nan = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            at = _mm512_add_epi32(at, step);
+            const __mmask16 up = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
+            lane_top = _mm512_mask_mov_ps(lane_top, up, v);
+            lane_at = _mm512_mask_mov_epi32(lane_at, up, at);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+        if (nan) {  // the first NaN (in what the lanes read), as torch
+            for (int64_t k = 0; k < i; k++)
+                if (x[k] != x[k]) return k;
+        }
+        float tops[16];
+        int32_t ats[16];
+        _mm512_storeu_ps(tops, lane_top);
+        _mm512_storeu_si512(ats, lane_at);
+        top = tops[0];
+        best = ats[0];
+        for (int k = 1; k < 16; k++)
+            if (tops[k] > top || (tops[k] == top && ats[k] < best)) {
+                top = tops[k];
+                best = ats[k];
+            }
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > top) {
+            top = x[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
+                      int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (rows >= 2)
+    for (int64_t r = 0; r < rows; r++) out[r] = n > 0 ? argmax_row(x + r * ld, n) : 0;
+}

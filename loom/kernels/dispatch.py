@@ -1,0 +1,161 @@
+"""Which CPU kernels Loom runs: the one module that knows instruction sets.
+
+Loom's C kernels (csrc/) are compiled once per instruction-set level (`VARIANTS`, best first;
+loom.kernels.build compiles them at install). At start-up this module reads the CPU's features
+once (/proc/cpuinfo's `flags` on x86, its `Features` on AArch64), takes the best variant the CPU
+runs and that built, and in it chooses each kernel: the int8 linears' kernel for steps of more
+than 8 rows (`batch`) and of up to 8 (`decode`), and the KV cache's dtype where `auto`. Every
+default kernel meets Loom's accuracy bar: teacher-forced top-1 agreement with the fp32 reference
+of at least 99% on the default model (tests/model/test_dispatch_fidelity.py). The decoder, the
+linears, attention and the loader ask this module; `--cpu-kernels NAME` (or LOOM_CPU_KERNELS)
+picks a variant by name, `--batch-invariant` the kernels whose bits do not depend on the batch.
+
+Kernels by name (loom.quant.int8): batch "fp32" (linear_q8.c: fp32 products, a request's bits
+the same in any batch), "bf16" (AVX512-BF16 dot products, bf16 precision), "amx" (AMX tiles,
+fp32 precision; the bits depend on whether a step has more than 8 rows); decode "fp32" or
+"vnni" (AVX512-VNNI integer dot products, x in two int8 digits a group).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ENV = "LOOM_CPU_KERNELS"  # a variant's name, "auto" (default) or "0" (no C kernels at all)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the C kernels: the compiler flags that set its instruction set, the CPU
+    features it needs, and the int8 linears' kernels it runs by default."""
+
+    name: str
+    arch: str  # platform.machine() it is built for
+    cflags: tuple[str, ...]
+    needs: frozenset[str]  # /proc/cpuinfo flags (x86) or Features (AArch64)
+    batch: str = "fp32"
+    decode: str = "fp32"
+    about: str = ""
+
+
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
+_X86 = ("x86_64", "AMD64")
+_ARM = ("aarch64", "arm64")
+
+# Best first on each architecture; "generic" (no -march) runs on any CPU of its architecture.
+VARIANTS: tuple[Variant, ...] = (
+    Variant("amx", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mf16c",
+                              "-mamx-tile", "-mamx-bf16", "-mtune=sapphirerapids"),
+            _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx", "vnni",
+            "AMX tiles past 8 rows, AVX512-VNNI up to 8"),
+    Variant("bf16", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+            _V4 | {"avx512_vnni", "avx512_bf16"}, "bf16", "vnni",
+            "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8"),
+    Variant("vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
+            _V4 | {"avx512_vnni"}, "fp32", "vnni", "AVX-512 fp32 past 8 rows, AVX512-VNNI up to 8"),
+    Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, about="AVX-512 fp32"),
+    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, about="AVX2 + FMA fp32"),
+    Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
+            about="portable x86-64 (SSE2)"),
+    Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}),
+            about="AArch64 NEON with dot products"),
+    Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), about="portable AArch64"),
+)
+NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels choices
+
+
+class KernelChoiceError(ValueError):
+    """A --cpu-kernels choice this CPU (or this build) cannot run."""
+
+
+def machine() -> str:
+    m = platform.machine()
+    return "x86_64" if m in _X86 else "aarch64" if m in _ARM else m
+
+
+def variants(arch: str | None = None) -> list[Variant]:
+    """The variants built for `arch` (default: this machine's), best first."""
+    arch = arch or machine()
+    return [v for v in VARIANTS if v.arch == arch]
+
+
+def variant(name: str, arch: str | None = None) -> Variant:
+    for v in variants(arch):
+        if v.name == name:
+            return v
+    raise KernelChoiceError(f"unknown CPU kernels {name!r} for {arch or machine()}; choose from "
+                            f"{', '.join(['auto', *(v.name for v in variants(arch))])}")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags, read once: /proc/cpuinfo's first `flags` (x86) or `Features`
+    (AArch64) line. Empty where there is none: only the generic variant then runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runs_here(v: Variant) -> bool:
+    """Whether this CPU runs variant `v`'s code."""
+    return v.arch == machine() and v.needs <= cpu_features()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels a process runs: the build (`variant`) and, for the int8 linears, the kernel
+    past 8 rows (`batch`) and up to 8 (`decode`); `kv_cache_dtype`: what "auto" means for the
+    KV cache of a model on these kernels."""
+
+    variant: str
+    batch: str
+    decode: str
+    kv_cache_dtype: str
+    batch_invariant: bool
+
+    def describe(self) -> str:
+        v = variant(self.variant)
+        return (f"CPU kernels: {self.variant} build ({v.about}; best of "
+                f"{', '.join(x.name for x in variants() if runs_here(x))} on this CPU); int8 "
+                f"linears {self.batch} past 8 rows, {self.decode} up to 8"
+                f"{' (batch-invariant)' if self.batch_invariant else ''}; quantized models' "
+                f"KV cache {self.kv_cache_dtype}. Override: --cpu-kernels, --batch-invariant")
+
+
+def requested() -> str:
+    """LOOM_CPU_KERNELS: "auto" unless set."""
+    return os.environ.get(ENV, "auto") or "auto"
+
+
+def choose(name: str = "auto", batch_invariant: bool = False,
+           failed: frozenset[str] = frozenset()) -> KernelChoice:
+    """The kernels for --cpu-kernels `name`: "auto" takes the best variant this CPU runs and
+    whose build did not fail (`failed`), a name that variant (KernelChoiceError where the CPU
+    lacks what it needs or its build failed). `batch_invariant`: the int8 linears' fp32
+    kernels, whose bits do not depend on the batch."""
+    usable = [v for v in variants() if runs_here(v) and v.name not in failed]
+    if name == "auto":
+        if not usable:
+            raise KernelChoiceError("no CPU kernel build runs on this CPU")
+        v = usable[0]
+    else:
+        v = variant(name)
+        missing = v.needs - cpu_features()
+        if missing:
+            raise KernelChoiceError(f"CPU kernels {name!r} need {', '.join(sorted(missing))}, "
+                                    "which this CPU lacks")
+        if v not in usable:
+            raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
+    batch, decode = ("fp32", "fp32") if batch_invariant else (v.batch, v.decode)
+    return KernelChoice(v.name, batch, decode, "int8", batch_invariant)
