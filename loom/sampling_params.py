@@ -38,6 +38,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (0 = sampled token only)
     prompt_logprobs: int | None = None
+    # With prompt_logprobs: the first prompt position whose logprob is needed. The positions
+    # before it may come from the prefix cache (their entries are then None), so prompts that
+    # share a prefix compute it once (loom.lang's select). 0: every position runs, as in vLLM.
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields works).
@@ -96,6 +100,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {_MAX_LOGPROBS}], got {value!r}")
+        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
+            fail("prompt_logprobs_start",
+                 f"must be a non-negative integer, got {self.prompt_logprobs_start!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

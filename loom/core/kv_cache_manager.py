@@ -79,12 +79,20 @@ class KVCacheManager:
 
         Never covers the last token (its logits are needed): at most num_tokens - 1 tokens,
         rounded down to whole blocks. Takes no references; pass the result to allocate_slots.
-        Requests asking for prompt logprobs skip the cache (every prompt position must run).
+        Requests asking for prompt logprobs skip the cache (every prompt position must run),
+        unless they set `prompt_logprobs_start`: then hits stop before position start - 1, whose
+        logits give the first logprob asked for.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if not self.enable_caching or (
+            params.prompt_logprobs is not None and params.prompt_logprobs_start == 0
+        ):
             return [], 0
         request.enable_block_hashing(self.block_size)  # no-op once the scheduler did it
         max_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        if params.prompt_logprobs is not None:
+            last_hit = (params.prompt_logprobs_start - 1) // self.block_size
+            max_hit_blocks = min(max_hit_blocks, last_hit)
         tokens = request.all_token_ids
         bs = self.block_size
         blocks: list[KVCacheBlock] = []

@@ -297,7 +297,10 @@ class LLMEngine:
         child = parent.children[out.req_id]
         now = time.monotonic()
         if out.new_prompt_logprobs is not None and child.index == 0:
-            parent.prompt_logprobs = (parent.prompt_logprobs or []) + out.new_prompt_logprobs
+            if parent.prompt_logprobs is None:  # tokens 0..cached have none (a prefix-cache hit
+                cached = out.num_cached_tokens   # under prompt_logprobs_start)
+                parent.prompt_logprobs = [None] * (cached + 1) if cached else []
+            parent.prompt_logprobs = parent.prompt_logprobs + out.new_prompt_logprobs
         if out.new_token_ids:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if parent.metrics.first_token_time is None:

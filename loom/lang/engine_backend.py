@@ -3,7 +3,8 @@
 Program threads hand coroutines to the loop; the AsyncEngine's engine thread drains every
 request queued since its last step before stepping, so requests made together (a program's
 forks, `run_batch`'s programs, a select's choices) are scheduled in the same steps and the
-prefix cache shares their common blocks.
+prefix cache shares their common blocks. A select's choices ask for prompt logprobs only from
+where they differ (`prompt_logprobs_start`), so their common prefix is computed once too.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class EngineBackend(Backend):
         prefix = self.tokenizer.encode(prompt)
         full = [self.tokenizer.encode(prompt + c) for c in choices]
         start = scored_span(prefix, full)
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        # the prefix cache may serve what comes before `start` (the choices share it)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                                prompt_logprobs_start=start)
 
         async def score_all() -> list[RequestOutput]:
             return await asyncio.gather(*(self._generate(ids, params, None) for ids in full))

@@ -155,3 +155,26 @@ def test_constrained_gens_and_streaming(llm):
     assert state["mood"] in ("happy", "sad")
     assert streamed == state.text()
     assert "".join(year_pieces) == state["year"]
+
+
+def test_select_choices_share_their_prefix(llm):
+    prefix = "Copper lanterns hung over the quiet quarry road near the old mill. " * 5 + "Verdict:"
+    choices = [" yes", " no", " maybe"]
+    tok = llm.get_tokenizer()
+    start = min(_common(tok.encode(prefix), tok.encode(prefix + c)) for c in choices)
+    block = llm.engine.scheduler.kv_cache_manager.block_size
+    with EngineBackend(llm) as backend:
+        _, hits0 = backend.prefix_cache_stats()
+        state = function(lambda s: s.__iadd__(prefix + select("v", choices=choices))).run(
+            backend=backend)
+        _, hits = backend.prefix_cache_stats()
+    # one choice computes the prefix; the others find its blocks up to the scored position
+    assert hits - hits0 == (len(choices) - 1) * ((start - 1) // block) * block > 0
+    scores = []
+    for c in choices:  # every prompt position computed, one request at a time
+        out = llm.generate(tok.encode(prefix + c), SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        scores.append(sum(lp.logprobs[0] for lp in out.prompt_logprobs[start:]))
+    # the prefix's keys and values now come from the (quantized) cache: close, not bit-equal
+    assert state.meta("v").choice_logprobs == pytest.approx(scores, abs=2e-2)
+    assert state["v"] == choices[max(range(len(choices)), key=scores.__getitem__)]
