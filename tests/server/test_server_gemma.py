@@ -1,0 +1,43 @@
+"""`loom serve` on the real Gemma 3 270M Q4_K_M GGUF (PyPI parts): completions give
+transformers' greedy text, chat renders Gemma's turn format and stops at <end_of_turn>."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from tests.gguf_files import gemma3_gguf_path
+from tests.server.conftest import start_server
+from tests.server.utils import ENGINE_ARGS
+
+pytestmark = pytest.mark.slow
+
+# transformers' Gemma3ForCausalLM, greedy, fp32, on the same file (20 tokens)
+FRANCE = (" the capital of the country of France. It is the largest city in France and the "
+          "second largest city")
+
+
+@pytest.fixture(scope="module")
+def gemma_client() -> OpenAI:
+    server = start_server([str(gemma3_gguf_path()), *ENGINE_ARGS])
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def test_gemma_completion_is_transformers_greedy(gemma_client: OpenAI) -> None:
+    model = gemma_client.models.list().data[0].id
+    out = gemma_client.completions.create(model=model, prompt="The capital of France is",
+                                          max_tokens=20, temperature=0)
+    assert out.choices[0].text == FRANCE
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 20)  # <bos> + 5
+
+
+def test_gemma_chat_uses_the_turn_template(gemma_client: OpenAI) -> None:
+    model = gemma_client.models.list().data[0].id
+    out = gemma_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=64, temperature=0)
+    # <bos> <start_of_turn> user \n Hi <end_of_turn> \n <start_of_turn> model \n
+    assert out.usage.prompt_tokens == 10
+    choice = out.choices[0]
+    assert choice.message.content and "<end_of_turn>" not in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
