@@ -46,6 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields works).
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the prompt's final hidden states pooled
+    # ("last" token or "mean"), L2-normalised, in RequestOutput.embedding.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,8 @@ class SamplingParams:
         if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
             fail("prompt_logprobs_start",
                  f"must be a non-negative integer, got {self.prompt_logprobs_start!r}")
+        if self.pooling is not None and (self.pooling not in ("last", "mean") or self.n != 1):
+            fail("pooling", f"must be 'last' or 'mean' with n == 1, got {self.pooling!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

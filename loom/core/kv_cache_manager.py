@@ -81,12 +81,12 @@ class KVCacheManager:
         rounded down to whole blocks. Takes no references; pass the result to allocate_slots.
         Requests asking for prompt logprobs skip the cache (every prompt position must run),
         unless they set `prompt_logprobs_start`: then hits stop before position start - 1, whose
-        logits give the first logprob asked for.
+        logits give the first logprob asked for. Mean-pooling embedding requests skip it too.
         """
         params = request.sampling_params
         if not self.enable_caching or (
             params.prompt_logprobs is not None and params.prompt_logprobs_start == 0
-        ):
+        ) or params.pooling == "mean":
             return [], 0
         request.enable_block_hashing(self.block_size)  # no-op once the scheduler did it
         max_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))

@@ -84,6 +84,21 @@ class LLM:
                                            add_generation_prompt=add_generation_prompt))
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embeddings of prompts (strings or token-id lists), each in its output's `.embedding`:
+        the final hidden states pooled as the model's config says (`pooling` overrides: "last"
+        token or "mean"), L2-normalised; scheduled and batched like generation."""
+        mode = pooling or self.engine.model_config.pooling
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=mode)
+        outputs = self.generate(prompts, params, use_tqdm)
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"request {out.request_id} gave no embedding: {out.error}")
+        return outputs
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)

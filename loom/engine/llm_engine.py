@@ -343,6 +343,7 @@ class LLMEngine:
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            embedding=self.runner.pooler.pooled.pop(parent_id, None) if finished else None,
         )
         for o in outputs:  # deltas are reported once
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []

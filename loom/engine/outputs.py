@@ -52,3 +52,5 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # An embedding request's pooled, normalised hidden state, once it finished.
+    embedding: list[float] | None = None

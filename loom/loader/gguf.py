@@ -122,8 +122,21 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         sliding_window=field(reader, f"{arch}.attention.sliding_window"),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        pooling=_pooling(reader, arch, path),
         **extra,
     )
+
+
+# llama.cpp's LLAMA_POOLING_TYPE values -> Loom's (none: a generation model; its last token)
+_POOLINGS = {0: "last", 1: "mean", 3: "last"}
+
+
+def _pooling(reader: GGUFFile, arch: str, path: Path) -> str:
+    kind = field(reader, f"{arch}.pooling_type", 0)
+    if kind not in _POOLINGS:
+        raise ConfigError(f"{path}: unsupported pooling type {kind} (llama.cpp's numbering); "
+                          "supported: 1 (mean), 3 (last)")
+    return _POOLINGS[kind]
 
 
 def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:

@@ -71,6 +71,27 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     )
 
 
+# sentence-transformers' pooling modes -> Loom's
+_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def _pooling(folder: Path) -> str:
+    """The embedding pooling a sentence-transformers folder declares (modules.json's Pooling
+    module), else "last" (a decoder's last token)."""
+    modules = folder / "modules.json"
+    if not modules.is_file():
+        return "last"
+    for module in json.loads(modules.read_text()):
+        if module.get("type", "").endswith("Pooling"):
+            cfg = json.loads((folder / module["path"] / "config.json").read_text())
+            modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
+            if len(modes) != 1 or modes[0] not in _POOLING_MODES:
+                raise ConfigError(f"{folder}: unsupported embedding pooling {modes}; supported: "
+                                  f"{', '.join(_POOLING_MODES)}")
+            return _POOLING_MODES[modes[0]]
+    return "last"
+
+
 def model_config_from_hf(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     try:
@@ -113,6 +134,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
+            pooling=_pooling(folder),
         )
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))

@@ -19,6 +19,7 @@ from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
 from loom.worker.kv_cache import allocate_kv_caches
+from loom.worker.pooler import Pooler
 
 
 @dataclass
@@ -56,10 +57,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.workspace = Workspace()
         self.requests: dict[str, CachedRequestState] = {}
+        self.pooler = Pooler()  # embedding requests' pooled hidden states
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.pooler.drop(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -111,7 +114,8 @@ class ModelRunner:
         # Past the last layer's attention only the sampling rows matter, unless a prompt's
         # logprobs need every row's hidden state.
         all_rows = any(s.sampling_params.prompt_logprobs is not None
-                       and c < s.num_prompt_tokens for s, c in zip(states, computed))
+                       and c < s.num_prompt_tokens for s, c in zip(states, computed)
+                       ) or self.pooler.needs_all_rows(states, computed)
         with set_forward_context(md):
             hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
                 torch.from_numpy(input_ids).to(self.device),
@@ -119,6 +123,7 @@ class ModelRunner:
                 ends[sampling] - 1,
                 only_rows=not all_rows,
             )
+        self.pooler.step(states, computed, num_sched, ends, sampling, hidden, all_rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
         if sampling:
