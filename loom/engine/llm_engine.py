@@ -6,7 +6,6 @@ prefix caching on they share the prompt's full KV blocks by reference count.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from loom.sample.metadata import check_token_ids_in_vocab
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.backend import CompiledGrammar, GrammarError
 from loom.structured.manager import StructuredOutputManager
-from loom.threads import set_num_threads
+from loom.threads import apply_thread_defaults, set_num_threads
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.worker.kv_cache import (
@@ -77,6 +76,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        apply_thread_defaults()  # effective only before torch loads; else it says so, once
         set_num_threads(args.num_threads)
         device = torch.device(args.resolved_device())
         if args.seed is not None:
@@ -135,10 +135,6 @@ class LLMEngine:
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
         self._aborted: list[str] = []
-        # The model, tokenizer and caches live as long as the engine: out of the collector's
-        # way (as vLLM does), so its full collections do not walk them again and again. (No
-        # gc.collect() first: it would add to the start-up.)
-        gc.freeze()
 
     def prefault_kv_cache(self, max_blocks: int) -> int:
         """Fault in the host pages of up to `max_blocks` of the blocks the pool hands out next
@@ -343,7 +339,6 @@ class LLMEngine:
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
-            embedding=self.runner.pooler.pooled.pop(parent_id, None) if finished else None,
         )
         for o in outputs:  # deltas are reported once
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []

@@ -10,6 +10,7 @@ import logging
 from loom.bench import cli as bench
 from loom.entrypoints import generate, hub_cli
 from loom.entrypoints.openai import cli_args as serve
+from loom.threads import apply_thread_defaults
 
 SUBCOMMANDS = (serve, generate, bench, hub_cli)
 
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
+    # The process is Loom's: the thread defaults go in before the command imports torch
+    # (registering imports nothing heavy; tests/unit/test_threads.py holds it to that).
+    apply_thread_defaults()
     ns.func(ns)
 
 

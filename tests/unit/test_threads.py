@@ -1,4 +1,5 @@
-"""CPU thread settings: the CLI's OpenMP wait-policy default and --num-threads."""
+"""CPU thread settings: no side effect on `import loom`, the OpenMP defaults where an engine
+starts (only for variables the user has not set), and --num-threads."""
 
 from __future__ import annotations
 
@@ -13,43 +14,44 @@ from loom.entrypoints.cli import main
 from loom.threads import (
     SPIN_COUNT_ENV,
     WAIT_POLICY_ENV,
-    default_openmp_env,
+    apply_thread_defaults,
     openmp_env_defaults,
     set_num_threads,
 )
 
-_CHECK = (
-    "import os, sys; from loom.threads import default_openmp_env; "
-    "assert default_openmp_env(); import torch; "
-    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
-)
+_VARS = (WAIT_POLICY_ENV, SPIN_COUNT_ENV, "OPENBLAS_NUM_THREADS")
+_SHOW = "import os; print(*(os.environ.get(k) for k in %r))" % (_VARS,)
 
 
-@pytest.mark.parametrize("user,expected", [
-    ({}, "ACTIVE 1000"),  # the default: a short spin
-    ({WAIT_POLICY_ENV: "PASSIVE"}, "PASSIVE None"),  # the user's policy, no spin count added
-    ({WAIT_POLICY_ENV: "ACTIVE"}, "ACTIVE None"),
-    ({SPIN_COUNT_ENV: "0"}, "None 0"),  # the user's spin count, no policy added
-])
-def test_short_spin_is_a_default_the_user_can_override(user, expected) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY_ENV, SPIN_COUNT_ENV)}
+def _run(code: str, **user: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in _VARS}
     env.update(user)
-    out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == expected
-
-
-@pytest.mark.parametrize("first,expected", [
-    ("import loom; import torch", "ACTIVE 1000"),  # a script importing Loom first: the default
-    ("import torch; import loom", "None None"),  # too late: OpenMP has read its environment
-])
-def test_importing_loom_first_sets_the_short_spin(first, expected) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY_ENV, SPIN_COUNT_ENV)}
-    code = (f"import os; {first}; "
-            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == expected
+    return out.stdout.strip()
+
+
+def test_import_loom_sets_nothing() -> None:
+    assert _run(f"import loom, loom.entrypoints.cli, loom.sampling_params; {_SHOW}") == (
+        "None None None")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code,expected", [
+    ("import loom.engine.llm", "None None None"),  # importing the engine sets nothing either
+    ("import loom; loom.LLM; import torch", "ACTIVE 1000 1"),  # the LLM class: the defaults
+    ("import torch; import loom; loom.LLM", "None None None"),  # too late: only logged
+])
+def test_the_defaults_come_with_the_engine(code: str, expected: str) -> None:
+    assert _run(f"{code}; {_SHOW}") == expected
+
+
+def test_the_cli_applies_them_before_torch_loads() -> None:
+    """`loom` imports every subcommand's module before it applies the defaults: none may load
+    torch (or the defaults come too late for the server)."""
+    code = ("import sys; from loom.entrypoints.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    assert _run(code) == "False"
 
 
 def test_openmp_env_defaults_leave_the_users_choice() -> None:
@@ -62,7 +64,8 @@ def test_openmp_env_defaults_leave_the_users_choice() -> None:
 def test_too_late_once_torch_is_imported(monkeypatch) -> None:
     monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)
     monkeypatch.delenv(SPIN_COUNT_ENV, raising=False)
-    assert default_openmp_env() is False
+    monkeypatch.setattr("loom.threads._applied", None)
+    assert apply_thread_defaults() == {}
     assert WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ
 
 

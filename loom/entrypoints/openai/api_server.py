@@ -9,6 +9,7 @@ JSON or SSE. Every error leaves in OpenAI's envelope (errors.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import signal
@@ -250,6 +251,11 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
         engine = LLMEngine(engine_args)
     except (ConfigError, ModelNotFoundError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
+    # The model, tokenizer and caches live as long as the server: out of the collector's way
+    # (as vLLM does), so its full collections do not walk them again and again. (No
+    # gc.collect() first: it would add to the start-up.) Here, not in LLMEngine: the process
+    # is Loom's.
+    gc.freeze()
     async_engine = AsyncEngine(engine, args.max_waiting_requests)
     metrics = ServerMetrics(lambda: async_engine.snapshot, engine.model_name)
     async_engine.on_output = metrics.observe
