@@ -40,6 +40,7 @@ from loom.entrypoints.openai.protocol import (
 from loom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
+from loom.entrypoints.openai.serving_embedding import EmbeddingRequest, embeddings_route
 from loom.entrypoints.openai import web
 
 from loom.entrypoints.openai.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -104,6 +105,10 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     """OpenAI chat completions; see serving_chat.py."""
     body = await parse_body(request, ChatCompletionRequest)
     return await create_chat_completion(_ctx(request), body, request)
+
+
+router.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"], response_model=None,
+                     openapi_extra=openapi_body(EmbeddingRequest))  # see serving_embedding.py
 
 
 @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
@@ -183,7 +188,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.include_router(router)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest])
+                          DetokenizeRequest, EmbeddingRequest])
     app.include_router(web.router)  # the chat page, /dashboard and its feed
     return app
 
