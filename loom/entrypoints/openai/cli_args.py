@@ -37,4 +37,9 @@ def _serve(ns: argparse.Namespace) -> None:
     server_args = from_namespace(ServerArgs, ns)
     if server_args.api_key is None:
         server_args = replace(server_args, api_key=os.environ.get(API_KEY_ENV) or None)
+    if server_args.data_parallel_size > 1:
+        from loom.entrypoints.openai.data_parallel import run_data_parallel
+
+        run_data_parallel(from_namespace(EngineArgs, ns), server_args)
+        return
     run_server(from_namespace(EngineArgs, ns), server_args)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.engine.arg_utils import SERVER, flag, non_negative_float, non_negative_int
+from loom.engine.arg_utils import (
+    SERVER, flag, non_negative_float, non_negative_int, positive_int,
+)
 from loom.tools.parsers import PARSERS
 
 DEFAULT_GRACE_SECONDS = 10.0
@@ -34,3 +36,7 @@ class ServerArgs:
         type=non_negative_float)
     log_level: str = flag("info", "server log level", SERVER,
                           choices=("critical", "error", "warning", "info", "debug"))
+    data_parallel_size: int = flag(
+        1, "engine replicas: N > 1 starts N `loom serve` processes on internal loopback ports "
+           "and the cache-aware router (`loom router`) on --host/--port in front of them; "
+           "each gets cores/N threads unless --num-threads is set", SERVER, type=positive_int)
