@@ -14,7 +14,8 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
     )
 
     return {
@@ -40,10 +41,21 @@ def _configs() -> dict[str, object]:
             **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
             attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
         ),
+        # Mixtures of 4 experts, 2 a token; the second layer of qwen3-moe dense
+        "qwen3-moe": Qwen3MoeConfig(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        ),
+        "qwen2-moe": Qwen2MoeConfig(
+            **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False,
+        ),
+        "mixtral": MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
     }
 
 
-ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2"]
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
+         "qwen3-moe", "qwen2-moe", "mixtral"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

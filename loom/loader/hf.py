@@ -71,6 +71,33 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     )
 
 
+_MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Experts, top-k, the router's renormalisation, shared expert, which layers are sparse."""
+    n = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":  # every layer sparse, top-k always renormalised
+        return dict(num_experts=int(cfg["num_local_experts"]),
+                    num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    sliding_window=cfg.get("sliding_window"))
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{path}: use_sliding_window=true is not supported for {arch}")
+    experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 renames
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0),
+        qk_norm=arch == "Qwen3MoeForCausalLM",
+        attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
+    )
+
+
 # sentence-transformers' pooling modes -> Loom's
 _POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
 
@@ -138,6 +165,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         )
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
+        if arch in _MOES:
+            fields.update(_moe_fields(arch, cfg, path))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

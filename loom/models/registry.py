@@ -7,6 +7,7 @@ from torch import nn
 from loom.config import ConfigError, ModelConfig
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
+from loom.models.moe import MoeForCausalLM
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -16,6 +17,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 
