@@ -14,8 +14,8 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+        Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
     )
 
     return {
@@ -51,11 +51,17 @@ def _configs() -> dict[str, object]:
             shared_expert_intermediate_size=48, norm_topk_prob=False,
         ),
         "mixtral": MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+        # LongRoPE: the prompts stay below original_max_position_embeddings (short factors)
+        "phi3": Phi3Config(
+            **TINY, original_max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
+                          "long_factor": [2.0 + i for i in range(8)]},
+        ),
     }
 
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
-         "qwen3-moe", "qwen2-moe", "mixtral"]
+         "qwen3-moe", "qwen2-moe", "mixtral", "phi3"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

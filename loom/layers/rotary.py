@@ -41,7 +41,31 @@ def compute_inv_freq(
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
-    raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+    raise ConfigError(f"unsupported rope scaling type {rope_type!r} "
+                      "(supported: linear, llama3, longrope/su)")
+
+
+def _longrope_freqs(
+    t: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE ("su"): per-frequency divisors, `short_factor` for positions below
+    original_max_position_embeddings and `long_factor` from there on (vLLM's table; Hugging
+    Face re-rotates a whole sequence with the long factors once it outgrows the original
+    length), and cos/sin scaled by the attention factor. Returns (freqs [positions, head_dim //
+    2], attention factor)."""
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"rope scaling {scaling.get('rope_type')!r} with partial_rotary_factor "
+                          f"{scaling['partial_rotary_factor']} is not supported")
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_position / orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * theta**exponent)
+                   for k in ("short_factor", "long_factor"))
+    freqs = torch.where((t < orig)[:, None], torch.outer(t, short), torch.outer(t, long))
+    return freqs, float(attn)
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,9 +86,15 @@ class RotaryEmbedding(nn.Module):
         head, and sin carrying rotate-half's sign, so rotating is x * cos + swap_halves(x) * sin
         with no negation or split per layer, bit for bit Hugging Face's q * cos + rotate_half(q)
         * sin."""
-        inv_freq, attn_scale = compute_inv_freq(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
+        if rope_type in ("longrope", "su"):
+            assert self.scaling is not None
+            freqs, attn_scale = _longrope_freqs(t, self.head_dim, self.theta, self.scaling,
+                                                self.max_position)
+        else:
+            inv_freq, attn_scale = compute_inv_freq(self.head_dim, self.theta, self.scaling)
+            freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         cos, sin = freqs.cos() * attn_scale, freqs.sin() * attn_scale
         cache = torch.cat([cos, cos, -sin, sin], dim=-1)  # [max_position, 2 * head_dim]
         self.cos_sin_cache = cache.to(device)

@@ -37,6 +37,7 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 
 
 _GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM")  # sliding_window applies to every layer
 
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -134,7 +135,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         theta, scaling = _rope(cfg)
-        sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        sliding = cfg.get("sliding_window") if arch in _SLIDING else None
+        if scaling is not None and "original_max_position_embeddings" in cfg:
+            scaling.setdefault("original_max_position_embeddings",
+                               cfg["original_max_position_embeddings"])  # Phi-3 keeps it apart
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
             raise ConfigError(f"{path}: use_sliding_window=true is not supported for {arch}")
         eos = _as_tuple(cfg.get("eos_token_id"))
