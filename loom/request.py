@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request alone failed (its input broke a step's part)
 
     def is_finished(self) -> bool:
         """True for the final states; callable as `status.is_finished()` or
@@ -41,6 +42,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
@@ -50,7 +52,13 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+# How the reason of a request that failed on its own output constraint begins (the engine's
+# callers tell such failures, caused by the request's input, from internal ones by it).
+CONSTRAINT_FAILED = "the output constraint failed during generation"
 
 
 class Request:

@@ -12,6 +12,8 @@ __all__ = ["SamplingParams", "SamplingParamsError"]
 
 _MAX_LOGPROBS = 20
 _MAX_N = 128
+# seed's range, as vLLM's (torch.long)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -89,8 +91,10 @@ class SamplingParams:
                     fail("logit_bias", f"token ids must be >= 0, got {tok}")
                 if not -100.0 <= bias <= 100.0:
                     fail("logit_bias", f"values must be in [-100, 100], got {bias} for {tok}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            fail("seed", f"must be a 64-bit integer in [{_INT64_MIN}, {_INT64_MAX}], "
+                         f"got {self.seed!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

@@ -23,6 +23,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     # Prompt tokens served from the prefix cache at the first schedule.
     num_cached_tokens: int = 0
+    # Why this request alone failed (finish_reason ERROR): shown to its client, no one else's.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -75,3 +75,6 @@ class ModelRunnerOutput:
     logprobs: list[Logprobs | None] = field(default_factory=list)
     # Per request: logprobs for the prompt positions computed this step (None unless asked).
     prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)
+    # Requests that failed alone this step (their inputs broke preparing, sampling or the
+    # grammar), req_id -> reason; the scheduler finishes them with FINISHED_ERROR.
+    failed: dict[str, str] = field(default_factory=dict)

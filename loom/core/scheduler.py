@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from loom.core.outputs import EngineCoreOutput
 from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from loom.request import RequestStatus
+from loom.request import CONSTRAINT_FAILED, RequestStatus
 
 if TYPE_CHECKING:
     from loom.config import SchedulerConfig
     from loom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-    from loom.core.sched_output import ModelRunnerOutput
+    from loom.core.sched_output import Logprobs, ModelRunnerOutput
     from loom.request import Request
 
 logger = logging.getLogger(__name__)
@@ -259,6 +259,11 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # finished or aborted since schedule()
+            error = runner_output.failed.get(req_id)
+            if error is not None:  # this request alone failed; the rest of the batch goes on
+                outputs.append(self._fail(request, error))
+                any_finished = True
+                continue
             request.num_computed_tokens += num_scheduled
             i = index.get(req_id)
             if i is None:
@@ -282,11 +287,14 @@ class Scheduler:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
             if request.grammar is not None and not request.grammar.accept_token(token_id):
-                # Only a token the bitmask allowed can be sampled; this is a bug, not input.
-                logger.error("request %s: token %d rejected by its grammar (%s)",
-                             request.request_id, token_id, request.grammar.error)
-                request.status = RequestStatus.FINISHED_ABORTED
-                break
+                # The bitmask allowed the token, so the grammar engine failed on its own (a
+                # limit it hit only now): this request's error, reported to its client.
+                error = request.grammar.error or f"token {token_id} rejected"
+                logger.warning("request %s: its output constraint failed: %s",
+                               request.request_id, error)
+                request.status = RequestStatus.FINISHED_ERROR
+                return self._core_output(request, new_token_ids, None, None,
+                                         f"{CONSTRAINT_FAILED}: {error}")
             if check_stop(request, self.max_model_len):
                 break
         logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
@@ -295,6 +303,13 @@ class Scheduler:
         )
         if not new_token_ids and prompt_logprobs is None:
             return None  # a prefill chunk with nothing to report
+        return self._core_output(request, new_token_ids, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _core_output(
+        request: Request, new_token_ids: list[int], logprobs: Logprobs | None,
+        prompt_logprobs: list[Logprobs | None] | None, error: str | None = None,
+    ) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -303,7 +318,15 @@ class Scheduler:
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            error=error,
         )
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        """Finish a running request that failed alone this step (blocks freed)."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request, had_runner_state=True)
+        return self._core_output(request, [], None, None, error)
 
     def _free_request(self, request: Request, had_runner_state: bool) -> None:
         """Forget a finished request (the caller removes it from `running`/`waiting`)."""

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loom.request import CONSTRAINT_FAILED
 from loom.engine.llm_engine import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AsyncEngine", "EngineDeadError", "EngineShutdownError", "EngineSnapshot", "EngineStepError",
-    "InvalidRequestError", "QueueFullError", "RequestStream",
+    "InvalidRequestError", "QueueFullError", "RequestFailedError", "RequestStream",
+    "default_max_waiting_requests",
 ]
 
 
@@ -55,6 +57,25 @@ class EngineShutdownError(RuntimeError):
 class QueueFullError(RuntimeError):
     """The waiting queue already holds `max_waiting_requests` requests."""
 
+    retry_after = 1  # seconds a client should wait before retrying (HTTP Retry-After)
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed in the engine (the others of its step went on).
+
+    `invalid`: its own input caused it (an output constraint that failed mid-generation),
+    a client error; otherwise an internal error of this request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.invalid = message.startswith(CONSTRAINT_FAILED)
+
+
+def default_max_waiting_requests(max_num_seqs: int, kv_tokens: int) -> int:
+    """The waiting-queue bound when none is given: two full batches, where a batch is
+    max_num_seqs requests or as many 256-token requests as the KV cache holds, if more."""
+    return 2 * max(max_num_seqs, kv_tokens // 256, 1)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
@@ -68,6 +89,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    max_waiting_requests: int = 0
+    num_rejected: int = 0  # requests answered "busy" (429) since start
 
 
 class RequestStream:
@@ -111,6 +134,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     done: asyncio.Future[None]
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -145,9 +169,15 @@ class AsyncEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.engine = engine
+        if max_waiting_requests is None:
+            kv = engine.scheduler.kv_cache_manager
+            max_waiting_requests = default_max_waiting_requests(
+                engine.scheduler.max_num_seqs, kv.num_usable_blocks * kv.block_size)
         self.max_waiting_requests = max_waiting_requests
         self.on_output = on_output
-        self.snapshot = EngineSnapshot()
+        self.snapshot = EngineSnapshot(max_waiting_requests=max_waiting_requests)
+        self._num_rejected = 0
+        self._recovering = False  # a failed step is being cleaned up: not serving (503)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -176,24 +206,42 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """The engine thread serves: started, alive, and not recovering from a failed step."""
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self._recovering)
+
+    def check_capacity(self, n: int) -> None:
+        """Raise QueueFullError if `n` more waiting requests would pass the bound (a cheap
+        early answer from the last snapshot; the engine thread checks again exactly)."""
+        if self.snapshot.num_waiting + n > self.max_waiting_requests:
+            self._num_rejected += 1
+            raise self._queue_full(self.snapshot.num_waiting)
+
+    def _queue_full(self, num_waiting: int) -> QueueFullError:
+        return QueueFullError(
+            f"the server is busy: {num_waiting} requests are waiting (at most "
+            f"{self.max_waiting_requests}, --max-waiting-requests); retry later")
 
     # ---- requests (event loop thread) ------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine took it.
 
         Raises InvalidRequestError (bad prompt or parameters), QueueFullError or
         EngineDeadError before any output exists. Iterate the returned stream for outputs;
-        call `stream.abort()` if you stop early.
+        call `stream.abort()` if you stop early. `prompt_token_ids`: a text prompt already
+        tokenized (so the engine thread does not tokenize it).
         """
         if not self.is_running or self._loop is None:
-            raise EngineDeadError(f"the engine is not running ({self._dead or 'not started'})")
+            state = (f"it died: {self._dead}" if self._dead is not None else
+                     "recovering from a failed step" if self._recovering else "not started")
+            raise EngineDeadError(f"the engine is not running ({state})")
         stream = RequestStream(request_id, self)
         done: asyncio.Future[None] = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, done))
+        self._commands.put(_Add(request_id, prompt, params, stream, done, prompt_token_ids))
         try:
             await done
         except asyncio.CancelledError:  # the caller went away while the add was in flight
@@ -272,14 +320,13 @@ class AsyncEngine:
     def _add(self, command: _Add) -> None:
         error: BaseException | None = None
         limit = self.max_waiting_requests
-        if limit is not None and self.engine.scheduler.num_waiting + command.params.n > limit:
-            error = QueueFullError(
-                f"the server is busy: {self.engine.scheduler.num_waiting} requests are waiting "
-                f"(--max-waiting-requests {limit}); retry later"
-            )
+        if self.engine.scheduler.num_waiting + command.params.n > limit:
+            self._num_rejected += 1
+            error = self._queue_full(self.engine.scheduler.num_waiting)
         else:
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        prompt_token_ids=command.prompt_token_ids)
                 self._streams[command.request_id] = command.stream
             except InvalidRequestError as e:
                 error = e
@@ -293,8 +340,10 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the whole batch failed; keep serving
             logger.exception("engine step failed; failing %d requests", len(self._streams))
+            self._recovering = True  # /health and new requests: 503 until it is clean again
             try:
                 self._reset(list(self._streams))
+                self._recovering = False
             finally:  # clean engine first, so a client that retries finds it serving
                 self._fail_all(EngineStepError(f"internal error in the engine step: {e!r}"))
             return
@@ -310,7 +359,9 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            deliveries.append((stream, output))
+            # A request that failed alone ends with its own error; the others are untouched.
+            failure = None if output.error is None else RequestFailedError(output.error)
+            deliveries.append((stream, output if failure is None else failure))
         if deliveries:
             self._call_soon(_deliver, deliveries)
 
@@ -323,6 +374,7 @@ class AsyncEngine:
             raise RuntimeError(f"the engine could not recover from a failed step: {e!r}") from e
         if self.engine.has_unfinished_requests():
             raise RuntimeError("the engine still holds requests after a reset")
+        self.engine.check_integrity()  # every block back in the pool, or the engine is dead
 
     def _fail_all(self, error: BaseException) -> None:
         if not self._streams:
@@ -359,6 +411,8 @@ class AsyncEngine:
             num_preemptions=sched.num_preemptions_total,
             prompt_tokens=stats.prompt_tokens_total,
             generation_tokens=stats.generation_tokens_total,
+            max_waiting_requests=self.max_waiting_requests,
+            num_rejected=self._num_rejected,
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:

@@ -20,7 +20,7 @@ from loom.engine.args import EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.loader.model_loader import load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
-from loom.request import Request, RequestStatus
+from loom.request import FinishReason, Request, RequestStatus
 from loom.sample.metadata import check_token_ids_in_vocab
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.backend import CompiledGrammar, GrammarError
@@ -63,6 +63,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     num_finished: int = 0
     touched: set[str] = field(default_factory=set)
+    error: str | None = None  # set when a sample failed alone; the request then fails
 
 
 @dataclass
@@ -161,13 +162,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Tokenize (if text), validate and queue a request. Raises InvalidRequestError."""
+        """Tokenize (if text), validate and queue a request. Raises InvalidRequestError.
+
+        `prompt_token_ids`: a text prompt's ids, tokenized by the caller already (the server
+        does it off the engine thread)."""
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = (self.tokenizer.encode(prompt) if prompt_token_ids is None
+                          else list(prompt_token_ids))
         else:
             text, prompt_ids = None, list(prompt)
         self._validate(prompt_ids, params)
@@ -266,7 +272,9 @@ class LLMEngine:
         touched = self._take_aborted()
         sched_output = self.scheduler.schedule()
         if not sched_output.is_empty:
-            grammar = self.structured.grammar_bitmask(sched_output, self.scheduler.requests)
+            failed: dict[str, str] = {}  # requests whose grammar failed: they fail alone
+            grammar = self.structured.grammar_bitmask(sched_output, self.scheduler.requests,
+                                                      failed)
             if grammar is not None:
                 sched_output.grammar_bitmask, sched_output.structured_rows = grammar
             now = time.monotonic()
@@ -275,8 +283,9 @@ class LLMEngine:
                 if parent is not None and parent.metrics.first_scheduled_time is None:
                     parent.metrics.first_scheduled_time = now
             runner_output = self.runner.execute_model(sched_output)
+            runner_output.failed.update(failed)
             for out in self.scheduler.update_from_output(sched_output, runner_output):
-                parent_id = self._process(out)
+                parent_id = self._process_contained(out)
                 if parent_id is not None and parent_id not in touched:
                     touched.append(parent_id)
         return [self._emit(pid) for pid in touched if pid in self.parents]
@@ -285,12 +294,41 @@ class LLMEngine:
         aborted, self._aborted = list(dict.fromkeys(self._aborted)), []
         return aborted
 
+    def _process_contained(self, out: EngineCoreOutput) -> str | None:
+        """`_process`, but a request whose output cannot be processed (detokenizing, stop
+        strings) fails alone with an error instead of failing the step."""
+        try:
+            return self._process(out)
+        except Exception as e:  # noqa: BLE001 - this request's error alone
+            logger.exception("processing the output of %s failed", out.req_id)
+            self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_ERROR)
+            error = f"internal error while processing the output: {type(e).__name__}: {e}"
+            failed = EngineCoreOutput(out.req_id, [], finish_reason=FinishReason.ERROR,
+                                      error=error[:300])
+            return self._process(failed)
+
+    def _fail_parent(self, parent: _ParentState, error: str) -> None:
+        """One sample failed: the whole request fails with its error (siblings aborted)."""
+        parent.error = parent.error or error
+        live = [c for c, child in parent.children.items() if not child.output.finished]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        for child_id in live:
+            parent.children[child_id].output.finish_reason = "error"
+            parent.num_finished += 1
+            parent.touched.add(child_id)
+
     def _process(self, out: EngineCoreOutput) -> str | None:
         parent_id = self.child_to_parent.get(out.req_id)
         if parent_id is None:
             return None
         parent = self.parents[parent_id]
         child = parent.children[out.req_id]
+        if out.error is not None:
+            if not child.output.finished:
+                child.output.finish_reason = "error"
+                parent.num_finished += 1
+            self._fail_parent(parent, out.error)
+            return parent_id
         now = time.monotonic()
         if out.new_prompt_logprobs is not None and child.index == 0:
             if parent.prompt_logprobs is None:  # tokens 0..cached have none (a prefix-cache hit
@@ -339,6 +377,8 @@ class LLMEngine:
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            error=parent.error,
+            embedding=self.runner.pooler.pooled.pop(parent_id, None) if finished else None,
         )
         for o in outputs:  # deltas are reported once
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []

@@ -15,7 +15,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # This step's additions (for streaming):
     delta_text: str = ""
@@ -52,5 +52,7 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Set when the request failed alone (its samples finish with "error"): the reason.
+    error: str | None = None
     # An embedding request's pooled, normalised hidden state, once it finished.
     embedding: list[float] | None = None

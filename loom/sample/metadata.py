@@ -154,9 +154,10 @@ def _sampling_fields(
     # Greedy rows get neutral values so the batched ops are no-ops on them.
     rows = list(zip(params, greedy))
     fields["temperature"] = _f32([1.0 if g else p.temperature for p, g in rows], device)
-    if any(p.top_k > 0 and not g for p, g in rows):
-        fields["top_k"] = _i64([vocab_size if g or p.top_k == 0 else p.top_k for p, g in rows],
-                               device)
+    # A top_k of at least the vocabulary keeps every token: off (vLLM clamps it the same way).
+    if any(0 < p.top_k < vocab_size and not g for p, g in rows):
+        fields["top_k"] = _i64([p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size
+                                for p, g in rows], device)
     if any(p.top_p < 1.0 and not g for p, g in rows):
         fields["top_p"] = _f32([1.0 if g else p.top_p for p, g in rows], device)
     if any(p.min_p > 0.0 and not g for p, g in rows):

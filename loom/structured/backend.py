@@ -48,7 +48,8 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        """The grammar engine's reason once it failed (its first line), else None."""
+        return _first_lines(self._m.get_error(), 1) if self._m.is_error() else None
 
 
 class CompiledGrammar:
@@ -76,13 +77,37 @@ class LLGuidanceBackend:
             backend.to_str(), n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids),
         )
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile, then run the grammar a few tokens on a copy: a grammar that compiles but
+        exceeds the grammar engine's limits once it runs (a lexer too complex, a parser row
+        too wide) is a GrammarError here, before any request uses it."""
         grammar = self._grammar_text(params)
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {params.kind}: {_first_lines(matcher.get_error())}")
+        self._probe(matcher, params.kind)
         return CompiledGrammar(matcher)
+
+    def _probe(self, template, kind: str) -> None:  # noqa: ANN001 - llguidance.LLMatcher
+        """Compute the first mask on `template` itself (every request's copy then starts with
+        it cached) and follow one allowed token per step on a copy for `_PROBE_STEPS` steps."""
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        matcher = template
+        for step in range(_PROBE_STEPS + 1):
+            GrammarMatcher(matcher).fill_bitmask(bitmask, 0)
+            error = GrammarMatcher(matcher).error
+            if error is not None:
+                raise GrammarError(f"the {kind} exceeds a limit of the grammar engine: {error}")
+            allowed = _allowed_tokens(bitmask[0], self.vocab_size, self.eos_token_ids)
+            if step == _PROBE_STEPS or not allowed or matcher.is_stopped():
+                return
+            if matcher is template:
+                matcher = template.deep_copy()
+            if not matcher.consume_token(allowed[-1]) or matcher.is_error():
+                raise GrammarError(f"the {kind} exceeds a limit of the grammar engine: "
+                                   f"{GrammarMatcher(matcher).error or 'a token was rejected'}")
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         llg = self._llg.LLMatcher
@@ -103,8 +128,18 @@ class LLGuidanceBackend:
                 return llg.grammar_from_lark(lark)
             assert kind == "grammar"
             return self._llg.grammar_from("grammar", params.grammar)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise GrammarError(f"invalid {kind}: {_first_lines(str(e))}") from None
+
+
+# Tokens a new grammar is run for before it is accepted (see LLGuidanceBackend._probe).
+_PROBE_STEPS = 2
+
+
+def _allowed_tokens(row: torch.Tensor, vocab_size: int, eos: frozenset[int]) -> list[int]:
+    """The token ids one bitmask row ([words] int32) allows, eos left out, ascending."""
+    bits = ((row.unsqueeze(-1) >> _SHIFTS) & 1).flatten()[:vocab_size]  # [vocab]
+    return [t for t in bits.nonzero().flatten().tolist() if t not in eos]
 
 
 def _first_lines(message: str, n: int = 6) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loom.request import CONSTRAINT_FAILED
 from loom.structured.backend import CompiledGrammar, GrammarError, LLGuidanceBackend
 
 if TYPE_CHECKING:
@@ -72,12 +73,14 @@ class StructuredOutputManager:
         return hit
 
     def grammar_bitmask(
-        self, so: SchedulerOutput, requests: dict[str, Request]
+        self, so: SchedulerOutput, requests: dict[str, Request], failed: dict[str, str]
     ) -> tuple[torch.Tensor, dict[str, int]] | None:
         """Bitmask rows for the constrained requests that sample this step, or None if none do.
 
         A request samples when this step reaches the end of its known tokens (the runner's
-        rule). Returns (bitmask [rows, words] int32, req_id -> row).
+        rule). Returns (bitmask [rows, words] int32, req_id -> row). A request whose grammar
+        fails here (a limit of the grammar engine) goes into `failed` (req_id -> reason) with
+        an all-zero row, and the others go on.
         """
         rows: dict[str, int] = {}
         for req_id, n in so.num_scheduled_tokens.items():
@@ -90,5 +93,13 @@ class StructuredOutputManager:
             return None
         bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
         for req_id, row in rows.items():
-            requests[req_id].grammar.fill_bitmask(bitmask, row)
+            grammar = requests[req_id].grammar
+            try:
+                grammar.fill_bitmask(bitmask, row)
+                error = grammar.error
+            except Exception as e:  # noqa: BLE001 - this request's error alone
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                bitmask[row] = 0
+                failed[req_id] = f"{CONSTRAINT_FAILED}: {error}"
         return bitmask, rows

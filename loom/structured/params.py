@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from loom.errors import SamplingParamsError
+from loom.structured.schema import MAX_JSON_DEPTH, json_text_depth
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -37,9 +38,12 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
+            if json_text_depth(self.json) > MAX_JSON_DEPTH:
+                raise SamplingParamsError(
+                    "structured_outputs", f"json nests deeper than {MAX_JSON_DEPTH} levels")
             try:
                 self.json = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise SamplingParamsError("structured_outputs", f"json is not valid JSON: {e}")
         if self.json is not None and not isinstance(self.json, dict):
             raise SamplingParamsError("structured_outputs",

@@ -13,6 +13,7 @@ other folder, and `.hf` when something asks for it, uses `AutoTokenizer` as befo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -167,7 +168,15 @@ class Tokenizer:
         return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt
+        # tokenized on a worker thread leaves the event loop and the engine thread running.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest entry
+        of the vocabulary (a byte-level token's characters are its bytes)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=0)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._hf is not None:  # it may clean up tokenization spaces

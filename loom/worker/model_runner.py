@@ -13,7 +13,9 @@ from torch import nn
 from loom.attention.forward_context import set_forward_context
 from loom.attention.metadata import Workspace, build_attention_metadata
 from loom.config import ModelConfig
-from loom.core.sched_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from loom.core.sched_output import (
+    Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
+)
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
@@ -59,27 +61,15 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.pooler.drop(req_id)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.token_ids),
-                prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
-                num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                generator=gen,
-                output_token_ids=list(new.token_ids[new.num_prompt_tokens :]),
-            )
+            try:  # a request whose inputs cannot be prepared fails alone (`failed`)
+                self.requests[new.req_id] = self._new_state(new)
+            except Exception as e:  # noqa: BLE001 - reported as this request's error
+                failed[new.req_id] = _reason("preparing the request", e)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -88,12 +78,43 @@ class ModelRunner:
             state.block_ids.extend(block_ids)
             state.num_computed_tokens = num_computed
 
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        """The runner's state of a newly scheduled request; raises if its sampling inputs
+        cannot be built (checked here, on its own row, so it never fails a batch)."""
+        params = new.sampling_params
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            # Any integer seeds: torch takes [0, 2**64) (a negative one as its two's complement).
+            gen.manual_seed(params.seed & _SEED_MASK)
+        prompt = list(new.token_ids[: new.num_prompt_tokens])
+        output = list(new.token_ids[new.num_prompt_tokens :])
+        SamplingMetadata.build([params], [prompt], [output], [gen], self.eos_token_ids,
+                               self.model_config.vocab_size, self.device)
+        return CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            prompt_token_ids=prompt,
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling_params=params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=gen,
+            output_token_ids=output,
+        )
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+        """One forward and sampling step. A request whose own inputs fail (preparing, sampling,
+        prompt logprobs) is reported in `failed` and the others go on; an exception raised
+        here (the forward itself) concerns the whole batch."""
+        failed: dict[str, str] = {}
+        self._update_states(so, failed)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        req_ids = list(so.num_scheduled_tokens)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
+        req_ids = [r for r in so.num_scheduled_tokens if r not in failed]
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
         states = [self.requests[r] for r in req_ids]
         num_sched = [so.num_scheduled_tokens[r] for r in req_ids]
         computed = [s.num_computed_tokens for s in states]
@@ -101,7 +122,7 @@ class ModelRunner:
             itertools.chain.from_iterable(
                 s.token_ids[c : c + n] for s, c, n in zip(states, computed, num_sched)
             ),
-            dtype=np.int64, count=so.total_num_scheduled_tokens,
+            dtype=np.int64, count=sum(num_sched),
         )
         md, positions = build_attention_metadata(
             [s.block_ids for s in states], computed, num_sched, self.block_size, self.device,
@@ -130,25 +151,51 @@ class ModelRunner:
             if so.grammar_bitmask is not None:
                 self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
             sampled_states = [states[i] for i in sampling]
-            meta = SamplingMetadata.build(
-                [s.sampling_params for s in sampled_states],
-                [s.prompt_token_ids for s in sampled_states],
-                [s.output_token_ids for s in sampled_states],
-                [s.generator for s in sampled_states],
-                self.eos_token_ids,
-                self.model_config.vocab_size,
-                self.device,
-            )
-            out = self.sampler.forward(logits, meta)
-            tokens = out.sampled_token_ids.tolist()
-            for j, i in enumerate(sampling):
-                states[i].token_ids.append(tokens[j])
-                states[i].output_token_ids.append(tokens[j])
-                sampled_lists[i] = [tokens[j]]
-                logprobs[i] = out.logprobs[j]
+            for j, (token, lp) in enumerate(self._sample(logits, sampled_states, failed)):
+                i = sampling[j]
+                if token is None:
+                    continue
+                states[i].token_ids.append(token)
+                states[i].output_token_ids.append(token)
+                sampled_lists[i] = [token]
+                logprobs[i] = lp
         # after sampling: an int8 head writes every call's logits into the buffer it reuses
-        prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden)
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps)
+        prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden, failed)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps, failed)
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], failed: dict[str, str]
+    ) -> list[tuple[int | None, Logprobs | None]]:
+        """(token, logprobs) per row of `logits`; (None, None) for a row that failed alone.
+
+        The batch is sampled at once; only if that raises is each row sampled on its own
+        (greedy and seeded rows give the tokens they would have given in the batch) to find
+        the request that failed."""
+        try:
+            out = self.sampler.forward(logits, self._metadata(states))
+            return list(zip(out.sampled_token_ids.tolist(), out.logprobs))
+        except Exception:  # noqa: BLE001 - find the row at fault below
+            pass
+        rows: list[tuple[int | None, Logprobs | None]] = []
+        for j, state in enumerate(states):
+            try:
+                out = self.sampler.forward(logits[j : j + 1], self._metadata([state]))
+                rows.append((out.sampled_token_ids.tolist()[0], out.logprobs[0]))
+            except Exception as e:  # noqa: BLE001 - this request's error alone
+                failed[state.req_id] = _reason("sampling", e)
+                rows.append((None, None))
+        return rows
+
+    def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.eos_token_ids,
+            self.model_config.vocab_size,
+            self.device,
+        )
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, sampling_ids: list[str], so: SchedulerOutput) -> None:
@@ -169,6 +216,7 @@ class ModelRunner:
         num_sched: list[int],
         ends: np.ndarray,
         hidden: torch.Tensor,
+        failed: dict[str, str],
     ) -> list[list[Logprobs | None] | None]:
         """Logprobs of each prompt token given its prefix, for positions computed this step.
 
@@ -183,8 +231,20 @@ class ModelRunner:
             entries: list[Logprobs | None] = [None] if c == 0 else []
             if last > c:
                 start = int(end) - n
-                logits = self.model.compute_logits(hidden[start : start + last - c])
-                targets = torch.tensor(s.token_ids[c + 1 : last + 1], device=self.device)
-                entries.extend(compute_prompt_logprobs(logits, targets, num_top))
+                try:
+                    logits = self.model.compute_logits(hidden[start : start + last - c])
+                    targets = torch.tensor(s.token_ids[c + 1 : last + 1], device=self.device)
+                    entries.extend(compute_prompt_logprobs(logits, targets, num_top))
+                except Exception as e:  # noqa: BLE001 - this request's error alone
+                    failed[s.req_id] = _reason("computing prompt logprobs", e)
             result.append(entries)
         return result
+
+
+# Seeds are reduced to the 64 bits a torch generator holds.
+_SEED_MASK = 2**64 - 1
+
+
+def _reason(what: str, e: BaseException) -> str:
+    """The error message a request that failed alone gets (no traceback, bounded length)."""
+    return f"internal error while {what}: {type(e).__name__}: {str(e)[:200]}"

@@ -39,9 +39,17 @@ def anyio_backend() -> str:
 
 
 @dataclass
+class _FakeKVCache:
+    num_usable_blocks: int = 64
+    block_size: int = 16
+
+
+@dataclass
 class _FakeScheduler:
     num_running: int = 0
     num_waiting: int = 0
+    max_num_seqs: int = 8
+    kv_cache_manager: _FakeKVCache = field(default_factory=_FakeKVCache)
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
@@ -71,7 +79,8 @@ class FakeEngine:
         self.prefault_delay = 0.0
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
         if prompt == []:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -87,6 +96,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_integrity(self) -> None:
+        pass
 
     def prefault_kv_cache(self, max_blocks: int) -> int:
         self.thread_ids.add(threading.get_ident())
@@ -133,6 +145,13 @@ async def _started(fake: FakeEngine, **kwargs: object) -> AsyncEngine:
     return engine
 
 
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until cond() holds or `timeout` seconds pass (however busy the machine)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def test_outputs_in_order_and_off_the_event_loop() -> None:
     fake = FakeEngine()
     engine = await _started(fake)
@@ -159,10 +178,7 @@ async def test_leaving_the_iteration_aborts_the_request() -> None:
         if len(out.outputs[0].token_ids) == 3:
             break
     await gen.aclose()
-    for _ in range(200):
-        if not fake.requests:
-            break
-        await asyncio.sleep(0.01)
+    await _until(lambda: not fake.requests)
     assert fake.aborted == ["long"] and not fake.requests
     await engine.shutdown()
 
@@ -194,8 +210,8 @@ async def test_waiting_queue_limit() -> None:
 async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
     fake = FakeEngine()
     engine = await _started(fake)
-    await asyncio.sleep(0.2)
-    assert fake.steps == 0  # no step without requests: the thread blocks on its queue
+    await _until(lambda: fake.prefault_calls >= 1)  # idle: nothing to prefault, then it blocks
+    assert fake.steps == 0 and fake.prefault_calls == 1  # no step, no spin without requests
     stream = await engine.add_request("s", [1], _params(10_000))
     await stream.__anext__()
     await engine.shutdown()
@@ -205,13 +221,6 @@ async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
     assert not engine.is_running
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait until cond() holds or `timeout` seconds pass (however busy the machine)."""
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-
-
 async def test_idle_thread_prefaults_until_done_or_a_request_comes() -> None:
     """Idle, the engine thread faults in the next KV blocks' pages (a few a call) until there
     are none left, then sleeps; a request that arrives meanwhile stops it after that call."""
@@ -219,7 +228,6 @@ async def test_idle_thread_prefaults_until_done_or_a_request_comes() -> None:
     fake.to_prefault = 9
     engine = await _started(fake)
     await _until(lambda: fake.prefault_calls >= 6)
-    await asyncio.sleep(0.05)
     assert fake.to_prefault == 0 and fake.prefault_calls == 6  # 2 a call, then one saying 0
     assert threading.get_ident() not in fake.thread_ids
     fake.to_prefault, fake.prefault_delay = 1000, 0.01  # busy prefaulting when a request comes

@@ -2,13 +2,15 @@
 
 | status | type                  | when                                                      |
 |--------|-----------------------|-----------------------------------------------------------|
-| 400    | invalid_request_error | malformed JSON, wrong types, out-of-range or unsupported  |
+| 400    | invalid_request_error | malformed JSON, wrong types, out-of-range or unsupported, |
+|        |                       | too deep or too large, a constraint that failed mid-run   |
 | 401    | authentication_error  | missing or wrong API key                                  |
 | 404    | not_found_error       | unknown route or model name                               |
 | 405    | invalid_request_error | wrong HTTP method                                         |
-| 429    | rate_limit_error      | the waiting queue is full (--max-waiting-requests)        |
+| 413    | invalid_request_error | the body is over --max-request-body-bytes                 |
+| 429    | rate_limit_error      | the waiting queue is full (with Retry-After)              |
 | 500    | server_error          | a real internal error (that request only)                 |
-| 503    | unavailable_error     | shutting down, or the engine is not running               |
+| 503    | unavailable_error     | shutting down, the engine is not running or recovering    |
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from loom.engine.async_engine import (
     EngineStepError,
     InvalidRequestError,
     QueueFullError,
+    RequestFailedError,
 )
 from loom.sampling_params import SamplingParamsError
 from loom.tokenizer.tokenizer import ChatTemplateError
@@ -49,13 +52,15 @@ class APIError(Exception):
     """An error answered to the client: HTTP status, message, the offending field, a code."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     @property
     def type(self) -> str:
@@ -67,7 +72,7 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -85,11 +90,17 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ChatTemplateError):
         return APIError(400, str(exc), "messages")
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), code="rate_limit_exceeded")
+        return APIError(429, str(exc), code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, (EngineShutdownError, EngineDeadError)):
         return APIError(503, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return APIError(400 if exc.invalid else 500, str(exc),
+                        code="constraint_failed" if exc.invalid else None)
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc))
+    if isinstance(exc, RecursionError):  # a structure deeper than a check before caught
+        return APIError(400, "the request is nested too deeply")
     logger.error("internal error: %r", exc, exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}")
 
@@ -101,7 +112,8 @@ def _loc_to_param(loc: Sequence[int | str]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part in ("str", "int", "float", "bool") or part.startswith("list"):
+        elif "[" in part or part in ("str", "int", "float", "bool") or part.startswith(
+                ("list", "constrained-", "function-")):
             continue  # pydantic names union members ("list[int]", "str"); not a field
         else:
             out += f".{part}" if out else part
@@ -118,7 +130,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         reason = err.get("ctx", {}).get("error", "")
         return bad_request(f"malformed JSON body: {reason}".rstrip(": "))
     param = _loc_to_param(err.get("loc", ()))
-    if param is None and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
+    if param is None and err.get("type") in ("missing", "model_attributes_type", "dict_type",
+                                                   "model_type"):
         return bad_request("the request body must be a JSON object")
     if err.get("type") == "extra_forbidden":
         return bad_request(f"unsupported parameter: {param!r}", param)

@@ -43,6 +43,8 @@ class _EngineCollector(Collector):
             ("loom:num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
             ("loom:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)",
              s.kv_cache_usage),
+            ("loom:max_waiting_requests", "Waiting requests beyond which new ones get 429",
+             s.max_waiting_requests),
         ]
         counters = [  # CounterMetricFamily adds the `_total` suffix
             ("loom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -53,6 +55,8 @@ class _EngineCollector(Collector):
              s.num_preemptions),
             ("loom:prompt_tokens", "Prompt tokens received", s.prompt_tokens),
             ("loom:generation_tokens", "Tokens generated", s.generation_tokens),
+            ("loom:num_requests_rejected", "Requests answered 429 (waiting queue full)",
+             s.num_rejected),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])

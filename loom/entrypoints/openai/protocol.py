@@ -6,14 +6,57 @@ OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, s
 ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output) and structured-output
 extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`). `user` is accepted: it never changes output. `suffix` and `best_of` exist only to be rejected with a clear message.
-Ranges are checked by `SamplingParams`, the engine's single source of truth.
+Ranges are checked by `SamplingParams`, the engine's single source of truth. Sizes are bounded
+here (the MAX_* limits below, each a 400 naming the field); the body's size, Unicode and nesting
+depth are checked before these models see it (body.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from loom.structured.schema import MAX_JSON_DEPTH, json_text_depth
+
+# Size limits of the request fields that the engine scans per step or compiles.
+MAX_STOP = 64  # stop strings (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_GRAMMAR_CHARS = 128 * 1024  # a regex, a grammar or a JSON schema given as text
+MAX_TOOLS = 128  # as OpenAI
+
+_StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+_GrammarText = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which prompt form a value is, from its first item alone: a long list of token ids is
+    validated as one form, never tried (and failed item by item) as another."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "list[str]"
+        if isinstance(first, list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+def _fail_fast(item: Any) -> Any:
+    """A list that stops at its first bad item (one error, not one per item)."""
+    return Annotated[list[item], Field(fail_fast=True)]  # type: ignore[valid-type]
+
+
+# The tags are the forms' type names, which error messages leave out of the field's name.
+Prompt = Annotated[
+    Annotated[str, Tag("str")] | Annotated[_fail_fast(str), Tag("list[str]")]
+    | Annotated[_fail_fast(int), Tag("list[int]")]
+    | Annotated[_fail_fast(_fail_fast(int)), Tag("list[list[int]]")],
+    Discriminator(_prompt_kind),
+]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -39,11 +82,11 @@ class ResponseFormat(OpenAIBaseModel):
 class StructuredOutputsRequest(OpenAIBaseModel):
     """vLLM's `structured_outputs` extra: exactly one constraint."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: dict[str, Any] | _GrammarText | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
+    regex: _GrammarText | None = None
     choice: list[str] | None = None
-    grammar: str | None = None
+    grammar: _GrammarText | None = None
     any_whitespace: bool = False
     additional_properties: bool = False
 
@@ -57,8 +100,9 @@ class SamplingRequest(OpenAIBaseModel):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON string key) -> bias
-    stop: str | list[str] | None = None
+    # token id (as a JSON string key) -> bias
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    stop: _StopText | list[_StopText] | None = Field(default=None, max_length=MAX_STOP)
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -67,7 +111,7 @@ class SamplingRequest(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False
     min_tokens: int | None = 0
     skip_special_tokens: bool | None = True
@@ -75,16 +119,16 @@ class SamplingRequest(OpenAIBaseModel):
     # structured output (OpenAI's response_format, vLLM's extras)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
+    guided_json: dict[str, Any] | _GrammarText | None = None
+    guided_regex: _GrammarText | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_grammar: _GrammarText | None = None
 
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions: prompt as text, texts, token ids or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None  # top-N per token, 0..20 (legacy format)
@@ -100,6 +144,13 @@ class TextContentPart(OpenAIBaseModel):
 class ToolCallFunction(OpenAIBaseModel):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded_depth(cls, value: str) -> str:
+        if json_text_depth(value) > MAX_JSON_DEPTH:
+            raise ValueError(f"the arguments nest deeper than {MAX_JSON_DEPTH} levels")
+        return value
 
 
 class ToolCall(OpenAIBaseModel):
@@ -150,7 +201,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None  # 0..20, needs logprobs=true
-    tools: list[ChatTool] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
 

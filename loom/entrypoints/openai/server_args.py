@@ -12,6 +12,7 @@ from loom.engine.arg_utils import (
 from loom.tools.parsers import PARSERS
 
 DEFAULT_GRACE_SECONDS = 10.0
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 API_KEY_ENV = "LOOM_API_KEY"
 
 
@@ -26,8 +27,13 @@ class ServerArgs:
         "auto", "how tool calls appear in the model's output; auto: from the chat template "
                 "(hermes when the template knows no tools)", SERVER, choices=("auto", *PARSERS))
     max_waiting_requests: int | None = flag(
-        None, "answer 429 when this many requests already wait to be scheduled "
-              "(default: no limit)", SERVER, type=non_negative_int)
+        None, "answer 429 (with Retry-After) when this many requests already wait to be "
+              "scheduled (default: two full batches: --max-num-seqs, or as many 256-token "
+              "requests as the KV cache holds if more; shown in /metrics)", SERVER,
+        type=non_negative_int)
+    max_request_body_bytes: int = flag(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, "answer 413 to a request body larger than this",
+        SERVER, type=positive_int)
     disable_log_requests: bool = flag(
         False, "do not log each request and its sampling parameters (nor the access log)", SERVER)
     timeout_graceful_shutdown: float = flag(

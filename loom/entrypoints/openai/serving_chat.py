@@ -7,6 +7,7 @@ of {token, logprob, bytes, top_logprobs}.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -51,7 +52,10 @@ def render_messages(
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the conversation in the chat template; template errors are 400s."""
+    """Token ids of the conversation in the chat template; template errors are 400s.
+
+    Slow for a long conversation (templating, tokenizing): call it on a worker thread."""
+    ctx.check_text_size(sum(_num_chars(m) for m in messages), "messages")
     conversation: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         content = m.text()
@@ -75,6 +79,12 @@ def render_messages(
             conversation, add_generation_prompt=add_generation_prompt, tools=template_tools)
     except ChatTemplateError as e:
         raise from_exception(e) from None
+
+
+def _num_chars(m: ChatMessage) -> int:
+    """The characters of a message that reach the prompt (its text and past tool calls)."""
+    calls = sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+    return len(m.text() or "") + calls
 
 
 def _tool_setup(
@@ -150,7 +160,8 @@ async def _create(
     source = constraint_source(req)
     if constraint is not None:
         params, source = params.clone(structured_outputs=constraint), "tools"
-    prompt_ids = render_messages(ctx, req.messages, tools=tools)
+    ctx.check_capacity(params.n)  # before the (slow) templating
+    prompt_ids = await asyncio.to_thread(render_messages, ctx, req.messages, True, tools)
     request_id = new_id("chatcmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser)
     if req.stream:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from loom.engine.async_engine import QueueFullError
 from loom.entrypoints.openai.errors import APIError, bad_request, from_exception
 from loom.engine.llm_engine import InvalidRequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError
@@ -47,6 +48,36 @@ class ServerContext:
     shutting_down: bool = False
     decoded_tokens: dict[int, str] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # a name in loom.tools.parsers.PARSERS, or "auto"
+    # The most characters of text one token stands for (the longest token); text longer than
+    # max_model_len such tokens cannot fit and is refused without tokenizing it. 0: no bound.
+    max_token_chars: int = 0
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        return self.max_token_chars * self.max_model_len if self.max_token_chars else None
+
+    def check_text_size(self, num_chars: int, param: str) -> None:
+        """400 for text too long to fit max_model_len whatever its tokens (cheap: no
+        tokenizing)."""
+        limit = self.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise bad_request(
+                f"{param} has {num_chars} characters: more than max_model_len "
+                f"({self.max_model_len}) tokens of at most {self.max_token_chars} characters "
+                "each can hold", param)
+
+    def check_ids_size(self, num_ids: int, param: str) -> None:
+        if num_ids >= self.max_model_len:
+            raise bad_request(
+                f"{param} has {num_ids} tokens; max_model_len is {self.max_model_len}, which "
+                "must leave room for at least one generated token", param)
+
+    def check_capacity(self, n: int) -> None:
+        """429 at once when the waiting queue is full (before any tokenizing)."""
+        try:
+            self.engine.check_capacity(n)
+        except QueueFullError as e:
+            raise from_exception(e) from None
 
     def tool_parser(self, template: str | None) -> ToolParser:
         return parser_for_template(template, self.tool_call_parser)
@@ -163,19 +194,39 @@ def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | N
         raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
 
 
+def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (worker thread: the tokenizer releases the GIL), each first
+    checked by its size alone."""
+    ids: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ctx.check_text_size(len(prompt), param)
+            prompt = ctx.tokenizer.encode(prompt)
+        ctx.check_ids_size(len(prompt), param)
+        ids.append(prompt)
+    return ids
+
+
 async def add_requests(
     ctx: ServerContext,
     request_id: str,
     prompts: list[str | list[int]],
     params: SamplingParams,
     constraint_param: str = "structured_outputs",
+    prompt_ids: list[list[int]] | None = None,
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
 
-    Engine exceptions become APIErrors (400, 429, 503) before any response is sent; an invalid
-    output constraint is a 400 naming `constraint_param` (the field that set it).
+    Text prompts are tokenized here on a worker thread unless `prompt_ids` (one list of ids per
+    prompt) are given. Engine exceptions become APIErrors (400, 429, 503) before any response is
+    sent; an invalid output constraint is a 400 naming `constraint_param` (the field that set
+    it).
     """
     ctx.check_accepting()
+    ctx.check_capacity(len(prompts) * params.n)
+    if prompt_ids is None:
+        prompt_ids = await asyncio.to_thread(tokenize_prompts, ctx, prompts)
     if params.structured_outputs is not None:
         # Compile (or find cached) off the event loop and off the engine thread; a bad schema,
         # regex or grammar is a 400 here, before anything reaches the engine.
@@ -185,9 +236,9 @@ async def add_requests(
             raise APIError(400, str(e), constraint_param) from None
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, prompt, params))
+            streams.append(await ctx.engine.add_request(rid, prompt, params, ids))
     except BaseException as e:
         for stream in streams:
             stream.abort()

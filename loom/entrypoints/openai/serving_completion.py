@@ -74,6 +74,12 @@ async def create_completion(
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
     params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    for i, prompt in enumerate(prompts):  # cheap size checks first, before any tokenizing
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ctx.check_text_size(len(prompt), param)
+        else:
+            ctx.check_ids_size(len(prompt), param)
     source = constraint_source(req)
     request_id = new_id("cmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)
