@@ -14,6 +14,8 @@ from pathlib import Path
 from loom.config import KV_CACHE_DTYPES
 from loom.engine.arg_utils import CACHE, KERNELS, MODEL, SCHEDULER, SERVER, flag, positive_int
 
+DISTRIBUTED = "distributed"
+
 # `loom serve`'s step budget on the CPU: every running stream waits for a step, so a long prompt
 # chunk stalls them all; offline (the LLM class) only throughput counts, and 2048 stays.
 SERVE_CPU_BATCHED_TOKENS = 512
@@ -93,6 +95,11 @@ class EngineArgs:
     block_size: int = flag(16, "tokens per KV-cache block", CACHE)
     num_gpu_blocks_override: int | None = flag(
         None, "exact number of KV-cache blocks (testing)", CACHE)
+    tensor_parallel_size: int = flag(
+        1, "split each layer over N processes (torch.distributed: gloo on the CPU, NCCL on one "
+           "GPU each): attention heads, MLP width and vocabulary; unquantized weights only. "
+           "On the CPU for correctness and multi-socket machines, not speed on one socket",
+        DISTRIBUTED, type=positive_int)
 
     def resolved_max_num_batched_tokens(self, device: str) -> int:
         """The step budget: as given; unset (the CLI's default), SERVE_CPU_BATCHED_TOKENS on

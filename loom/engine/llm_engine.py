@@ -89,6 +89,12 @@ class LLMEngine:
         loaded = load_model(source, args.dtype, device, progress=True,
                             quantization=args.quantization, int8_batch_kernel=args.int8_batch_kernel,
                             int8_decode_kernel=args.int8_decode_kernel)
+        self.tensor_parallel = None  # rank 0 here, the other ranks in worker processes
+        if args.tensor_parallel_size > 1:
+            from loom.distributed.executor import TensorParallel
+
+            self.tensor_parallel = TensorParallel.start(args, source, device, loaded)
+            loaded = self.tensor_parallel.loaded  # rank 0's slices; config: one rank's heads
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
         if args.chat_template is not None:
@@ -124,6 +130,10 @@ class LLMEngine:
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,
         )
+        if self.tensor_parallel is not None:  # every step runs on every rank
+            self.runner = self.tensor_parallel.drive(
+                self.runner, num_blocks, self.kv_dtype, self.eos_token_ids,
+                cache_config.block_size)
         self.structured = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size)
         self.num_blocks = num_blocks
         self.prefaulter = KVPrefaulter(self.runner.kv_caches)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -32,13 +34,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _replica_main(index: int, engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """A replica process: `loom serve` on its internal port, its log lines tagged."""
+def _replica_main(index: int, engine_args: EngineArgs, server_args: ServerArgs,
+                  parent: int) -> None:
+    """A replica process: `loom serve` on its internal port, its log lines tagged; it stops
+    (gracefully) if the command's process dies without stopping it."""
     from loom.entrypoints.openai.api_server import run_server
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s [replica {index}] %(name)s: %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     run_server(engine_args, server_args)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    logger.warning("the launching process is gone: stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_ready(procs: list[BaseProcess], urls: list[str]) -> None:
@@ -86,8 +98,8 @@ def run_data_parallel(engine_args: EngineArgs, args: ServerArgs) -> None:
     try:
         for i, port in enumerate(ports):
             replica_args = replace(args, host=internal, port=port, data_parallel_size=1)
-            p = ctx.Process(target=_replica_main, args=(i, engine_args, replica_args),
-                            name=f"loom-replica-{i}")
+            p = ctx.Process(target=_replica_main, name=f"loom-replica-{i}",
+                            args=(i, engine_args, replica_args, os.getpid()))
             p.start()
             procs.append(p)
         logger.info("data parallel: %d replicas at %s (%d threads each)", n, ", ".join(urls),
