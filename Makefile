@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 ARGS ?=
 
-.PHONY: serve test install install-test generate bench clean
+.PHONY: serve test test-fast install install-test generate bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,13 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/loom generate $(ARGS)
 
+# Every test: both tiers (the server and real-model tests are `@pytest.mark.slow`).
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: units, kernels, tiny models (no real model, no server subprocess).
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,6 +19,8 @@ from loom.bench.runner import BenchConfig, run_benchmark, server_model
 from loom.bench.server_proc import ServerProcess
 from loom.entrypoints.cli import main
 
+pytestmark = pytest.mark.slow  # a real `loom serve` subprocess
+
 NUM, CONC, IN_LEN, OUT_LEN, MAX_LEN = 6, 3, 8, 8, 64
 
 

@@ -6,12 +6,15 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from tests.paged_batch import PagedBatch, rel_err
 from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow  # `loom generate` subprocesses and the packaged SmolLM2
 
 
 def test_bfloat16_and_float16_on_cpu_stay_close_to_float32(tmp_path) -> None:

@@ -51,7 +51,7 @@ def _tiny_prompts(n: int, length: int = 40) -> list[list[int]]:
     return [shared + [rng.randrange(3, 256) for _ in range(length // 2 + i)] for i in range(n)]
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_prefix_cache_on_vs_off(make_llm, tiny, model) -> None:
     name = tiny if model == "tiny" else None
     def run(enable: bool):
@@ -68,7 +68,7 @@ def test_prefix_cache_on_vs_off(make_llm, tiny, model) -> None:
     assert hits_on > 0 and hits_off == 0
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
     name = tiny if model == "tiny" else None
     def run(budget: int):
@@ -85,6 +85,7 @@ def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
 # int4 is left out: its kernel (bf16 activations) sums a row differently in a batch than alone,
 # so near-ties can flip (seen on the second of these prompts).
 @pytest.mark.parametrize("quantization", [None, "fp16", "int8"])
+@pytest.mark.slow
 def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
     prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
     llm = make_llm(None, quantization=quantization)
@@ -94,7 +95,7 @@ def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> None:
     name = tiny if model == "tiny" else None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -113,6 +114,7 @@ def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> No
     assert preemptions > 0 and none == 0
 
 
+@pytest.mark.slow
 def test_seed_reproducible_whatever_the_batch(make_llm) -> None:
     llm = make_llm(None)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
@@ -129,6 +131,7 @@ def test_seed_reproducible_whatever_the_batch(make_llm) -> None:
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_n4_shares_prompt_blocks(make_llm) -> None:
     llm = make_llm(None)
     engine = llm.engine
@@ -149,6 +152,7 @@ def test_n4_shares_prompt_blocks(make_llm) -> None:
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_abort_frees_blocks(make_llm) -> None:
     llm = make_llm(None, enable_prefix_caching=False)
     engine = llm.engine
@@ -170,6 +174,7 @@ def test_abort_frees_blocks(make_llm) -> None:
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_hits_the_prefix_cache(make_llm) -> None:
     llm = make_llm(None)
     stats = llm.engine.scheduler.prefix_cache_stats
@@ -181,6 +186,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(make_llm) -> None:
     assert out.num_cached_tokens >= 16
 
 
+@pytest.mark.slow
 def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
     llm = make_llm(None)
     prompt = "Count: 1, 2, 3, 4,"
@@ -206,6 +212,7 @@ def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
     assert eos.outputs[0].token_ids[-1] in llm.engine.eos_token_ids
 
 
+@pytest.mark.slow
 def test_bad_requests_are_rejected_clearly(make_llm) -> None:
     llm = make_llm(None, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
@@ -222,6 +229,7 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
 
 @pytest.mark.parametrize("quantization", [None, "int8"])  # module path; int8's one-call stack
 @pytest.mark.parametrize("kv,row_bytes,min_same", [("float16", 128, 5), ("int8", 80, 4)])
+@pytest.mark.slow
 def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
     make_llm, quantization, kv, row_bytes, min_same
 ) -> None:
@@ -260,6 +268,7 @@ def _int8_answers(make_llm, kernel: str, num_chats: int,
     return answers
 
 
+@pytest.mark.slow
 def test_int8_amx_kernel_serves_the_same_answers(make_llm) -> None:
     """--int8-batch-kernel amx through the engine: prompts (more than 8 rows a step) run on AMX
     tiles, decode of these 6 chats on the AVX kernel; greedy answers match the AVX engine's
@@ -269,6 +278,7 @@ def test_int8_amx_kernel_serves_the_same_answers(make_llm) -> None:
     assert answers["amx"] == answers["avx"]
 
 
+@pytest.mark.slow
 def test_int8_bf16_kernel_serves_nearly_the_same_answers(make_llm) -> None:
     """--int8-batch-kernel bf16 through the engine: 12 chats, so the prompts and the decode steps
     (12 rows) run on the bf16 kernel. Its answers stay close to the AVX engine's: bf16 rounding
@@ -281,6 +291,7 @@ def test_int8_bf16_kernel_serves_nearly_the_same_answers(make_llm) -> None:
     assert all(a[0][:2] == b[0][:2] for a, b in pairs)
 
 
+@pytest.mark.slow
 def test_int8_vnni_kernel_serves_nearly_the_same_answers(make_llm) -> None:
     """--int8-decode-kernel vnni through the engine: 6 chats, prompts on the AVX kernel, decode
     (6 rows a step, then fewer) on the VNNI kernel (near fp32: x in two int8 digits). Measured:
@@ -292,6 +303,7 @@ def test_int8_vnni_kernel_serves_nearly_the_same_answers(make_llm) -> None:
     assert all(a[0][:4] == b[0][:4] for a, b in pairs)
 
 
+@pytest.mark.slow
 def test_kv_cache_dtype_is_checked(make_llm) -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype 'int3'"):
         make_llm(None, kv_cache_dtype="int3")
@@ -301,6 +313,7 @@ def test_kv_cache_dtype_is_checked(make_llm) -> None:
         row_width(80, torch.int8)
 
 
+@pytest.mark.slow
 def test_unset_step_budget_is_512_tokens_on_the_cpu(make_llm) -> None:
     llm = make_llm(None, max_num_batched_tokens=None, kv_cache_memory=64 * 2**20)
     assert llm.engine.scheduler.max_num_batched_tokens == 512
@@ -320,6 +333,7 @@ def _resident_pages(t: torch.Tensor) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
+@pytest.mark.slow
 def test_idle_engine_faults_in_the_next_blocks_pages(make_llm) -> None:
     """The KV cache's pages are committed when first written; an idle engine commits those of
     the blocks it hands out next (prefault_kv_cache, `prefault_ahead` of them) without changing

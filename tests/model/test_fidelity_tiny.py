@@ -25,7 +25,7 @@ def tiny(request, tmp_path_factory):
     return request.param, folder, ref
 
 
-@pytest.mark.parametrize("backend", ["kernel", "torch"])
+@pytest.mark.parametrize("backend", ["kernel", pytest.param("torch", marks=pytest.mark.slow)])
 def test_mixed_batch_matches_transformers(tiny, backend, monkeypatch) -> None:
     """Both paths: the C kernels (the CPU default) and torch's ops (CUDA, other dtypes)."""
     name, folder, ref = tiny

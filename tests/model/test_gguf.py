@@ -50,6 +50,7 @@ def test_k_quant_blocks_dequantize_to_the_reference(qtype) -> None:
     torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_smollm2_tensors_equal_gguf_reference() -> None:
     reader = GGUFReader(str(default_gguf_path()))
     types = set()
@@ -104,6 +105,7 @@ def smollm2():
     return ref.eval(), loaded, tok
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smollm2) -> None:
     ref, loaded, tok = smollm2
     batch = PagedBatch(loaded, num_blocks=64)
@@ -136,6 +138,7 @@ CONVERSATION = [
 ]
 
 
+@pytest.mark.slow
 def test_chat_template_gguf_and_hf_folder_match_transformers(smollm2, tmp_path) -> None:
     from transformers import AutoTokenizer
 

@@ -31,6 +31,7 @@ def assert_same_as_reference(ours: GGUFFile, path: Path) -> None:
         assert mine.data.tobytes() == theirs.data.tobytes(), mine.name
 
 
+@pytest.mark.slow
 def test_smollm2_file_equals_gguf_reader() -> None:
     path = default_gguf_path()
     ours = read_gguf(path)

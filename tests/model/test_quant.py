@@ -174,6 +174,7 @@ def test_int4_recovers_gguf_q4_1_weights() -> None:
     ("int8", Int8Linear, Int8Linear, 1.0, 1e-5),
     ("int4", Int4Linear, Fp16Linear, 0.97, 0.05),  # measured 90 of 91 positions, error 0.025
 ])
+@pytest.mark.slow
 def test_quantized_smollm2_agrees_with_reference(method, kind, head, min_agree, max_err) -> None:
     source = resolve_model(None)
     tok = Tokenizer.from_source(source)
@@ -229,6 +230,7 @@ def _kernel_args(kernel: str) -> dict[str, str]:
     (3, "bf16"), (9, "bf16"), (1, "vnni"), (3, "vnni"), (9, "vnni"), (3, "vnni+bf16"),
     (9, "vnni+bf16"),
 ])
+@pytest.mark.slow
 def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
     """int8 on the CPU runs every layer in one C call: the same bits as module by module, for
     the prefill and three decode steps. Decode of up to 8 streams runs the stack in one OpenMP
@@ -272,6 +274,7 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
 
 @pytest.mark.parametrize("streams,kernel", [(2, "avx"), (9, "avx"), (3, "bf16"), (9, "bf16"),
                                             (3, "vnni+bf16"), (9, "vnni+bf16")])
+@pytest.mark.slow
 def test_int8_stack_keeps_only_the_sampling_rows(streams, kernel) -> None:
     """The model runner's call (forward_logits with only_rows): past the last layer's attention
     only the rows that sample go on (the MLP, final norm and head of `streams` rows, on the
@@ -320,6 +323,7 @@ def test_int8_stack_keeps_only_the_sampling_rows(streams, kernel) -> None:
         assert rel_err(kept[0][k], full[0][k]) < 0.02, k
 
 
+@pytest.mark.slow
 def test_last_layer_keeps_only_the_sampling_rows_on_the_module_path() -> None:
     """The fp32 model (no C stack) with only_rows: hidden states of the sampling rows alone, with
     the full step's logits (to fp32 summation order) and the same K and V written: the next
@@ -341,6 +345,7 @@ def test_last_layer_keeps_only_the_sampling_rows_on_the_module_path() -> None:
         assert torch.allclose(kept_next[k][0], full_next[k][-1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_int8_decoder_stack_checks_its_inputs() -> None:
     """The C stack reads the rotary table and the embedding rows unchecked, so its call checks
     positions, token ids and the rows it keeps first: the module path's IndexError (a kernel
@@ -408,6 +413,7 @@ def _agreement(got, ref, seqs) -> tuple[float, float]:
     return agree / sum(len(s) for s in seqs.values()), max(rel_err(got[k], ref[k]) for k in seqs)
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_agrees_with_reference(teacher_forced) -> None:
     """--kv-cache-dtype int8 (K/V as 8-bit groups of 32 with an fp32 scale and minimum) on the
     default model, with fp32 and with int8 weights, teacher-forced over 16 chats and the fp32
@@ -424,6 +430,7 @@ def test_int8_kv_cache_agrees_with_reference(teacher_forced) -> None:
         assert err < 0.05
 
 
+@pytest.mark.slow
 def test_int8_amx_kernel_agrees_with_reference(teacher_forced) -> None:
     """--int8-batch-kernel amx: the 1495-position prefill runs every linear (the head's too) on
     AMX tiles at fp32's precision. Measured 1495 of 1495 top-1, logit error 1.6e-5 to 3.4e-5
@@ -437,6 +444,7 @@ def test_int8_amx_kernel_agrees_with_reference(teacher_forced) -> None:
     assert err < 1e-4
 
 
+@pytest.mark.slow
 def test_int8_bf16_kernel_agrees_with_reference(teacher_forced) -> None:
     """--int8-batch-kernel bf16: the 1495-position prefill runs every linear (the head's too) in
     bf16 dot products (each dequantized weight and each x rounded to bf16, fp32 sums). Measured

@@ -16,6 +16,8 @@ import pytest
 from tests.server.conftest import start_server
 from tests.server.utils import ENGINE_ARGS, ServerProcess
 
+pytestmark = pytest.mark.slow  # real `loom serve` subprocesses
+
 KEY = "sk-loom-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRACE_S = 12

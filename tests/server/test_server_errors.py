@@ -10,6 +10,8 @@ import pytest
 
 from tests.server.utils import ServerProcess
 
+pytestmark = pytest.mark.slow  # real `loom serve` subprocesses
+
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
 LONG_PROMPT = "hello " * 1100  # > max_model_len (1024) tokens

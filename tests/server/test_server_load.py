@@ -13,6 +13,8 @@ from openai import AsyncOpenAI
 from loom import LLM, SamplingParams
 from tests.server.utils import ServerProcess
 
+pytestmark = pytest.mark.slow  # real `loom serve` subprocesses
+
 NUM_STREAMS = 32
 MAX_TOKENS = 12
 PROMPTS = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i in

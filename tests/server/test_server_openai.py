@@ -10,6 +10,8 @@ from openai import OpenAI
 from loom import __version__
 from tests.server.utils import ServerProcess
 
+pytestmark = pytest.mark.slow  # real `loom serve` subprocesses
+
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
             {"role": "user", "content": "Name three colors."}]

@@ -12,6 +12,8 @@ from openai import OpenAI
 
 from loom.tools.parsers import MAX_PARALLEL_CALLS
 
+pytestmark = pytest.mark.slow  # real `loom serve` subprocesses
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "age": {"type": "integer", "minimum": 0, "maximum": 130},

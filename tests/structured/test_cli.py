@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import jsonschema
+import pytest
+
+pytestmark = pytest.mark.slow  # `loom generate` subprocesses on the packaged SmolLM2
 
 
 def _loom(*args: str) -> subprocess.CompletedProcess:

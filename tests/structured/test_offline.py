@@ -19,6 +19,8 @@ from loom.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import make_llm  # noqa: F401
 from tests.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow  # the packaged SmolLM2's tokenizer and engines
+
 NAME = {"type": "string", "maxLength": 12}
 
 SCHEMAS: list[dict] = [

@@ -184,6 +184,7 @@ def test_supported_only_where_the_kernel_runs():
     assert not cpu_kernel.supported(q, cache, 9, 4, 64)
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_switchable(tmp_path):
     """A fresh cache folder gets one library on first use (the variant this CPU runs best);
     LOOM_CPU_KERNELS=0 turns the kernels off."""
