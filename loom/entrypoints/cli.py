@@ -8,11 +8,11 @@ import argparse
 import logging
 
 from loom.bench import cli as bench
-from loom.entrypoints import generate, hub_cli, router_cli
+from loom.entrypoints import chat, generate, hub_cli, router_cli
 from loom.entrypoints.openai import cli_args as serve
 from loom.threads import apply_thread_defaults
 
-SUBCOMMANDS = (serve, generate, bench, hub_cli, router_cli)
+SUBCOMMANDS = (serve, generate, bench, hub_cli, chat, router_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -193,3 +193,12 @@ def test_pages_are_open_and_the_api_is_not() -> None:
     assert {"/", "/dashboard", "/dashboard/feed", "/static/chat.js"} <= web.OPEN_PATHS
     assert web.OPEN_PATHS <= OPEN_PATHS
     assert not {"/v1/chat/completions", "/v1/models"} & OPEN_PATHS
+
+
+def test_chat_in_a_terminal_against_the_server(server) -> None:
+    """`loom chat --url`: the same session against this module's server."""
+    from tests.product.chat_driver import drive, spawn_chat
+
+    first, second = drive(spawn_chat(["--url", server.url]))
+    assert "TTFT" in first and "tok/s" in second
+    server.wait_idle()  # the answer stopped with Ctrl-C was aborted on the server too
