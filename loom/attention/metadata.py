@@ -14,8 +14,8 @@ class Workspace:
     """One scratch buffer for the context each layer gathers, reused by every layer and step.
 
     A fresh tensor per layer would cost a page fault per 4 KiB page each time on the host (glibc
-    serves allocations over 32 MiB with a new mmap): at 256 decodes of ~220 tokens the gather
-    measured 27 ms per call with fresh outputs and 7 ms into reused memory."""
+    serves allocations over 32 MiB with a new mmap), several times the gather's own cost at many
+    decodes."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None

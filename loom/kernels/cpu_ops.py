@@ -17,8 +17,8 @@ def usable(x: torch.Tensor) -> bool:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.max(dim=-1).indices of x [rows, n] (the first of ties; a row's first NaN if it has one),
-    in one C pass over fp32 rows on the CPU: torch's reduction took ~1.4 ms a step at 32 streams
-    of a 49152-token vocabulary, a few percent of the step. Other tensors: torch."""
+    in one C pass over fp32 rows on the CPU: torch's reduction over a large vocabulary was a
+    visible share of a many-stream step (docs/cpu_kernels.md). Other tensors: torch."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
             or x.shape[1] == 0 or cpu_kernels() is None):
         return x.max(dim=-1).indices

@@ -43,8 +43,7 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = (HE
 
 def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
                       linears: list[nn.Linear]) -> list[nn.Module]:
-    """fbgemm packs fp16 weights on one thread (SmolLM2: ~1 s in all) and lets go of the GIL
-    meanwhile: pack on one thread per core, biggest first. (The other methods run torch ops that
+    """fbgemm packs fp16 weights on one thread and lets go of the GIL meanwhile: pack on one thread per core, biggest first. (The other methods run torch ops that
     already use every core.)"""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         futures = {i: pool.submit(make, linears[i])
@@ -55,9 +54,9 @@ def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
 def quantize_model_(model: nn.Module, method: str) -> None:
     """The decoder's linears take `method`; the output projection takes fp16 where fbgemm runs.
 
-    The output projection is where quantization moves top-1 agreement most (int8 there: 98.9%
-    -> 96.7% on the SmolLM2 test prompts), and at one stream it was a quarter of an int4 step in
-    fp32. fp16 weights with fp32 accumulation keep it near exact at a third of the fp32 time.
+    The output projection is where quantization moves top-1 agreement most (tests/model/
+    test_quant.py), and at one stream it is a large share of a step in fp32. fp16 weights with
+    fp32 accumulation keep it near exact at a fraction of the fp32 time.
     A head already int8 (loaded from a GGUF block format, exact: loom.loader.model_loader)
     stays as it is.
     """

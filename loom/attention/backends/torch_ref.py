@@ -1,7 +1,7 @@
 """Reference paged attention in plain torch: correct on any device for mixed batches.
 
 Each layer gathers every request's context from the paged cache, whole blocks at a time (one
-row copy per block, K and V apart: ~4x faster on CPU than per-slot or two-tensor gathers), into
+row copy per block, K and V apart: far fewer copies than per-slot or two-tensor gathers), into
 a padded [num_reqs, max_blocks * block_size] layout, pads queries to [num_reqs, max_query_len],
 and runs one scaled_dot_product_attention with a causal (and optional sliding-window) mask. No
 Python loop over tokens or requests. The CPU's fp32 default is the C kernel (cpu_kernel.py);
