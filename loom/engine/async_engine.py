@@ -135,6 +135,7 @@ class _Add:
     stream: RequestStream
     done: asyncio.Future[None]
     prompt_token_ids: list[int] | None = None
+    check_queue: bool = True  # False for the later prompts of one HTTP request
 
 
 @dataclass(slots=True)
@@ -213,9 +214,15 @@ class AsyncEngine:
     def check_capacity(self, n: int) -> None:
         """Raise QueueFullError if `n` more waiting requests would pass the bound (a cheap
         early answer from the last snapshot; the engine thread checks again exactly)."""
-        if self.snapshot.num_waiting + n > self.max_waiting_requests:
+        if self._over_bound(self.snapshot.num_waiting, n):
             self._num_rejected += 1
             raise self._queue_full(self.snapshot.num_waiting)
+
+    def _over_bound(self, waiting: int, n: int) -> bool:
+        """`n` more would pass the bound; but an empty queue takes any request, however large
+        (it would never find more room), unless the bound is 0 (take nothing)."""
+        limit = self.max_waiting_requests
+        return waiting + n > limit and (waiting > 0 or limit == 0)
 
     def _queue_full(self, num_waiting: int) -> QueueFullError:
         return QueueFullError(
@@ -226,14 +233,15 @@ class AsyncEngine:
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None, check_queue: bool = True,
     ) -> RequestStream:
         """Queue a request and wait until the engine took it.
 
         Raises InvalidRequestError (bad prompt or parameters), QueueFullError or
         EngineDeadError before any output exists. Iterate the returned stream for outputs;
         call `stream.abort()` if you stop early. `prompt_token_ids`: a text prompt already
-        tokenized (so the engine thread does not tokenize it).
+        tokenized (so the engine thread does not tokenize it). `check_queue=False`: the
+        waiting-queue bound was checked for the whole HTTP request already (its first prompt).
         """
         if not self.is_running or self._loop is None:
             state = (f"it died: {self._dead}" if self._dead is not None else
@@ -241,7 +249,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running ({state})")
         stream = RequestStream(request_id, self)
         done: asyncio.Future[None] = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, done, prompt_token_ids))
+        self._commands.put(_Add(request_id, prompt, params, stream, done, prompt_token_ids,
+                                check_queue))
         try:
             await done
         except asyncio.CancelledError:  # the caller went away while the add was in flight
@@ -319,8 +328,8 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         error: BaseException | None = None
-        limit = self.max_waiting_requests
-        if self.engine.scheduler.num_waiting + command.params.n > limit:
+        if command.check_queue and self._over_bound(self.engine.scheduler.num_waiting,
+                                                    command.params.n):
             self._num_rejected += 1
             error = self._queue_full(self.engine.scheduler.num_waiting)
         else:

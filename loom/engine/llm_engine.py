@@ -261,13 +261,17 @@ class LLMEngine:
             parent = self.parents.get(request_id)
             if parent is None:
                 continue
-            live = [c for c, child in parent.children.items() if not child.output.finished]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            for child_id in live:
-                parent.children[child_id].output.finish_reason = "abort"
-                parent.num_finished += 1
-                parent.touched.add(child_id)
+            self._finish_live(parent, "abort")
             self._aborted.append(request_id)
+
+    def _finish_live(self, parent: _ParentState, finish_reason: str) -> None:
+        """Stop a request's unfinished samples now with `finish_reason` (blocks freed)."""
+        live = [c for c, child in parent.children.items() if not child.output.finished]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        for child_id in live:
+            parent.children[child_id].output.finish_reason = finish_reason
+            parent.num_finished += 1
+            parent.touched.add(child_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -320,12 +324,7 @@ class LLMEngine:
     def _fail_parent(self, parent: _ParentState, error: str) -> None:
         """One sample failed: the whole request fails with its error (siblings aborted)."""
         parent.error = parent.error or error
-        live = [c for c, child in parent.children.items() if not child.output.finished]
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        for child_id in live:
-            parent.children[child_id].output.finish_reason = "error"
-            parent.num_finished += 1
-            parent.touched.add(child_id)
+        self._finish_live(parent, "error")
 
     def _process(self, out: EngineCoreOutput) -> str | None:
         parent_id = self.child_to_parent.get(out.req_id)

@@ -238,7 +238,8 @@ async def add_requests(
     try:
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, prompt, params, ids))
+            streams.append(await ctx.engine.add_request(rid, prompt, params, ids,
+                                                        check_queue=i == 0))
     except BaseException as e:
         for stream in streams:
             stream.abort()
