@@ -142,6 +142,7 @@ class LLMEngine:
         self.prefault_ahead = min(2 * -(-self.scheduler_config.max_num_batched_tokens
                                         // cache_config.block_size), 64)
         self.load_seconds = loaded.load_seconds
+        self.source, self.loaded = source, loaded  # for the server's start-up line (startup.py)
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()

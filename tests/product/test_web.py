@@ -202,3 +202,14 @@ def test_chat_in_a_terminal_against_the_server(server) -> None:
     first, second = drive(spawn_chat(["--url", server.url]))
     assert "TTFT" in first and "tok/s" in second
     server.wait_idle()  # the answer stopped with Ctrl-C was aborted on the server too
+
+
+def test_startup_says_what_it_serves(server) -> None:
+    """One line: the model and its weights' format, the kernels and why, the KV cache in
+    tokens, the address."""
+    feed = httpx.get(f"{server.url}/dashboard/feed").json()["kv_cache"]
+    tokens = (feed["num_blocks"] - 1) * feed["block_size"]
+    line = next(x for x in server.log().splitlines() if "Loom serves " in x)
+    assert f"Loom serves smollm2 at {server.url} " in line
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf (LlamaForCausalLM, GGUF Q4_1 weights" in line
+    assert "| kernels: " in line and f"| KV cache: {tokens} tokens (" in line

@@ -40,6 +40,7 @@ from loom.entrypoints.openai.protocol import (
 from loom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
+from loom.entrypoints.openai.startup import startup_line
 from loom.entrypoints.openai.serving_embedding import EmbeddingRequest, embeddings_route
 from loom.entrypoints.openai import web
 
@@ -277,5 +278,6 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
         # A backstop only: GracefulServer aborts leftovers after the grace period itself.
         timeout_graceful_shutdown=int(args.timeout_graceful_shutdown) + 5,
     )
+    logger.info("%s", startup_line(engine, args.host, args.port))
     GracefulServer(config, ctx, args.timeout_graceful_shutdown).run()
     logger.info("server stopped")

@@ -1,0 +1,55 @@
+"""The one line `loom serve` logs when it is ready: what it serves, how, and where."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loom.engine.llm_engine import LLMEngine
+
+
+def _weights(engine: LLMEngine) -> str:
+    from loom.hub.files import gguf_tag
+
+    source = engine.source
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    if source.kind == "gguf":
+        fmt = f"GGUF {gguf_tag(source.path.name) or ''}".rstrip()
+    else:
+        fmt = "safetensors"
+    quant = getattr(engine.loaded, "quantization", engine.args.quantization)
+    if quant is None:
+        how = f"run in {dtype}"
+    elif quant == "int8" and source.kind == "gguf" and engine.args.quantization is None:
+        how = f"kept as int8 groups of 32 (exact for 32-wide GGUF blocks), {dtype} activations"
+    else:
+        how = f"quantized to {quant}, {dtype} activations"
+    return (f"{source.path.name} ({engine.model_config.architecture}, {fmt} weights {how}, "
+            f"context {engine.scheduler_config.max_model_len})")
+
+
+def _kernels(engine: LLMEngine) -> str:
+    k = getattr(engine.loaded, "kernels", None)
+    if k is None:
+        return f"torch ops on {engine.args.resolved_device()} (no CPU C kernels)"
+    from loom.kernels.dispatch import runs_here, variants
+
+    chosen = getattr(engine.args, "cpu_kernels", "auto")
+    why = ("chosen with --cpu-kernels" if chosen not in (None, "auto") else
+           "the best of " + ", ".join(v.name for v in variants() if runs_here(v))
+           + " this CPU runs")
+    return (f"{k.variant} build ({why}); int8 linears {k.batch} past 8 rows, {k.decode} up to "
+            f"8{', batch-invariant' if k.batch_invariant else ''}")
+
+
+def startup_line(engine: LLMEngine, host: str, port: int) -> str:
+    """`Loom serves NAME at URL | model ... | kernels ... | KV cache ...`."""
+    block = engine.scheduler.block_size
+    tokens = (engine.num_blocks - 1) * block  # block 0 is the null block
+    kv = str(engine.kv_dtype).removeprefix("torch.")
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{port}"
+    return (f"Loom serves {engine.model_name} at {url} (chat page {url}/, engine view "
+            f"{url}/dashboard) | model: {_weights(engine)} | kernels: {_kernels(engine)} | "
+            f"KV cache: {tokens} tokens ({engine.num_blocks - 1} blocks of {block}, {kv}), "
+            f"prefix caching {'on' if engine.args.enable_prefix_caching else 'off'}")
