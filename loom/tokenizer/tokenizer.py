@@ -167,6 +167,11 @@ class Tokenizer:
             self._hf = _load_hf_tokenizer(self._source)
         return self._hf
 
+    @property
+    def hf_loaded(self) -> bool:
+        """Whether the `transformers` tokenizer is loaded (False: the fast path alone)."""
+        return self._hf is not None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt
         # tokenized on a worker thread leaves the event loop and the engine thread running.

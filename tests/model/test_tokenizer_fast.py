@@ -33,7 +33,7 @@ def pair():
     source = resolve_model(None)
     Tokenizer.from_source(source)  # converts and caches the GGUF tokenizer if needed
     fast = Tokenizer.from_source(source, (2,))
-    assert fast._hf is None, "the packaged model's cached tokenizer takes the fast path"
+    assert not fast.hf_loaded, "the packaged model's cached tokenizer takes the fast path"
     return fast, AutoTokenizer.from_pretrained(str(_tokenizer_folder(source)))
 
 
@@ -53,7 +53,7 @@ def test_encode_decode_match_transformers(pair) -> None:
     assert fast.vocab_size == len(ref)
     assert fast.eos_token_ids == (2,) and ref.eos_token_id == 2
     assert fast.special_tokens == ref.special_tokens_map
-    assert fast._hf is None
+    assert not fast.hf_loaded
 
 
 def test_chat_templates_match_transformers(pair) -> None:
@@ -75,12 +75,12 @@ def test_chat_templates_match_transformers(pair) -> None:
         fast.apply_chat_template([])
     with pytest.raises(ChatTemplateError, match="no way"):
         fast.apply_chat_template(CONVERSATIONS[0], chat_template="{{ raise_exception('no way') }}")
-    assert fast._hf is None
+    assert not fast.hf_loaded
 
 
 def test_hf_is_loaded_on_demand_and_then_authoritative() -> None:
     tok = Tokenizer.from_source(resolve_model(None))
-    assert tok._hf is None
+    assert not tok.hf_loaded
     tok.hf.chat_template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"  # --chat-template
     assert tok.apply_chat_template(CONVERSATIONS[0]) == "<Hi>"
     assert tok.chat_template == tok.hf.chat_template
@@ -98,7 +98,7 @@ def test_other_folders_load_through_transformers(tmp_path, edit) -> None:
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **edit}))
     tok = Tokenizer.from_source(ModelSource("hf", tmp_path, "t"))
-    assert tok._hf is not None
+    assert tok.hf_loaded
     assert tok.encode("Hello world") == tok.hf.encode("Hello world")
 
 
