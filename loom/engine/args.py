@@ -34,8 +34,9 @@ def chat_template_text(value: str) -> str:
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = flag(
-        None, "a .gguf file, a Hugging Face folder, a repo id in the local HF cache, or nothing "
-              "for the packaged SmolLM2-135M-Instruct", MODEL)
+        None, "a .gguf file, a Hugging Face folder, a model name pulled with `loom pull` (an "
+              "alias such as qwen3:0.6b, org/repo or org/repo:Q8_0), or nothing for the "
+              "packaged SmolLM2-135M-Instruct", MODEL)
     dtype: str = flag(
         "auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)", MODEL,
         choices=("auto", "float32", "bfloat16", "float16"))

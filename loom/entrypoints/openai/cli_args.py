@@ -21,7 +21,8 @@ def register(sub: Any) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                    "/version and /metrics (Prometheus). SIGTERM or SIGINT stops accepting "
+                    "/version and /metrics (Prometheus); a chat page at / and a live engine "
+                    "view at /dashboard. SIGTERM or SIGINT stops accepting "
                     "connections, lets running requests finish within the grace period, "
                     "aborts the rest with an error and exits 0.",
     )
