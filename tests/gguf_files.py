@@ -15,12 +15,41 @@ _NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Phi-3's fused projections; mixtures of experts (stacked by _moe_tensors)
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp", "mlp.gate_exps": "ffn_gate_exps", "mlp.up_exps": "ffn_up_exps",
+    "mlp.down_exps": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _GEMMA_NAMES = {
     **_NAMES, "pre_feedforward_layernorm": "ffn_norm",
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+
+
+def _moe_tensors(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Per-expert tensors (Mixtral's w1/w3/w2 too) stacked into llama.cpp's [experts, rows,
+    cols] ones; the shared expert's gate row as a vector, as llama.cpp's converter writes."""
+    import re
+
+    out, experts = {}, {}
+    kinds = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+             "down_proj": "down"}
+    for name, t in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault((m[1], kinds[m[3]]), {})[int(m[2])] = t
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = t.reshape(-1)
+        else:
+            out[name] = t
+    for (layer, kind), ts in experts.items():
+        out[f"model.layers.{layer}.mlp.{kind}_exps.weight"] = torch.stack(
+            [ts[e] for e in range(len(ts))])
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -59,6 +88,25 @@ def write_gguf(
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(cfg, key, None) is not None:
                 getattr(w, f"add_{key}")(getattr(cfg, key))
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None)
+                                         or cfg.intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        tensors = _moe_tensors(tensors, cfg)
+    if arch == "phi3":  # LongRoPE: factors as tensors, the attention factor as llama.cpp's
+        import math
+
+        orig = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(cfg.max_position_embeddings / orig) / math.log(orig)))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.array(rope[f"{kind}_factor"], dtype=np.float32))
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)

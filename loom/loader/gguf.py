@@ -27,6 +27,9 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 _PERMUTED_QK = {"llama"}
 _GEMMAS = {"gemma2", "gemma3"}
@@ -43,7 +46,18 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused as Hugging Face stores them
+    # mixtures of experts: the router, the shared expert and its gate (the experts: _EXPERTS)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# [num_experts, rows, cols] expert tensors -> each expert's Hugging Face projection
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}  # gate and up, fused
+_ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP.
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -75,7 +89,8 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMAS else _LAYER_NAMES
+    names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS
+             else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -103,8 +118,11 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     extra = _gemma_fields(reader, arch, path) if arch in _GEMMAS else {}
     if arch in _GEMMAS:  # the end of a chat turn stops generation (llama.cpp's EOG by text)
         eos.append(extra.pop("end_of_turn"))
+    if field(reader, f"{arch}.expert_count"):
+        extra.update(_moe_fields(reader, arch, path))
+    architecture = extra.pop("architecture", _ARCHITECTURES[arch])
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -170,8 +188,40 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     )
 
 
+def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
+    """Experts from llama.cpp's keys; Mixtral is llama.cpp's "llama" with experts. The router
+    renormalises its top-k as each family does (llama.cpp: Qwen2-MoE not, the others yes)."""
+    gating = field(reader, f"{arch}.expert_gating_func", 1)
+    if gating != 1:
+        raise ConfigError(f"{path}: expert gating function {gating} (llama.cpp's numbering) is "
+                          "not supported; only 1 (softmax)")
+    names = {t.name for t in reader.tensors}
+    layers = int(field(reader, f"{arch}.block_count"))
+    return dict(
+        architecture="MixtralForCausalLM" if arch == "llama" else _ARCHITECTURES[arch],
+        num_experts=int(field(reader, f"{arch}.expert_count")),
+        num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
+        moe_intermediate_size=int(field(reader, f"{arch}.expert_feed_forward_length")
+                                  or field(reader, f"{arch}.feed_forward_length")),
+        shared_expert_intermediate_size=int(
+            field(reader, f"{arch}.expert_shared_feed_forward_length", 0)),
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+        moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
+    )
+
+
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = field(reader, f"{arch}.rope.scaling.type")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
+        long, short = (dequantize(tensors[f"rope_factors_{k}.weight"].data,
+                                  tensors[f"rope_factors_{k}.weight"].tensor_type, (-1,))
+                       for k in ("long", "short"))
+        return {"rope_type": "longrope", "long_factor": tuple(long.tolist()),
+                "short_factor": tuple(short.tolist()),
+                "original_max_position_embeddings":
+                    int(field(reader, f"{arch}.rope.scaling.original_context_length")),
+                "attention_factor": field(reader, f"{arch}.rope.scaling.attn_factor")}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1 GGUFs store the scaled frequencies' divisors
         factors = dequantize(freqs.data, freqs.tensor_type, (-1,))
@@ -196,7 +246,14 @@ def iter_gguf_tensors(
     format come as Loom's int8 grid instead (the same values, never materialized in fp32)."""
     permute = arch in _PERMUTED_QK
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_FACTORS:
+            continue
+        m = _LAYER_RE.match(t.name)
+        if m and m.group(2) in _EXPERTS:  # one float tensor per expert (moe.py stacks them)
+            w = _dequantize(t)
+            prefix = f"model.layers.{m.group(1)}.mlp.experts"
+            for e in range(w.shape[0]):
+                yield f"{prefix}.{e}.{_EXPERTS[m.group(2)]}.weight", w[e]
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -216,9 +273,18 @@ def iter_gguf_tensors(
         if heads is not None:
             w = (w.map_rows(lambda a: _unpermute(a, heads))
                  if isinstance(w, Q8Groups) else _unpermute(w, heads))
+        if name.endswith("shared_expert_gate.weight") and w.dim() == 1:
+            w = w[None]  # llama.cpp stores the gate's one row as a vector
         if arch in _GEMMAS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
+
+
+def _dequantize(t: Any) -> torch.Tensor:
+    try:
+        return dequantize(t.data, t.tensor_type, t.shape)
+    except (ValueError, RuntimeError) as e:
+        raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {t.shape}): {e}") from None
 
 
 def q8_tensors(reader: GGUFFile) -> dict[str, int]:

@@ -82,7 +82,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         return dict(num_experts=int(cfg["num_local_experts"]),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
-                    sliding_window=cfg.get("sliding_window"))
+                    moe_layers=tuple(range(n)), sliding_window=cfg.get("sliding_window"))
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{path}: use_sliding_window=true is not supported for {arch}")
     experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 renames

@@ -50,3 +50,24 @@ def test_missing_expert_is_refused(tmp_path) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="layers.1.mlp"):
         load_model(resolve_model(str(folder)), dtype="float32")
+
+
+@pytest.mark.parametrize("name,arch", [("qwen3-moe", "qwen3moe"), ("qwen2-moe", "qwen2moe"),
+                                       ("mixtral", "llama"), ("phi3", "phi3")])
+def test_tiny_gguf_matches_hf_checkpoint(tmp_path, name, arch) -> None:
+    """Experts stacked as llama.cpp stores them ([experts, rows, cols]; Mixtral is its "llama"
+    with experts), Phi-3's fused tensors and LongRoPE factors: the same logits as the folder."""
+    from tests.gguf_files import write_gguf
+
+    folder = make_tiny_model(name, tmp_path / "hf")
+    path = write_gguf(folder, tmp_path / f"{name}.gguf", arch)
+    from_gguf = load_model(resolve_model(str(path)), dtype="float32")
+    from_hf = load_model(resolve_model(str(folder)), dtype="float32")
+    for key in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob", "moe_layers", "qk_norm",
+                "attention_bias"):
+        assert getattr(from_gguf.config, key) == getattr(from_hf.config, key), key
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    out_gguf = PagedBatch(from_gguf).step({"r": ids})["r"]
+    out_hf = PagedBatch(from_hf).step({"r": ids})["r"]
+    assert rel_err(out_gguf, out_hf) < 1e-5
