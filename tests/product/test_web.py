@@ -209,7 +209,8 @@ def test_startup_says_what_it_serves(server) -> None:
     tokens, the address."""
     feed = httpx.get(f"{server.url}/dashboard/feed").json()["kv_cache"]
     tokens = (feed["num_blocks"] - 1) * feed["block_size"]
-    line = next(x for x in server.log().splitlines() if "Loom serves " in x)
+    log = server.log_path.read_text(errors="replace")
+    line = next(x for x in log.splitlines() if "Loom serves " in x)
     assert f"Loom serves smollm2 at {server.url} " in line
     assert "SmolLM2-135M-Instruct.Q4_1.gguf (LlamaForCausalLM, GGUF Q4_1 weights" in line
     assert "| kernels: " in line and f"| KV cache: {tokens} tokens (" in line
