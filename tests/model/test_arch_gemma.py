@@ -113,3 +113,17 @@ def test_real_gemma3_chat_template(gemma3) -> None:
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert tok.convert_ids_to_tokens(list(loaded.config.eos_token_ids)) == ["<eos>",
                                                                             "<end_of_turn>"]
+
+
+def test_int8_load_names_what_the_c_stack_does_not_run(tmp_path, caplog) -> None:
+    """The one-call C stack is Llama-only: an int8 Gemma says so at load and runs layer by
+    layer (its int8 linears near its fp32 logits)."""
+    folder = make_tiny_model("gemma3", tmp_path / "hf")
+    ref = load_model(resolve_model(str(folder)), dtype="float32")
+    with caplog.at_level("WARNING", logger="loom.loader.model_loader"):
+        q8 = load_model(resolve_model(str(folder)), quantization="int8")
+    assert "not architecture Gemma3ForCausalLM" in caplog.text
+    assert q8.model.model.c_stack() is None
+    ids = list(range(1, 30))
+    out_q8, out_ref = (PagedBatch(m).step({"r": ids})["r"] for m in (q8, ref))
+    assert rel_err(out_q8, out_ref) < 0.05
