@@ -31,7 +31,9 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         """x [num_tokens, hidden]; weights, experts [num_tokens, top_k] -> [num_tokens, hidden]."""
         top_k = experts.shape[1]
         flat = experts.reshape(-1)  # [num_tokens * top_k] (token, slot) pairs
