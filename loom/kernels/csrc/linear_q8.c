@@ -486,6 +486,33 @@ void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *m
         v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
         _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(v)));
     }
+#elif defined(__AVX2__)
+    // the same steps 8 lanes at a time (the int8 KV cache's writer on AVX2 CPUs)
+    __m256 v[4];
+    for (int h = 0; h < 4; h++) v[h] = _mm256_loadu_ps(src + 8 * h);
+    __m256 vmin = _mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3]));
+    __m256 vmax = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+    __m128 m4 = _mm_min_ps(_mm256_castps256_ps128(vmin), _mm256_extractf128_ps(vmin, 1));
+    __m128 x4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_min_ps(m4, _mm_movehl_ps(m4, m4));
+    x4 = _mm_max_ps(x4, _mm_movehl_ps(x4, x4));
+    const float lo = _mm_cvtss_f32(_mm_min_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float hi = _mm_cvtss_f32(_mm_max_ss(x4, _mm_shuffle_ps(x4, x4, 1)));
+    const float s = (hi - lo) / 255.0f;
+    const __m256 safe = _mm256_set1_ps(s > 0.0f ? s : 1.0f), vlo = _mm256_set1_ps(lo);
+    const __m256 top = _mm256_set1_ps(255.0f), zero = _mm256_setzero_ps();
+    __m256i k[4];
+    for (int h = 0; h < 4; h++) {
+        __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[h], vlo), safe),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        k[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, zero), top));
+    }
+    // 32 int32 (each 0..255) -> 32 bytes in order: packs interleave 128-bit lanes, the permute
+    // puts them back
+    const __m256i w16 = _mm256_packus_epi32(k[0], k[1]), x16 = _mm256_packus_epi32(k[2], k[3]);
+    const __m256i b8 = _mm256_packus_epi16(w16, x16);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
     float lo = src[0], hi = src[0];
     for (int j = 1; j < GROUP; j++) {

@@ -66,6 +66,12 @@ static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int6
                     _mm512_storeu_ps(o + g * 32 + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(
                         _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + g * 32 + i)))),
                         s, m));
+#elif defined(__AVX2__) && defined(__FMA__)
+                const __m256 s = _mm256_set1_ps(sc[g]), m = _mm256_set1_ps(mn[g]);
+                for (int i = 0; i < 32; i += 8)
+                    _mm256_storeu_ps(o + g * 32 + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qv + g * 32 + i)))),
+                        s, m));
 #else
                 for (int i = 0; i < 32; i++)
                     o[g * 32 + i] = (float)qv[g * 32 + i] * sc[g] + mn[g];

@@ -1,0 +1,75 @@
+// A few of Loom's kernels against plain loops, for builds this machine cannot load into Python
+// (the AArch64 variants, run under qemu-user by tests/unit/test_kernel_builds.py). Prints "ok".
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
+                      float *mins, int num_threads);
+void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
+void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64_t n, int64_t d,
+                           float eps, int num_threads);
+
+static float rnd(void) { return (float)rand() / RAND_MAX * 2.0f - 1.0f; }
+
+static int close_to(double got, double want, double tol)
+{
+    return fabs(got - want) <= tol * (1.0 + fabs(want));
+}
+
+int main(void)
+{
+    enum { M = 11, K = 96, N = 7, D = 40 };
+    static float w[N * K], x[M * K], y[M * N], scales[N * K / 32], mins[N * K / 32];
+    static uint8_t q[N * K];
+    int bad = 0;
+    for (int i = 0; i < N * K; i++) w[i] = rnd();
+    for (int i = 0; i < M * K; i++) x[i] = rnd();
+    loom_quantize_q8(w, N, K, q, scales, mins, 2);
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < K / 32; g++) {
+            const float lo = mins[n * K / 32 + g], s = scales[n * K / 32 + g];
+            for (int j = 0; j < 32; j++) {  // every weight within half a step of its value
+                const float v = q[n * K + g * 32 + j] * s + lo;
+                bad += fabsf(v - w[n * K + g * 32 + j]) > 0.5001f * s + 1e-6f;
+            }
+        }
+    if (loom_linear_q8_f32(x, M, K, K, q, scales, mins, NULL, N, y, N, 8, 2)) bad += 1000;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double want = 0.0;
+            for (int k = 0; k < K; k++)
+                want += (double)x[m * K + k] *
+                        ((double)q[n * K + k] * scales[n * K / 32 + k / 32] +
+                         mins[n * K / 32 + k / 32]);
+            bad += !close_to(y[m * N + n], want, 1e-4);
+        }
+    static float gu[3 * 2 * D], out[3 * D];
+    for (int i = 0; i < 3 * 2 * D; i++) gu[i] = 8.0f * rnd();
+    loom_silu_mul_f32(gu, out, 3, D, 2);
+    for (int t = 0; t < 3; t++)
+        for (int i = 0; i < D; i++) {
+            const double g = gu[t * 2 * D + i], u = gu[t * 2 * D + D + i];
+            bad += !close_to(out[t * D + i], g / (1.0 + exp(-g)) * u, 1e-5);
+        }
+    static float h[2 * D], r[2 * D], wn[D], sum[2 * D];
+    for (int i = 0; i < 2 * D; i++) h[i] = rnd(), r[i] = rnd(), sum[i] = h[i] + r[i];
+    for (int i = 0; i < D; i++) wn[i] = rnd();
+    loom_add_rms_norm_f32(h, r, wn, 2, D, 1e-5f, 2);
+    for (int t = 0; t < 2; t++) {
+        double ss = 0.0;
+        for (int i = 0; i < D; i++) ss += (double)r[t * D + i] * r[t * D + i];
+        const double inv = 1.0 / sqrt(ss / D + 1e-5);
+        for (int i = 0; i < D; i++) {
+            bad += r[t * D + i] != sum[t * D + i];  // residual += x
+            bad += !close_to(h[t * D + i], wn[i] * r[t * D + i] * inv, 1e-5);
+        }
+    }
+    printf(bad ? "FAILED: %d\n" : "ok\n", bad);
+    return bad != 0;
+}

@@ -1,0 +1,107 @@
+"""loom.kernels.dispatch: the kernels chosen for a CPU's features, overrides, failed builds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import loom.kernels as kernels
+from loom.kernels import build, dispatch
+from loom.kernels.dispatch import KernelChoiceError, Variant, choose
+
+V3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split()  # a Zen 3 (x86-64-v3)
+V4 = [*V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]  # Skylake-X
+CPUS = {
+    "zen3": (V3, "avx2", "fp32", "fp32"),
+    "skylake-x": (V4, "avx512", "fp32", "fp32"),
+    "ice lake": ([*V4, "avx512_vnni"], "vnni", "fp32", "vnni"),
+    "zen4": ([*V4, "avx512_vnni", "avx512_bf16"], "bf16", "bf16", "vnni"),
+    "sapphire rapids": ([*V4, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"], "amx",
+                        "amx", "vnni"),
+    "old x86": (["fpu", "sse2"], "generic", "fp32", "fp32"),
+}
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """cpu(flags, arch="x86_64"): pretend to run on a CPU with these features."""
+    def pretend(flags: list[str], arch: str = "x86_64") -> None:
+        monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset(flags))
+        monkeypatch.setattr(dispatch, "machine", lambda: arch)
+    return pretend
+
+
+@pytest.mark.parametrize("name", list(CPUS))
+def test_each_cpu_gets_its_best_build(cpu, name) -> None:
+    flags, variant, batch, decode = CPUS[name]
+    cpu(flags)
+    got = choose()
+    assert (got.variant, got.batch, got.decode, got.kv_cache_dtype) == (variant, batch, decode,
+                                                                          "int8")
+    assert choose(batch_invariant=True).batch == choose(batch_invariant=True).decode == "fp32"
+    line = got.describe()
+    assert "\n" not in line and f"{variant} build" in line and "--cpu-kernels" in line
+
+
+def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
+    cpu(["fp", "asimd", "asimddp"], "aarch64")
+    assert choose().variant == "neon"
+    cpu(["fp", "asimd"], "aarch64")
+    assert choose().variant == "generic"
+    with pytest.raises(KernelChoiceError, match="unknown CPU kernels 'avx2' for aarch64"):
+        choose("avx2")
+
+
+def test_a_named_build_runs_or_says_why(cpu) -> None:
+    cpu(CPUS["zen3"][0])
+    assert choose("generic").variant == "generic"
+    with pytest.raises(KernelChoiceError, match="'avx512' need avx512bw, avx512cd, avx512dq"):
+        choose("avx512")
+    with pytest.raises(KernelChoiceError, match="'avx2' failed to build"):
+        choose("avx2", failed=frozenset({"avx2"}))
+    assert choose(failed=frozenset({"avx2"})).variant == "generic"  # the next one down
+
+
+def test_every_name_is_a_variant_and_the_best_come_first() -> None:
+    for arch in ("x86_64", "aarch64"):
+        names = [v.name for v in dispatch.variants(arch)]
+        assert names[-1] == "generic" and len(set(names)) == len(names)
+        needs = [v.needs for v in dispatch.variants(arch)]
+        assert all(later <= earlier or not later for earlier, later in zip(needs, needs[1:]))
+    assert set(dispatch.NAMES) == {"auto", *(v.name for v in dispatch.VARIANTS)}
+    assert not any("native" in " ".join(v.cflags) for v in dispatch.VARIANTS)
+
+
+@pytest.mark.slow
+def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
+        monkeypatch, tmp_path, caplog) -> None:
+    """A build whose compiler fails: BuildError with the compiler's first error lines, kept as
+    a .failed marker (a later start does not compile again), and "auto" falls to the next
+    variant, saying so in the log."""
+    cc = build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    broken = Variant("broken", dispatch.machine(), ("-mno-such-option-anywhere",), frozenset())
+    with pytest.raises(build.BuildError) as e:
+        build.build(broken, cc, tmp_path)
+    assert "could not build the broken kernels" in str(e.value)
+    assert "no-such-option-anywhere" in str(e.value)
+    marker = build.failed_marker(build.target(broken, cc, tmp_path))
+    assert marker.read_text() == str(e.value)
+    with pytest.raises(build.BuildError, match="broken kernels"):  # from the marker, at once
+        build.build(broken, cc, tmp_path)
+    # "auto" on a CPU whose best variant cannot build: the next one (generic, built at install
+    # into the kernels' own folder), said in the log
+    monkeypatch.setattr(dispatch, "VARIANTS", (broken, dispatch.variants()[-1]))
+    kernels._selection.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="loom.kernels"):
+            lib, choice = kernels._selection("auto", False)
+        assert choice.variant == "generic" and lib.loom_bf16_available() == 0
+        assert "CPU kernels 'broken' DISABLED" in caplog.text
+        with pytest.raises(KernelChoiceError, match="'broken' failed to build"):
+            kernels._selection("broken", False)
+    finally:
+        kernels._selection.cache_clear()
+        build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
