@@ -26,6 +26,9 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_GRAMMAR_CHARS = 128 * 1024  # a regex, a grammar or a JSON schema given as text
 MAX_TOOLS = 128  # as OpenAI
+# guided_choice options: past 2,000 the grammar engine refuses a choice itself (with its
+# reason); this bounds the grammar text it would first be asked to compile
+MAX_CHOICES = 32 * 1024
 
 _StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 _GrammarText = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
@@ -85,7 +88,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     json_: dict[str, Any] | _GrammarText | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: _GrammarText | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     grammar: _GrammarText | None = None
     any_whitespace: bool = False
     additional_properties: bool = False
@@ -121,7 +124,7 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | _GrammarText | None = None
     guided_regex: _GrammarText | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     guided_grammar: _GrammarText | None = None
 
 
