@@ -43,6 +43,8 @@ def cmd_pull(ns: argparse.Namespace) -> None:
         pull(ns.name, progress=not ns.quiet)
     except (ModelNameError, ModelNotPulledError, PullError) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("\ninterrupted: `loom pull` again resumes where it stopped") from None
 
 
 def cmd_list(ns: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ What huggingface_hub 2.4 asks for, and what this answers:
   X-Linked-Etag (the SHA-256) and X-Linked-Size;
 - GET of the same URL, honouring `Range: bytes=N-` with 206 and Content-Range (the resume).
 Faults on demand: `cut_once` sends half of a file's first GET and drops the connection;
+`stall_once` sends part of it and hangs (the client is then killed);
 `corrupt` serves bytes that do not match the announced checksum. `requests` logs every request.
 """
 
@@ -43,6 +44,9 @@ class FakeHub:
     repos: dict[str, dict[str, RepoFile]]
     cut_once: set[str] = field(default_factory=set)  # "repo/file" whose first GET breaks
     corrupt: set[str] = field(default_factory=set)  # "repo/file" served with a flipped byte
+    # "repo/file" -> bytes: the first GET sends that many, then hangs until `release` is set
+    stall_once: dict[str, int] = field(default_factory=dict)
+    release: threading.Event = field(default_factory=threading.Event)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def start(self) -> str:
@@ -123,6 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
         data = f.path.read_bytes()[start:]
         if key in self.hub.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
+        if key in self.hub.stall_once and start == 0:
+            sent = self.hub.stall_once.pop(key)
+            self._send(status, headers, data[:sent], len(data))
+            self.hub.release.wait(120)
+            self.close_connection = True
+            return
         if key in self.hub.cut_once and start == 0:
             self.hub.cut_once.discard(key)
             self._send(status, headers, data[: len(data) // 2], len(data))

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +26,8 @@ REPO = "loom-test/SmolLM2-135M-Instruct-GGUF"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OTHER = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
 BAD_REPO = "loom-test/corrupt-GGUF"
+STALL_REPO = "loom-test/stalled-GGUF"
+STALL_AT = 45_000_000  # bytes the first transfer gets before the server hangs
 
 
 @pytest.mark.parametrize("name, repo, quant", [
@@ -93,8 +97,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeHub, dic
         {REPO: {"README.md": RepoFile(tmp / "README.md", lfs=False),
                 GGUF: RepoFile(default_gguf_path(), lfs=True),
                 OTHER: RepoFile(tmp / "other.gguf", lfs=True)},
-         BAD_REPO: {"model.Q8_0.gguf": RepoFile(tmp / "other.gguf", lfs=True)}},
-        cut_once={f"{REPO}/{GGUF}"}, corrupt={f"{BAD_REPO}/model.Q8_0.gguf"})
+         BAD_REPO: {"model.Q8_0.gguf": RepoFile(tmp / "other.gguf", lfs=True)},
+         STALL_REPO: {"model.Q4_1.gguf": RepoFile(default_gguf_path(), lfs=True)}},
+        cut_once={f"{REPO}/{GGUF}"}, corrupt={f"{BAD_REPO}/model.Q8_0.gguf"},
+        stall_once={f"{STALL_REPO}/model.Q4_1.gguf": STALL_AT})
     url = fake.start()
     env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "0",
            "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -125,6 +131,35 @@ def test_pull_shows_progress_and_resumes(hub) -> None:
         RepoFile(default_gguf_path(), True).sha256
     again = loom(env, "pull", "--quiet", f"{REPO}:Q4_1")  # cached: no second download
     assert again.returncode == 0 and len(fake.gets(GGUF)) == 2
+
+
+@pytest.mark.slow
+def test_a_killed_pull_resumes(hub) -> None:
+    """Ctrl-C in the middle of a file; the next pull asks only for the rest."""
+    fake, env = hub
+    proc = subprocess.Popen([sys.executable, "-m", "loom.entrypoints.cli", "pull",
+                             f"{STALL_REPO}:Q4_1"], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    blobs = Path(env["HF_HOME"]) / "hub" / "models--loom-test--stalled-GGUF" / "blobs"
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size > 0 for p in blobs.glob("*.incomplete")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    fake.release.set()
+    assert proc.returncode == 1 and "again resumes where it stopped" in err, err
+    part = next(blobs.glob("*.incomplete"))
+    kept = part.stat().st_size
+    assert 0 < kept < default_gguf_path().stat().st_size
+    r = loom(env, "pull", f"{STALL_REPO}:Q4_1")
+    assert r.returncode == 0, r.stderr
+    assert f"resuming model.Q4_1.gguf at {kept / 1e6:.1f} MB" in r.stderr
+    gets = fake.gets("model.Q4_1.gguf")
+    assert gets[0] is None and gets[-1] == f"bytes={kept}-"  # only the rest, the 2nd time
+    assert not part.exists()
+    blob = next(blobs.iterdir())
+    assert file_digest(blob, blob.name) == ("sha256", blob.name)  # whole and intact
 
 
 @pytest.mark.slow
