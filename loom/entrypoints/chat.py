@@ -112,9 +112,12 @@ class ChatREPL:
     def read_message(self) -> str | None:
         """One message (None at end of input); `\"\"\"` lines bracket a multi-line one."""
         line = input(">>> ")
-        if line.strip() != '"""' and not line.startswith('"""'):
+        if not line.startswith('"""'):
             return line
-        lines = [line.strip()[3:]] if line.strip() != '"""' else []
+        first = line.rstrip()[3:]
+        if first.endswith('"""'):  # opened and closed on one line
+            return first[:-3]
+        lines = [first] if first else []
         while True:
             more = input("... ")
             if more.rstrip().endswith('"""'):

@@ -1,4 +1,5 @@
-"""Drive `loom chat` in a pseudo-terminal (pexpect): two turns, a /set, Ctrl-C, /bye."""
+"""Drive `loom chat` in a pseudo-terminal (pexpect): /set, two turns, a multi-line message,
+Ctrl-C in an answer, /bye."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def drive(child) -> list[str]:  # noqa: ANN001
         child.expect(STATS)
         stats.append(child.after)
         assert int(child.match.group(1)) >= 1
+    child.expect_exact(">>> ")
+    child.sendline('"""')  # a multi-line message
+    child.expect_exact("... ")
+    child.sendline("Answer in one word:")
+    child.expect_exact("... ")
+    child.sendline('what colour is the sky?"""')
+    child.expect(STATS)
     child.expect_exact(">>> ")
     child.sendline("/set max_tokens 900")
     child.expect_exact(">>> ")

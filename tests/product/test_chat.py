@@ -59,3 +59,12 @@ def test_chat_in_a_terminal_local_engine() -> None:
     assert "TTFT" in first and "tok/s" in first
     # the second turn re-sends the first: its blocks come from the prefix cache
     assert "prefix cache" in second, second
+
+
+def test_multi_line_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    repl, _ = _repl()
+    lines = iter(['"""', "first line", "", 'last line"""', '"""one line"""', "plain"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert repl.read_message() == "first line\n\nlast line"
+    assert repl.read_message() == "one line"
+    assert repl.read_message() == "plain"
