@@ -146,8 +146,8 @@ class ServerProcess:
 
     def _sample(self) -> None:
         # RSS every interval; PSS (a page-table walk of the server, on the cores it runs on)
-        # every PSS_EVERY intervals: read every 0.25 s, it slowed a 2-thread server's one-stream
-        # decode by ~12% (Loom, TPOT 7.5 -> 8.4 ms on a 2-core VM).
+        # every PSS_EVERY intervals: read every 0.25 s, the walk itself slowed a 2-thread server's
+        # one-stream decode measurably.
         assert self.proc is not None
         n = 0
         while not self._stop.is_set():

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
             out = x.clone(memory_format=torch.contiguous_format)
             cpu_ops.add_rms_norm_(out, None, self.weight, self.eps)
             return out
-        if x.dtype == torch.float32:  # one call (17 vs 26 us here), same bits as the lines below
+        if x.dtype == torch.float32:  # one call, faster, same bits as the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()

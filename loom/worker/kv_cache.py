@@ -118,8 +118,8 @@ class KVPrefaulter:
     """Faults in the host pages of chosen KV-cache blocks before a step writes them.
 
     A cache past glibc's mmap threshold comes from calloc untouched (allocate_kv_caches), so the
-    first write to each page costs a page fault and the kernel zeroing the page: for a 128-token
-    prompt on the default model 1-6 ms of its step, on the rope + KV write. The engine calls `populate` with
+    first write to each page costs a page fault and the kernel zeroing the page, inside the
+    step's rope + KV write (docs/cpu_kernels.md). The engine calls `populate` with
     the blocks it hands out next while it has nothing else to do. madvise(MADV_POPULATE_WRITE)
     commits the pages without writing them (block contents, and the pages a block shares with
     its neighbours, stay as they are); where the kernel lacks it (Linux before 5.14, other
