@@ -43,8 +43,9 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = (HE
 
 def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
                       linears: list[nn.Linear]) -> list[nn.Module]:
-    """fbgemm packs fp16 weights on one thread and lets go of the GIL meanwhile: pack on one thread per core, biggest first. (The other methods run torch ops that
-    already use every core.)"""
+    """fbgemm packs fp16 weights on one thread and lets go of the GIL meanwhile: pack on one
+    thread per core, biggest first. (The other methods run torch ops that already use every
+    core.)"""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         futures = {i: pool.submit(make, linears[i])
                    for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.numel())}
