@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# An editable install leaves Loom's own modules uncompiled: compiled once here, not at
 	# every start (or every start, where PYTHONDONTWRITEBYTECODE is set).
 	$(PY) -m compileall -q loom
+	# Loom's C kernels for every CPU variant (loom/kernels/build.py), here rather than on the
+	# first request; a variant the compiler cannot build is disabled alone, and said here.
+	$(PY) -m loom.kernels.build
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
@@ -35,6 +38,15 @@ $(TEST_STAMP): $(STAMP)
 	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
 	      chromium-driver) || echo "chromium could not be installed: the browser tests will skip"; \
 	  else echo "no chromium (needs root and apt-get): the browser tests will skip"; fi; fi
+	# clang (with its OpenMP headers), the AArch64 cross compiler and qemu-user for the kernel
+	# build test (tests/unit/test_kernel_builds.py), as root; without them its parts skip.
+	@if ! command -v clang >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null \
+	    || ! command -v qemu-aarch64 >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang \
+	      libomp-dev gcc-aarch64-linux-gnu qemu-user) \
+	      || echo "clang / aarch64 gcc / qemu could not be installed: their build checks skip"; \
+	  else echo "no clang / aarch64 gcc / qemu (needs root and apt-get): their checks skip"; fi; fi
 	touch $@
 
 install: $(STAMP)

@@ -39,10 +39,10 @@ import json, logging, os, sys, time
 sys.path.insert(0, os.getcwd())
 logging.disable(logging.INFO)
 from loom import LLM, SamplingParams
-# e.g. int8+amx, int8+bf16+vnni: the quantization, its batch kernel, its decode kernel
+# e.g. int8+bf16: the quantization, then a --cpu-kernels build
 quant, *kernels = os.environ.get("LOOM_AB_QUANT", "").split("+")
 llm = LLM(quantization=quant or None, max_model_len=1024, kv_cache_memory=2**30,
-          **dict(zip(("int8_batch_kernel", "int8_decode_kernel"), kernels)))
+          **dict(zip(("cpu_kernels",), kernels)))
 prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 out = {}
@@ -98,8 +98,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variant", action="append", default=None, metavar="SIDE:QUANT",
                    help="decode: base: | new: | new:fp16 | new:int8 | new:int4 | "
-                        "new:int8+amx (an --int8-batch-kernel after +; new:int8+bf16+vnni: "
-                        "and an --int8-decode-kernel) (default: base: new:)")
+                        "new:int8+bf16 (a --cpu-kernels build after +) (default: base: new:)")
     p.add_argument("--streams", default="1,8",
                    help="decode: concurrent streams, comma-separated")
     p.add_argument("--result-json", default=None)

@@ -25,12 +25,10 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]} (variant {i})." for i in range(n)]
 
 
-def run_loom(n: int, m: int, quantization: str | None = None, kernel: str = "avx",
-             decode_kernel: str = "avx") -> dict:
+def run_loom(n: int, m: int, quantization: str | None = None, cpu_kernels: str = "auto") -> dict:
     from loom import LLM, SamplingParams
 
-    llm = LLM(seed=0, quantization=quantization, int8_batch_kernel=kernel,
-              int8_decode_kernel=decode_kernel)
+    llm = LLM(seed=0, quantization=quantization, cpu_kernels=cpu_kernels)
     params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts(n), params)
@@ -69,13 +67,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--result-json", default=None)
-    ap.add_argument("--loom-quantization", default=None, choices=["fp16", "int8", "int4"],
-                    help="also run Loom with these weight-only kernels (same GGUF weights)")
-    ap.add_argument("--loom-int8-batch-kernel", default="avx",
-                    choices=["avx", "amx", "bf16", "auto"],
-                    help="with --loom-quantization int8: the kernel of steps of more than 8 rows")
-    ap.add_argument("--loom-int8-decode-kernel", default="avx", choices=["avx", "vnni"],
-                    help="with --loom-quantization int8: the kernel of steps of up to 8 rows")
+    ap.add_argument("--loom-quantization", default=None,
+                    choices=["none", "fp16", "int8", "int4"],
+                    help="also run Loom with these weights (none: the fp32 reference)")
+    ap.add_argument("--loom-cpu-kernels", default="auto",
+                    help="with --loom-quantization: Loom's --cpu-kernels (default: auto)")
     args = ap.parse_args()
     # Loom's OpenMP default (a short spin: `import loom` sets it before torch loads); this
     # script has imported torch already, so its Loom children get it from here
@@ -84,8 +80,7 @@ def main() -> None:
     quant = None
     if args.loom_quantization:
         quant = in_fresh_process(run_loom, args.num_prompts, args.output_len,
-                                 args.loom_quantization, args.loom_int8_batch_kernel,
-                                 args.loom_int8_decode_kernel, env=loom_env)
+                                 args.loom_quantization, args.loom_cpu_kernels, env=loom_env)
     ref = in_fresh_process(run_transformers, args.num_prompts, args.output_len, args.hf_batch_size)
     dump(args.result_json, {
         "config": vars(args), "loom": loom, "transformers": ref,

@@ -1,4 +1,8 @@
-"""Tests of the C kernels need them built: where a C compiler exists, a failed build fails."""
+"""Tests of the C kernels need them built: where a C compiler exists, a failed build fails.
+
+Each helper also selects the build its test runs (loom.kernels.select; process-wide), so a test
+never inherits another's choice: `require_cpu_kernels` the best this CPU runs, the others the
+variant whose kernel they name, skipping where the CPU lacks it."""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import shutil
 
 import pytest
 
-from loom.kernels import ENV_SWITCH, cpu_kernels
+from loom.kernels import ENV_SWITCH, cpu_kernels, select
+from loom.kernels.dispatch import runs_here, variant
 
 
 def require_cpu_kernels() -> None:
@@ -15,27 +20,33 @@ def require_cpu_kernels() -> None:
         pytest.skip(f"{ENV_SWITCH}=0")
     if not shutil.which(os.environ.get("CC") or "cc"):
         pytest.skip("no C compiler")
+    select()
     assert cpu_kernels() is not None, "a C compiler is present but the CPU kernels did not build"
+
+
+def _require(name: str, cpu: str) -> None:
+    require_cpu_kernels()
+    if os.environ.get(ENV_SWITCH, "auto") != "auto":
+        pytest.skip(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]} fixes the build")
+    if not runs_here(variant(name)):
+        pytest.skip(f"no {cpu} on this CPU")
+    select(name)
 
 
 def require_amx() -> None:
     """The AMX kernel needs a CPU with AMX-BF16 (Sapphire Rapids on); elsewhere its tests skip."""
-    require_cpu_kernels()
+    _require("amx", "AMX-BF16")
     if not cpu_kernels().loom_amx_available():
-        pytest.skip("no AMX-BF16 on this CPU")
+        pytest.skip("Linux does not grant this process the AMX tiles")
 
 
 def require_bf16() -> None:
     """The bf16 kernel needs a CPU with AVX512-BF16 (Zen 4, Cooper Lake on); elsewhere its tests
     skip."""
-    require_cpu_kernels()
-    if not cpu_kernels().loom_bf16_available():
-        pytest.skip("no AVX512-BF16 on this CPU")
+    _require("bf16", "AVX512-BF16")
 
 
 def require_vnni() -> None:
     """The VNNI decode kernel needs a CPU with AVX512-VNNI (Ice Lake, Zen 4 on); elsewhere its
     tests skip."""
-    require_cpu_kernels()
-    if not cpu_kernels().loom_vnni_available():
-        pytest.skip("no AVX512-VNNI on this CPU")
+    _require("vnni", "AVX512-VNNI")

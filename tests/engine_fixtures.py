@@ -6,9 +6,11 @@ import functools
 from pathlib import Path
 
 import pytest
+import torch
 
 import loom.engine.llm_engine as llm_engine
 from loom.engine.llm import LLM
+from loom.kernels import select
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.tokenizer.tokenizer import Tokenizer
@@ -16,10 +18,9 @@ from tests.tiny_models import make_tiny_model
 
 
 @functools.lru_cache(maxsize=4)
-def _load(source, dtype, device, quantization=None, int8_batch_kernel="avx",
-          int8_decode_kernel="avx"):
-    return load_model(source, dtype, device, quantization=quantization,
-                      int8_batch_kernel=int8_batch_kernel, int8_decode_kernel=int8_decode_kernel)
+def _load(source, dtype, device, quantization=None, cpu_kernels="auto", batch_invariant=False):
+    return load_model(source, dtype, device, quantization=quantization, cpu_kernels=cpu_kernels,
+                      batch_invariant=batch_invariant)
 
 
 _from_source = Tokenizer.from_source
@@ -34,16 +35,21 @@ def _tokenizer(source, eos):
 def make_llm(monkeypatch):
     """make_llm(model, **engine_kwargs) -> LLM, sharing loaded weights between engines.
 
-    Engines bind their KV cache into the shared model when built: use one at a time."""
-    def load(source, dtype, device, progress=False, quantization=None, int8_batch_kernel="avx",
-             int8_decode_kernel="avx"):
-        return _load(source, dtype, device, quantization, int8_batch_kernel, int8_decode_kernel)
+    Engines bind their KV cache into the shared model when built: use one at a time. They run
+    batch-invariant kernels (a request's bits the same in any batch, which the equivalence tests
+    compare) unless a test passes batch_invariant=False."""
+    def load(source, dtype, device, progress=False, quantization=None, cpu_kernels="auto",
+             batch_invariant=False):
+        if torch.device(device).type == "cpu":  # a cached model's kernels: select them again
+            select(cpu_kernels, batch_invariant)
+        return _load(source, dtype, device, quantization, cpu_kernels, batch_invariant)
 
     monkeypatch.setattr(llm_engine, "load_model", load)
     monkeypatch.setattr(llm_engine.Tokenizer, "from_source", staticmethod(_tokenizer))
 
     def make(model: str | None = None, **kwargs) -> LLM:
         kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("batch_invariant", True)
         return LLM(model, **kwargs)
 
     return make

@@ -50,25 +50,24 @@ class EngineArgs:
               "(default: the model argument, or 'smollm2')", SERVER)
 
     quantization: str | None = flag(
-        None, "weight-only quantized linear layers for faster CPU decode: int8 (Loom's kernel: "
-              "groups of 32 with scale and minimum, fp32 activations; keeps GGUF 4-bit weights "
-              "exactly, fastest for a few streams), fp16 (fbgemm, fp32 activations; near "
-              "lossless, fastest for many streams) or int4 (groups of 32, bf16 activations). "
-              "The output projection takes fp16, or int8 when int8 loads it from a GGUF block "
-              "format", KERNELS, choices=("fp16", "int4", "int8"))
-    int8_batch_kernel: str = flag(
-        "avx", "with --quantization int8, the kernel for steps of more than 8 rows (prompts, "
-               "many streams): avx (a request's bits do not depend on its batch), amx (Intel "
-               "AMX tiles, fp32-level precision, faster there; needs a CPU with AMX-BF16), bf16 "
-               "(AVX512-BF16 dot products, bf16 precision, faster there; e.g. AMD Zen 4) or "
-               "auto (amx where the CPU has it, else avx)", KERNELS,
-        choices=("avx", "amx", "bf16", "auto"))
-    int8_decode_kernel: str = flag(
-        "avx", "with --quantization int8, the kernel for steps of up to 8 rows (decode of a few "
-               "streams): avx (fp32 activations; a request's bits do not depend on its batch) "
-               "or vnni (AVX512-VNNI integer dot products with activations split into two int8 "
-               "digits a group of 32: near fp32 precision, faster; e.g. AMD Zen 4, Intel Ice "
-               "Lake and later)", KERNELS, choices=("avx", "vnni"))
+        None, "weight-only quantized linear layers. Default: the checkpoint's own (a GGUF "
+              "file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks stay as they are on the CPU; other "
+              "checkpoints run in --dtype); none: weights expanded to --dtype (the float32 "
+              "reference on the CPU); int8 (Loom's kernel: groups of 32 with scale and "
+              "minimum, fp32 activations; GGUF 4-bit weights kept exactly, others re-quantized), "
+              "fp16 (fbgemm, fp32 activations; near lossless) or int4 (groups of 32, bf16 "
+              "activations)", KERNELS, choices=("none", "fp16", "int4", "int8"))
+    cpu_kernels: str = flag(
+        "auto", "the build of Loom's C kernels on the CPU: auto (the best this CPU runs, said "
+                "in the log at start-up) or one by name: amx, bf16, vnni, avx512, avx2, "
+                "generic (x86), neon, generic (AArch64)", KERNELS,
+        choices=("auto", "amx", "bf16", "vnni", "avx512", "avx2", "neon", "generic"))
+    batch_invariant: bool = flag(
+        False, "a request computes the same bits alone as in any batch: int8 linears on the "
+               "fp32 kernel at every batch size, instead of AVX512-BF16/AMX dot products past 8 "
+               "rows and AVX512-VNNI ones up to 8 where the CPU has them. Costs about half the "
+               "speed of prompts and of steps of many streams on such CPUs, and ~7%% of a "
+               "one-stream decode; nothing on CPUs without them", KERNELS)
     num_threads: int | None = flag(
         None, "torch CPU threads (default: one per core). Loom also defaults OpenMP to a short "
               "spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either is set; on "
@@ -87,9 +86,10 @@ class EngineArgs:
     kv_cache_memory: int | None = flag(
         None, "bytes for the KV cache (default: half the free memory, capped at need)", CACHE)
     kv_cache_dtype: str = flag(
-        "auto", "K/V storage: auto (the model's dtype), float16 (half the bytes, like "
-                "llama.cpp's default) or int8 (groups of 32 with an fp32 scale and minimum: "
-                "62.5%% of float16's bytes); attention computes in fp32", CACHE,
+        "auto", "K/V storage: auto (int8 with int8 weights on the CPU kernels, which meets "
+                "Loom's accuracy bar there; else the model's dtype), float32, float16 (half "
+                "the bytes, like llama.cpp's default) or int8 (groups of 32 with an fp32 scale "
+                "and minimum: 62.5%% of float16's bytes); attention computes in fp32", CACHE,
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = flag(
         True, "reuse the KV cache of shared prompt prefixes", CACHE)

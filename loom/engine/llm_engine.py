@@ -87,8 +87,10 @@ class LLMEngine:
         # Checked before the (slow) load: a bad name fails at once.
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device))
         loaded = load_model(source, args.dtype, device, progress=True,
-                            quantization=args.quantization, int8_batch_kernel=args.int8_batch_kernel,
-                            int8_decode_kernel=args.int8_decode_kernel)
+                            quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+                            batch_invariant=args.batch_invariant)
+        if args.kv_cache_dtype == "auto":
+            self.kv_dtype = loaded.default_kv_cache_dtype() or self.kv_dtype
         self.tensor_parallel = None  # rank 0 here, the other ranks in worker processes
         if args.tensor_parallel_size > 1:
             from loom.distributed.executor import TensorParallel

@@ -16,17 +16,19 @@ from loom.loader import gguf as gguf_loader
 from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
-from loom.kernels import cpu_kernels
+from loom.kernels import select
+from loom.kernels.dispatch import KernelChoice, KernelChoiceError
 from loom.layers.linear import Linear
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import fp16_available
+from loom.quant.gguf_dequant import groupable
 from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_available
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = tuple(QUANT_METHODS)
-INT8_BATCH_KERNELS = ("avx", "amx", "bf16", "auto")
-INT8_DECODE_KERNELS = ("avx", "vnni")
+# None: the checkpoint's own (default_quantization); "none": weights in the activations' dtype
+QUANTIZATIONS = ("none", *QUANT_METHODS)
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # GGUF tensor types that are not quantized
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,17 +50,52 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float
+    quantization: str | None = None  # what ran: a QUANT_METHODS name, or None (weights in dtype)
+    kernels: KernelChoice | None = None  # the CPU kernels (loom.kernels.dispatch), on the CPU
+
+    def default_kv_cache_dtype(self) -> torch.dtype | None:
+        """What kv_cache_dtype "auto" means beside these weights: the kernels' choice (int8,
+        which meets the accuracy bar with int8 weights) for int8 weights on the CPU kernels
+        (head_dim a multiple of 32); else None, the model's dtype."""
+        if (self.kernels is None or self.quantization != "int8" or self.dtype != torch.float32
+                or self.config.head_dim % GROUP):
+            return None
+        return getattr(torch, self.kernels.kv_cache_dtype)
+
+
+def default_quantization(reader: object, device: torch.device, dtype: torch.dtype) -> str | None:
+    """What `quantization=None` runs (the checkpoint's own): a GGUF file whose linear layers are
+    all in 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) keeps them as they are on
+    Loom's int8 grid ("int8": exact) on the CPU with fp32 activations; anything else runs in
+    `dtype` (None), said in one log line where the file is quantized."""
+    if reader is None:
+        return None
+    linear = {t.tensor_type.name for t in reader.tensors
+              if len(t.shape) == 2 and t.name not in ("token_embd.weight", "output.weight")}
+    quantized = linear - set(FLOAT_TYPES)
+    if not quantized:
+        return None
+    native = {t.tensor_type.name for t in reader.tensors if groupable(t.tensor_type, t.shape)}
+    if quantized <= native and dtype == torch.float32 and grouped_available(device, GROUP):
+        return "int8"
+    others = ", ".join(sorted(quantized - native)) or ", ".join(sorted(quantized))
+    why = (f"{others} have no native kernel yet" if quantized - native
+           else f"Loom's native blocks run on the CPU with float32 activations only")
+    logger.warning("GGUF weights in %s: %s, so they are expanded to %s (the reference path); "
+                   "--quantization int8 re-quantizes them to 8-bit groups of 32 instead",
+                   ", ".join(sorted(quantized)), why, dtype)
+    return None
 
 
 Weights = Callable[[], Iterator[tuple[str, torch.Tensor | Q8Groups]]]
 
 
-def _open(source: ModelSource, q8: bool = False) -> tuple[ModelConfig, Weights, dict[str, int]]:
+def _open(source: ModelSource, reader: object, q8: bool = False
+          ) -> tuple[ModelConfig, Weights, dict[str, int]]:
     """(config, a function yielding the weights, the names it yields as int8 groups -> their
-    bits a weight), reading a GGUF file's header only once. `q8`: yield 32-wide GGUF block
-    formats as int8 groups."""
+    bits a weight), from a GGUF file's `reader` (its header read once) or a Hugging Face
+    folder. `q8`: yield 32-wide GGUF block formats as int8 groups."""
     if source.kind == "gguf":
-        reader = gguf_loader.open_gguf(source.path)
         config = gguf_loader.model_config_from_gguf(reader, source.path)
         arch = gguf_loader.gguf_architecture(reader)
         grouped = gguf_loader.q8_tensors(reader) if q8 else {}
@@ -131,59 +168,45 @@ def _materialize(
 
 def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-    progress: bool = False, quantization: str | None = None,
-    int8_batch_kernel: str = "avx", int8_decode_kernel: str = "avx",
+    progress: bool = False, quantization: str | None = None, cpu_kernels: str = "auto",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
-    """Build, materialize and load a model; `quantization` ("int8", "int4", "fp16") then converts
-    the linear layers to weight-only quantized ones (see loom.quant). `int8_batch_kernel`
-    "amx" runs int8's products of more than 8 rows on AMX tiles, "bf16" in AVX512-BF16 dot
-    products (loom.quant.int8); "auto" picks "amx" where the CPU has it, else "avx".
-    `int8_decode_kernel` "vnni" runs its products of up to 8 rows in AVX512-VNNI integer dot
-    products."""
+    """Build, materialize and load a model. `quantization`: None keeps the checkpoint's own
+    (default_quantization: a GGUF file's 32-wide blocks as they are, on the CPU), "none" runs
+    the weights in `dtype` (the reference), "int8", "int4" or "fp16" convert the linear layers
+    to weight-only quantized ones (see loom.quant). On the CPU, `cpu_kernels` and
+    `batch_invariant` choose the C kernels (loom.kernels.dispatch; "auto": the best this CPU
+    runs)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
-    if int8_batch_kernel not in INT8_BATCH_KERNELS:
-        raise ConfigError(f"unsupported int8_batch_kernel {int8_batch_kernel!r}; "
-                          f"choose from {INT8_BATCH_KERNELS}")
-    if int8_decode_kernel not in INT8_DECODE_KERNELS:
-        raise ConfigError(f"unsupported int8_decode_kernel {int8_decode_kernel!r}; "
-                          f"choose from {INT8_DECODE_KERNELS}")
     start = time.perf_counter()
     device = torch.device(device)
+    kernels = None
+    if device.type == "cpu":
+        try:
+            kernels = select(cpu_kernels, batch_invariant)
+        except KernelChoiceError as e:
+            raise ConfigError(str(e)) from None
+        if kernels is not None:
+            logger.info(kernels.describe())
+    elif cpu_kernels != "auto":
+        raise ConfigError(f"cpu_kernels {cpu_kernels!r} needs the CPU, not {device.type}")
+    torch_dtype = resolve_dtype(dtype, device)
+    reader = gguf_loader.open_gguf(source.path) if source.kind == "gguf" else None
+    if quantization is None:
+        quantization = default_quantization(reader, device, torch_dtype)
+    elif quantization == "none":
+        quantization = None
     if quantization in ("int4", "fp16") and device.type != "cpu":
         raise ConfigError(
             f"quantization {quantization!r} runs on the CPU only, not on {device.type}"
         )
     if quantization == "fp16" and not fp16_available():
         raise ConfigError("quantization 'fp16' needs torch's fbgemm kernels (x86 CPUs)")
-    torch_dtype = resolve_dtype(dtype, device)
     # int8 on Loom's CPU kernel loads into its int8 layers directly (GGUF groups exactly).
     direct_int8 = (quantization == "int8" and torch_dtype == torch.float32
                    and grouped_available(device, GROUP))
-    if int8_batch_kernel in ("amx", "bf16") and not direct_int8:
-        raise ConfigError(f"int8_batch_kernel {int8_batch_kernel} needs quantization int8 with "
-                          "float32 activations on the CPU (Loom's int8 kernels)")
-    if int8_decode_kernel == "vnni":
-        if not direct_int8:
-            raise ConfigError("int8_decode_kernel vnni needs quantization int8 with float32 "
-                              "activations on the CPU (Loom's int8 kernels)")
-        if not cpu_kernels().loom_vnni_available():  # direct_int8: the kernels are there
-            raise ConfigError("int8_decode_kernel vnni needs a CPU with AVX512-VNNI (and a "
-                              "compiler that targets it); this one has none")
-    batch_kernel = "avx"
-    if direct_int8 and int8_batch_kernel != "avx":
-        lib = cpu_kernels()
-        if int8_batch_kernel in ("amx", "auto") and lib.loom_amx_available():
-            batch_kernel = "amx"
-        elif int8_batch_kernel == "bf16" and lib.loom_bf16_available():
-            batch_kernel = "bf16"
-        elif int8_batch_kernel == "amx":
-            raise ConfigError("int8_batch_kernel amx needs a CPU with AMX-BF16 (and a compiler "
-                              "and Linux that enable it); this one has none")
-        elif int8_batch_kernel == "bf16":
-            raise ConfigError("int8_batch_kernel bf16 needs a CPU with AVX512-BF16 (and a "
-                              "compiler that targets it); this one has none")
-    config, weight_iter, grouped = _open(source, q8=direct_int8)
+    config, weight_iter, grouped = _open(source, reader, q8=direct_int8)
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
@@ -205,9 +228,9 @@ def load_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.onednn = False
-            if isinstance(module, Int8Linear) and module.grouped:
-                module.batch_kernel = batch_kernel
-                if int8_decode_kernel == "vnni":
+            if isinstance(module, Int8Linear) and module.grouped and kernels is not None:
+                module.batch_kernel = kernels.batch
+                if kernels.decode == "vnni":
                     module.use_vnni()
         head = getattr(model, HEAD, None)
         if isinstance(head, Int8Linear) and head.grouped:
@@ -219,5 +242,6 @@ def load_model(
                            "per-op kernels)", refusal)
     model.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) in %.2f s", source.path, config.architecture, torch_dtype, seconds)
-    return LoadedModel(model, config, torch_dtype, device, seconds)
+    logger.info("loaded %s (%s, %s, quantization %s) in %.2f s", source.path, config.architecture,
+                torch_dtype, quantization or "none", seconds)
+    return LoadedModel(model, config, torch_dtype, device, seconds, quantization, kernels)

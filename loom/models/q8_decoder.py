@@ -4,9 +4,9 @@
 It runs the kernels the per-module path runs, in the same order, on the same buffers' values:
 the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
 linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
-kernel and the model has no q/k norm; otherwise the model keeps its per-module path. With
-`--int8-batch-kernel amx` (or `bf16`) its linears run on AMX tiles (bf16 dot products) in steps
-of more than 8 rows, as the modules' do (loom.quant.int8). The call also looks the token ids up
+kernel and the model has no q/k norm; otherwise the model keeps its per-module path. Its
+linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
+fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample
 (`LlamaForCausalLM.forward_logits`), computes their logits: Python after ~98 MB of weights
 streamed through the caches runs cold, so each call it makes costs a step far more than warm.
@@ -24,7 +24,7 @@ from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.quant.int8 import Int8Embedding, Int8Linear
 
-BATCH_CODES = {"avx": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
+BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 
 
@@ -141,9 +141,9 @@ class Q8Decoder:
             ))
         self.layers = (LayerQ8 * len(rows))(*rows)
         # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
-        # linears set apart by hand run the AVX kernel, which every one has
+        # linears set apart by hand run the fp32 kernel, which every build has
         codes = {_kernel_code(m) for layer in self.model.layers for m in _linears(layer)}
-        self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["avx"]
+        self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["fp32"]
 
     def _scratch(self, m: int) -> list[torch.Tensor]:
         h, i = self.hidden, self.inter

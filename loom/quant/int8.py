@@ -12,21 +12,24 @@ order whatever the batch, so a request computes the same bits alone as batched.
 Elsewhere (CUDA, or no C compiler): per-output-channel int8 weights through torch's
 `_weight_int8pack_mm`, which takes and returns bf16.
 
-`amx` (`--int8-batch-kernel amx`): products of more than 8 rows (prefill, many streams) run on
+The kernels beside that one (`fp32`, linear_q8.c's), which loom.kernels.dispatch chooses by
+the CPU (`--cpu-kernels`; `--batch-invariant` keeps `fp32` everywhere):
+
+`amx`: products of more than 8 rows (prefill, many streams) run on
 AMX tiles (csrc/linear_amx.c) where the CPU has them: q exact in bf16, x split into two bf16
-parts, fp32 sums, so fp32's precision at 2-3x the 8-lane AVX kernel's speed at 32-150 rows.
+parts, fp32 sums, so fp32's precision at 2-3x the 8-lane fp32 kernel's speed at 32-150 rows.
 Decode of up to 8 rows keeps the kernel above (the AMX entry point runs it). A request's bits
 then depend on whether its step had more than 8 rows (the two kernels sum in different orders).
 
-`bf16` (`--int8-batch-kernel bf16`): products of more than 8 rows in AVX512-BF16 dot products
+`bf16`: products of more than 8 rows in AVX512-BF16 dot products
 (csrc/linear_bf16.c; AMD Zen 4, Intel Cooper Lake and later): each dequantized weight and each x
-rounded to bf16, fp32 sums: ~1.7-2x the AVX kernel's speed there, at bf16's precision (tested by
+rounded to bf16, fp32 sums: ~1.7-2x the fp32 kernel's speed there, at bf16's precision (tested by
 top-1 agreement with the fp32 reference, like the other quantized paths). Up to 8 rows as `amx`.
 
-`vnni` (`--int8-decode-kernel vnni`): products of up to 8 rows (decode) in AVX512-VNNI integer
+`vnni` (the decode kernel): products of up to 8 rows (decode) in AVX512-VNNI integer
 dot products (csrc/linear_vnni.c; Intel Ice Lake, AMD Zen 4 and later): x in two int8 digits a
 group of 32 (16 significant bits), the weights as they are, scales and minimums read from fp16
-copies (GGUF's own precision; 4 bytes a group more memory): ~0.93x the AVX kernel's time a step
+copies (GGUF's own precision; 4 bytes a group more memory): ~0.93x the fp32 kernel's time a step
 at one stream, ~0.85x at 8 on a Zen 4, 1494 of 1495 top-1 against the fp32 reference. A
 request's bits then depend on whether its step had more than 8 rows.
 
@@ -45,8 +48,9 @@ from torch import nn
 from loom.kernels import cpu_kernels
 
 GROUP = 32
-# --int8-batch-kernel -> the C entry point (csrc/linear_q8.c, linear_amx.c, linear_bf16.c)
-BATCH_KERNELS = {"avx": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
+# the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
+# linear_bf16.c)
+BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
                  "bf16": "loom_linear_q8_bf16"}
 DECODE_ROWS = 8  # up to this many rows a product is decode's (linear_q8.c's M_DIRECT)
 
@@ -194,9 +198,9 @@ class Int8Embedding(_OnGrid, nn.Module):
 
 
 class Int8Linear(_OnGrid, nn.Module):
-    # The kernel for products of more than 8 rows: "avx" (linear_q8.c, the same bits whatever
+    # The kernel for products of more than 8 rows: "fp32" (linear_q8.c, the same bits whatever
     # the batch), "amx" or "bf16" (see the module doc). Set by the loader.
-    batch_kernel = "avx"
+    batch_kernel = "fp32"
     # fp16 copies of the scales and minimums: set (by use_vnni), products of up to 8 rows run
     # on the VNNI kernel (decode_kernel "vnni"), which reads them
     _half: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -251,9 +255,9 @@ class Int8Linear(_OnGrid, nn.Module):
 
     @property
     def decode_kernel(self) -> str:
-        """The kernel for products of up to 8 rows (decode): "avx" (linear_q8.c's direct path)
+        """The kernel for products of up to 8 rows (decode): "fp32" (linear_q8.c's direct path)
         or "vnni" (linear_vnni.c; see the module doc)."""
-        return "avx" if self._half is None else "vnni"
+        return "fp32" if self._half is None else "vnni"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -265,7 +269,7 @@ class Int8Linear(_OnGrid, nn.Module):
             out = self._output(xf.shape[0])
             if self._half is not None and xf.shape[0] <= DECODE_ROWS:
                 name, (scale, mins) = "loom_linear_q8_vnni", self._half
-            else:  # the AMX and bf16 entry points run the AVX kernel themselves up to 8 rows
+            else:  # the AMX and bf16 entry points run the fp32 kernel themselves up to 8 rows
                 name, scale, mins = BATCH_KERNELS[self.batch_kernel], self.scale, self.min
             rc = getattr(cpu_kernels(), name)(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),

@@ -84,7 +84,7 @@ def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
 
 # int4 is left out: its kernel (bf16 activations) sums a row differently in a batch than alone,
 # so near-ties can flip (seen on the second of these prompts).
-@pytest.mark.parametrize("quantization", [None, "fp16", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "fp16", "int8"])
 @pytest.mark.slow
 def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
     prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
@@ -227,7 +227,7 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])  # module path; int8's one-call stack
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # module path; int8's one-call stack
 @pytest.mark.parametrize("kv,row_bytes,min_same", [("float16", 128, 5), ("int8", 80, 4)])
 @pytest.mark.slow
 def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
@@ -239,29 +239,31 @@ def test_smaller_kv_cache_holds_more_blocks_and_keeps_the_answers(
     fp32; int8's top-1 agreement is measured in tests/model/test_quant.py)."""
     params = SamplingParams(temperature=0.0, max_tokens=24)
     runs = {}
-    for name in ("auto", kv):
+    for name in ("float32", kv):
         llm = make_llm(None, kv_cache_memory=64 * 2**20, kv_cache_dtype=name,
                        quantization=quantization)
         runs[name] = (llm.engine.num_blocks,
                       token_ids(llm.chat(chats()[:6], params, use_tqdm=False)))
-        assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, name, torch.float32)
+        assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, name)
         llm.engine.check_integrity()
     per_block = 2 * 30 * 16 * 3  # K and V, layers, block size, kv heads
-    assert runs["auto"][0] == 64 * 2**20 // (per_block * 256)
+    assert runs["float32"][0] == 64 * 2**20 // (per_block * 256)
     assert runs[kv][0] == 64 * 2**20 // (per_block * row_bytes)
-    same = sum(a == b for a, b in zip(runs["auto"][1], runs[kv][1]))
+    same = sum(a == b for a, b in zip(runs["float32"][1], runs[kv][1]))
     assert same >= min_same, same
 
 
-def _int8_answers(make_llm, kernel: str, num_chats: int,
-                  decode_kernel: str = "avx") -> list[list[list[int]]]:
-    """Greedy 24-token answers to the first `num_chats` chats from an int8 engine whose steps of
-    more than 8 rows run on `kernel` (up to 8 on `decode_kernel`); the engine's blocks are all
+def _int8_answers(make_llm, kernels: str, num_chats: int) -> list[list[list[int]]]:
+    """Greedy 24-token answers to the first `num_chats` chats from an int8 engine (fp32 KV
+    cache) on --cpu-kernels `kernels` ("fp32": batch-invariant); the engine's blocks are all
     returned afterwards."""
-    llm = make_llm(None, quantization="int8", int8_batch_kernel=kernel,
-                   int8_decode_kernel=decode_kernel)
-    assert llm.engine.runner.model.lm_head.batch_kernel == kernel
-    assert llm.engine.runner.model.lm_head.decode_kernel == decode_kernel
+    args = ({"batch_invariant": True} if kernels == "fp32"
+            else {"cpu_kernels": kernels, "batch_invariant": False})
+    llm = make_llm(None, quantization="int8", kv_cache_dtype="float32", **args)
+    head = llm.engine.runner.model.lm_head
+    assert (head.batch_kernel, head.decode_kernel) == {
+        "fp32": ("fp32", "fp32"), "amx": ("amx", "vnni"), "bf16": ("bf16", "vnni"),
+        "vnni": ("fp32", "vnni")}[kernels]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     answers = token_ids(llm.chat(chats()[:num_chats], params, use_tqdm=False))
     llm.engine.check_integrity()
@@ -270,35 +272,35 @@ def _int8_answers(make_llm, kernel: str, num_chats: int,
 
 @pytest.mark.slow
 def test_int8_amx_kernel_serves_the_same_answers(make_llm) -> None:
-    """--int8-batch-kernel amx through the engine: prompts (more than 8 rows a step) run on AMX
-    tiles, decode of these 6 chats on the AVX kernel; greedy answers match the AVX engine's
-    (the kernels differ by fp32 rounding only)."""
+    """--cpu-kernels amx through the engine: prompts (more than 8 rows a step) run on AMX
+    tiles, decode of these 6 chats on the VNNI kernel; greedy answers match the fp32 engine's
+    (the kernels differ by fp32-level rounding only)."""
     require_amx()
-    answers = {kernel: _int8_answers(make_llm, kernel, 6) for kernel in ("avx", "amx")}
-    assert answers["amx"] == answers["avx"]
+    answers = {kernel: _int8_answers(make_llm, kernel, 6) for kernel in ("fp32", "amx")}
+    assert answers["amx"] == answers["fp32"]
 
 
 @pytest.mark.slow
 def test_int8_bf16_kernel_serves_nearly_the_same_answers(make_llm) -> None:
-    """--int8-batch-kernel bf16 through the engine: 12 chats, so the prompts and the decode steps
-    (12 rows) run on the bf16 kernel. Its answers stay close to the AVX engine's: bf16 rounding
+    """--cpu-kernels bf16 through the engine: 12 chats, so the prompts and the decode steps
+    (12 rows) run on the bf16 kernel. Its answers stay close to the fp32 engine's: bf16 rounding
     can flip a near-tie, after which an answer goes its own way. Measured: 9 of 12 answers the
     same, the other three the same for their first 2, 4 and 5 tokens."""
     require_bf16()
-    answers = {kernel: _int8_answers(make_llm, kernel, 12) for kernel in ("avx", "bf16")}
-    pairs = list(zip(answers["avx"], answers["bf16"]))
+    answers = {kernel: _int8_answers(make_llm, kernel, 12) for kernel in ("fp32", "bf16")}
+    pairs = list(zip(answers["fp32"], answers["bf16"]))
     assert sum(a == b for a, b in pairs) >= 8
     assert all(a[0][:2] == b[0][:2] for a, b in pairs)
 
 
 @pytest.mark.slow
 def test_int8_vnni_kernel_serves_nearly_the_same_answers(make_llm) -> None:
-    """--int8-decode-kernel vnni through the engine: 6 chats, prompts on the AVX kernel, decode
+    """--cpu-kernels vnni through the engine: 6 chats, prompts on the fp32 kernel, decode
     (6 rows a step, then fewer) on the VNNI kernel (near fp32: x in two int8 digits). Measured:
-    all 6 answers the same as the AVX engine's; one near-tie may flip elsewhere."""
+    all 6 answers the same as the fp32 engine's; one near-tie may flip elsewhere."""
     require_vnni()
-    answers = {k: _int8_answers(make_llm, "avx", 6, k) for k in ("avx", "vnni")}
-    pairs = list(zip(answers["avx"], answers["vnni"]))
+    answers = {k: _int8_answers(make_llm, k, 6) for k in ("fp32", "vnni")}
+    pairs = list(zip(answers["fp32"], answers["vnni"]))
     assert sum(a == b for a, b in pairs) >= 5
     assert all(a[0][:4] == b[0][:4] for a, b in pairs)
 
