@@ -145,6 +145,28 @@ def test_markdown_is_escaped(server, browser) -> None:
     assert "script-src 'self'" in csp and "default-src 'self'" in csp
 
 
+def test_model_picker_when_several_models_are_served(server, browser) -> None:
+    """Loom serves one model; a server listing two (a stand-in /v1/models answer in the page)
+    gets a picker, and requests name the model picked."""
+    from selenium.webdriver.support.ui import Select
+
+    d = browser
+    d.get(f"{server.url}/")
+    _wait(d, lambda d: _by_id(d, "model-label").text == "smollm2")
+    assert not _by_id(d, "model-picker").is_displayed()
+    d.execute_async_script("""
+        const done = arguments[arguments.length - 1], real = window.fetch;
+        window.fetch = (url, opts) => url === "/v1/models"
+            ? Promise.resolve(new Response(JSON.stringify({data: [{id: "smollm2"}, {id: "b"}]})))
+            : real(url, opts);
+        loadModels().then(done);""")
+    picker = Select(_by_id(d, "model-picker"))
+    assert [o.text for o in picker.options] == ["smollm2", "b"]
+    assert _by_id(d, "model-picker").is_displayed() and _by_id(d, "model-label").text == ""
+    picker.select_by_visible_text("b")
+    assert d.execute_script("return requestBody({messages: []}).model") == "b"
+
+
 def test_dashboard_shows_a_running_request(server, browser, tmp_path) -> None:
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     stream = client.chat.completions.create(
