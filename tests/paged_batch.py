@@ -93,3 +93,18 @@ class PagedBatch:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def greedy(loaded, prompts: dict[str, list[int]], steps: int, num_blocks: int = 64):
+    """Prefill every prompt in one step, then `steps` greedy decode steps of all together.
+    Returns (rid -> prompt + generated ids, rid -> each generated token's logits [steps, vocab])."""
+    batch = PagedBatch(loaded, num_blocks=num_blocks)
+    seqs = {r: list(p) for r, p in prompts.items()}
+    logits: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
+    out = batch.step(prompts)
+    for _ in range(steps):
+        for r in seqs:
+            logits[r].append(out[r][-1])
+            seqs[r].append(int(out[r][-1].argmax()))
+        out = batch.step({r: s[-1:] for r, s in seqs.items()})
+    return seqs, {r: torch.stack(v) for r, v in logits.items()}

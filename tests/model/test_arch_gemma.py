@@ -13,7 +13,7 @@ from loom.config import ConfigError
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from tests.gguf_files import write_gguf
-from tests.paged_batch import PagedBatch, rel_err
+from tests.paged_batch import PagedBatch, greedy, rel_err
 from tests.tiny_models import make_tiny_model
 
 
@@ -84,17 +84,11 @@ def test_real_gemma3_greedy_matches_transformers(gemma3) -> None:
     batch, are transformers' greedy tokens on the same file."""
     ref, loaded, tok = gemma3
     assert loaded.config.layer_types.count("full_attention") == 3  # every 6th of 18 layers
-    batch = PagedBatch(loaded, num_blocks=64)
     prompts = {str(i): tok.encode(p) for i, p in enumerate(GEMMA_PROMPTS)}
     # transformers' GemmaTokenizer on the file (gguf_file=...) gives these, <bos> first
     assert prompts["0"] == [2, 818, 5279, 529, 7001, 563]
     assert prompts["3"][:4] == [2, 105, 2364, 107]  # <start_of_turn> user \n: special tokens
-    seqs = {rid: list(ids) for rid, ids in prompts.items()}
-    out = batch.step(prompts)
-    for _ in range(16):
-        for rid in seqs:
-            seqs[rid].append(int(out[rid][-1].argmax()))
-        out = batch.step({rid: s[-1:] for rid, s in seqs.items()})
+    seqs, _ = greedy(loaded, prompts, 16)
     for rid, prompt in prompts.items():
         ours = seqs[rid][len(prompt):]
         with torch.no_grad():  # transformers' argmax after each prefix of ours

@@ -12,21 +12,8 @@ from safetensors.torch import load_file, save_file
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.moe import SparseMoeBlock
-from tests.paged_batch import PagedBatch, rel_err
+from tests.paged_batch import PagedBatch, greedy, rel_err
 from tests.tiny_models import make_tiny_model
-
-
-def _greedy(loaded, prompts: dict[str, list[int]], steps: int):
-    batch = PagedBatch(loaded)
-    seqs = {r: list(p) for r, p in prompts.items()}
-    logits = {r: [] for r in prompts}
-    out = batch.step(prompts)
-    for _ in range(steps):
-        for r in seqs:
-            logits[r].append(out[r][-1])
-            seqs[r].append(int(out[r][-1].argmax()))
-        out = batch.step({r: s[-1:] for r, s in seqs.items()})
-    return seqs, {r: torch.stack(v) for r, v in logits.items()}
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
@@ -37,8 +24,8 @@ def test_batched_equals_alone(tmp_path, name) -> None:
     g = torch.Generator().manual_seed(3)
     prompts = {r: torch.randint(0, 256, (n,), generator=g).tolist()
                for r, n in (("a", 13), ("b", 30), ("c", 5))}
-    alone_seq, alone_logits = _greedy(loaded, {"a": prompts["a"]}, 12)
-    seqs, logits = _greedy(loaded, prompts, 12)
+    alone_seq, alone_logits = greedy(loaded, {"a": prompts["a"]}, 12)
+    seqs, logits = greedy(loaded, prompts, 12)
     assert seqs["a"] == alone_seq["a"]
     assert rel_err(logits["a"], alone_logits["a"]) < 1e-5
 
