@@ -110,6 +110,12 @@ class TensorParallel:
             p.start()
             procs.append(p)
             conns.append(ours)
+        try:
+            for rank, (conn, proc) in enumerate(zip(conns, procs), start=1):
+                _expect(conn, proc, rank, "started")
+        except RuntimeError:
+            cls(loaded, procs, conns).close()
+            raise
         dist.init_process_group(_backend(device), init_method=spec.init_method, rank=0,
                                 world_size=world, timeout=COLLECTIVE_TIMEOUT)
         config = shard_model(loaded.model, loaded.config, 0, world)
@@ -123,13 +129,7 @@ class TensorParallel:
         for conn in self.conns:
             conn.send((num_blocks, kv_dtype, eos_token_ids, block_size))
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-            while not conn.poll(0.5):
-                if not proc.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code "
-                                       f"{proc.exitcode} while starting (its log is above)")
-            status = conn.recv()
-            if status != "ready":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {status}")
+            _expect(conn, proc, rank, "ready")
         return _Driver(runner, self)
 
     def close(self) -> None:
@@ -144,6 +144,20 @@ class TensorParallel:
                 p.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _expect(conn: Connection, proc: BaseProcess, rank: int, status: str) -> None:
+    """Wait for a worker's `status` message; RuntimeError if it sends another or dies."""
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"tensor-parallel rank {rank} exited with code {proc.exitcode} while starting "
+                "(its log is above; a script that starts Loom with tensor parallel must guard "
+                "its entry point with `if __name__ == '__main__':`, as spawned processes "
+                "import it)")
+    got = conn.recv()
+    if got != status:
+        raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {got}")
 
 
 class _Driver:
@@ -184,6 +198,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     from loom.threads import apply_thread_defaults, set_num_threads
     from loom.worker.model_runner import ModelRunner
 
+    conn.send("started")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     apply_thread_defaults()

@@ -55,6 +55,7 @@ def _logprob_rows(out) -> list[list[float]]:
     ("llama", {}),                              # 4 heads, 2 KV heads: one KV head a rank
     ("qwen3", {}),                              # q/k norms, head_dim 32
     ("qwen2", {"num_key_value_heads": 1}),      # qkv bias, tied head, the KV head replicated
+    ("gemma2", {}),                             # soft-capping, sliding window, (1+w) norms
 ])
 def test_tp2_equals_tp1(tmp_path, arch, overrides) -> None:
     folder = _tiny(arch, tmp_path / arch, **overrides)
