@@ -31,7 +31,8 @@ function chart(svg, seriesList, t) {
     let d = "", pen = false;
     s.values.forEach((v, i) => {
       if (v == null) { pen = false; return; }
-      d += `${pen ? "L" : "M"}${x(t[i]).toFixed(1)},${y(v).toFixed(1)} `;
+      const at = `${x(t[i]).toFixed(1)},${y(v).toFixed(1)}`;
+      d += pen ? `L${at} ` : `M${at} L${at} `;  // a lone point draws as a dot (round caps)
       pen = true;
     });
     const path = document.createElementNS(SVG, "path");
