@@ -75,7 +75,7 @@ def _send(driver, text: str) -> None:  # noqa: ANN001
     _by_id(driver, "send").click()
 
 
-def test_chat_streams_stops_and_keeps_the_conversation(server, browser, tmp_path) -> None:
+def test_chat_streams_stops_and_keeps_the_conversation(browser, server, tmp_path) -> None:
     d = browser
     d.get(f"{server.url}/")
     d.execute_script("localStorage.clear()")
@@ -127,7 +127,7 @@ def test_chat_streams_stops_and_keeps_the_conversation(server, browser, tmp_path
     assert "stopped" in _assistant(d)[1].find_element("css selector", ".msg-stats").text
 
 
-def test_markdown_is_escaped(server, browser) -> None:
+def test_markdown_is_escaped(browser, server) -> None:
     d = browser
     d.get(f"{server.url}/")
     html = d.execute_script("return LoomMarkdown.render(arguments[0])",
@@ -145,7 +145,7 @@ def test_markdown_is_escaped(server, browser) -> None:
     assert "script-src 'self'" in csp and "default-src 'self'" in csp
 
 
-def test_model_picker_when_several_models_are_served(server, browser) -> None:
+def test_model_picker_when_several_models_are_served(browser, server) -> None:
     """Loom serves one model; a server listing two (a stand-in /v1/models answer in the page)
     gets a picker, and requests name the model picked."""
     from selenium.webdriver.support.ui import Select
@@ -167,7 +167,7 @@ def test_model_picker_when_several_models_are_served(server, browser) -> None:
     assert d.execute_script("return requestBody({messages: []}).model") == "b"
 
 
-def test_dashboard_shows_a_running_request(server, browser, tmp_path) -> None:
+def test_dashboard_shows_a_running_request(browser, server, tmp_path) -> None:
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     stream = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Count from 1 to 1000."}],
