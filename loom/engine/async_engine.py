@@ -305,7 +305,7 @@ class AsyncEngine:
 
     def _prefault_while_idle(self) -> None:
         """Fault in the KV-cache pages the next requests will write, a few blocks at a time
-        (~0.1 ms each), until a command arrives or they are all in."""
+        (short calls), until a command arrives or they are all in."""
         while self._commands.empty() and self.engine.prefault_kv_cache(2):
             pass
 

@@ -223,8 +223,8 @@ def load_model(
     model.init_buffers(device)
     if quantization is not None:
         quantize_model_(model, quantization)
-        # Beside the quantized kernels the oneDNN fp32 path measured slower end to end (int4,
-        # 1 stream: 0.87x), though faster alone; the remaining fp32 linears keep F.linear.
+        # Beside the quantized kernels the oneDNN fp32 path was slower end to end, though faster
+        # alone (docs/cpu_kernels.md); the remaining fp32 linears keep F.linear.
         for module in model.modules():
             if isinstance(module, Linear):
                 module.onednn = False
