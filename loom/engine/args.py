@@ -101,6 +101,11 @@ class EngineArgs:
            "GPU each): attention heads, MLP width and vocabulary; unquantized weights only. "
            "On the CPU for correctness and multi-socket machines, not speed on one socket",
         DISTRIBUTED, type=positive_int)
+    distributed_executor_backend: str = flag(
+        "mp", "where tensor-parallel ranks other than 0 run: mp (processes on this machine) or "
+              "ray (actors placed by a Ray placement group: the cluster of RAY_ADDRESS or of "
+              "`ray start` on this machine, else a local Ray instance)", DISTRIBUTED,
+        choices=("mp", "ray"))
 
     def resolved_max_num_batched_tokens(self, device: str) -> int:
         """The step budget: as given; unset (the CLI's default), SERVE_CPU_BATCHED_TOKENS on

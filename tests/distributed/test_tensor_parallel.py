@@ -29,14 +29,16 @@ def _tiny(arch: str, folder, **overrides):
     return folder
 
 
-def _run(folder, tp: int) -> list:
+def _run(folder, tp: int, **kwargs) -> list:
     llm = LLM(str(folder), tensor_parallel_size=tp, dtype="float32", num_threads=1,
-              kv_cache_memory=8 * 2**20, max_model_len=256)
+              kv_cache_memory=8 * 2**20, max_model_len=256, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, prompt_logprobs=5,
                             ignore_eos=True)
     if tp > 1:  # rank 0 holds its share of the heads; the worker is up
         assert llm.engine.model_config.num_attention_heads == 4 // tp
         assert all(p.is_alive() for p in llm.engine.tensor_parallel.procs)
+        assert len(llm.engine.tensor_parallel.procs) == (tp - 1 if "distributed_executor_backend"
+                                                         not in kwargs else 0)
     try:
         return llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
@@ -98,3 +100,18 @@ def test_loom_serve_tp2_gives_tp1_greedy_text() -> None:
         assert "tensor parallel: 2 ranks over gloo" in server.log()
     finally:
         server.stop()
+
+
+def test_tp2_on_local_ray_equals_tp1(tmp_path) -> None:
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install ray)")
+    folder = _tiny("llama", tmp_path / "ray")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        ref, tp2 = _run(folder, 1), _run(folder, 2, distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    for a, b in zip(ref, tp2):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(_logprob_rows(a), _logprob_rows(b), strict=True):
+            torch.testing.assert_close(torch.tensor(row_b), torch.tensor(row_a), atol=1e-4,
+                                       rtol=1e-4)
