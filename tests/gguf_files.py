@@ -60,8 +60,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(
     hf_folder: Path, out: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     override_arch: str | None = None, overrides: dict[str, GGMLQuantizationType] | None = None,
+    uint32_keys: dict[str, int] | None = None,
 ) -> Path:
-    """`overrides`: another type for the 2-D tensors whose GGUF name holds `.{key}.`."""
+    """`overrides`: another type for the 2-D tensors whose GGUF name holds `.{key}.`;
+    `uint32_keys`: more metadata ("{arch}" in a key is the architecture)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -79,6 +81,8 @@ def write_gguf(
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    for key, value in (uint32_keys or {}).items():
+        w.add_uint32(key.format(arch=override_arch or arch), value)
     gemma = arch.startswith("gemma")
     if gemma:  # what llama.cpp's converter writes (the norms as 1 + w, below)
         w.add_sliding_window(cfg.sliding_window)

@@ -87,3 +87,21 @@ def test_pooling_is_checked(tmp_path) -> None:
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     with pytest.raises(ConfigError, match="pooling_mode_cls_token"):
         LLM(str(folder), dtype="float32")
+
+
+def test_gguf_pooling_type(tmp_path) -> None:
+    """llama.cpp's {arch}.pooling_type: 1 mean, 3 last; 2 (cls) is refused at load."""
+    from loom.config import ConfigError
+    from loom.loader.model_loader import load_model
+    from loom.loader.resolve import resolve_model
+    from tests.gguf_files import write_gguf
+
+    folder = make_tiny_model("qwen3", tmp_path / "hf")
+    for kind, pooling in ((1, "mean"), (3, "last")):
+        path = write_gguf(folder, tmp_path / f"p{kind}.gguf", "qwen3",
+                          uint32_keys={"{arch}.pooling_type": kind})
+        assert load_model(resolve_model(str(path)), dtype="float32").config.pooling == pooling
+    path = write_gguf(folder, tmp_path / "p2.gguf", "qwen3",
+                      uint32_keys={"{arch}.pooling_type": 2})
+    with pytest.raises(ConfigError, match="pooling type 2"):
+        load_model(resolve_model(str(path)), dtype="float32")
