@@ -169,6 +169,21 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks of the request's first `num_tokens` tokens (rejected speculative
+        tokens roll back); the ones past them are freed, last first. They hold no full block of
+        the request's tokens, so none was offered to the prefix cache."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = _cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        cached = self.num_cached_block.get(request.request_id, 0)
+        if cached > keep:
+            self.num_cached_block[request.request_id] = keep
+        self.block_pool.free_blocks(reversed(dropped))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 

@@ -50,6 +50,9 @@ class SchedulerOutput:
     # req_id -> its row. None when no constrained request samples.
     grammar_bitmask: torch.Tensor | None = None
     structured_rows: dict[str, int] | None = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (their
+    # count is in num_scheduled_tokens); the runner verifies them (loom.worker.spec_verify).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

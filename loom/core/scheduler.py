@@ -22,6 +22,7 @@ from loom.request import CONSTRAINT_FAILED, RequestStatus
 if TYPE_CHECKING:
     from loom.config import SchedulerConfig
     from loom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+    from loom.core.spec_decode import SpecDecoder
     from loom.core.sched_output import Logprobs, ModelRunnerOutput
     from loom.request import Request
 
@@ -76,6 +77,7 @@ class _Step:
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # speculative drafts
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -91,7 +93,8 @@ class Scheduler:
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int
+        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
+        spec: SpecDecoder | None = None,
     ) -> None:
         if kv_cache_manager.block_size != block_size:
             raise ValueError(
@@ -109,6 +112,7 @@ class Scheduler:
         # Ids whose runner state must go before the next step (finished, aborted, preempted).
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.spec = spec  # speculative decoding (loom.core.spec_decode), None: off
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -172,6 +176,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -186,7 +191,15 @@ class Scheduler:
             if num_new <= 0:
                 req_index += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            draft = self._propose(request, num_new, step)
+            if draft and (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new + len(draft))) is not None:
+                step.spec_tokens[request.request_id] = draft
+                num_new += len(draft)
+            else:  # no draft, or no blocks for it: never preempt for a draft
+                new_blocks = None
+            while new_blocks is None and (
+                    new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self._preempt_newest(step)
                 if victim is request:
                     break
@@ -200,6 +213,13 @@ class Scheduler:
             step.add(request, num_new)
             req_index += 1
 
+    def _propose(self, request: Request, num_new: int, step: _Step) -> list[int]:
+        """A speculative draft for a request about to decode (its last token alone is new)."""
+        if (self.spec is None or num_new != 1
+                or request.num_tokens - request.num_computed_tokens != 1):
+            return []
+        return self.spec.propose(request, len(self.running), step.token_budget - 1)
+
     def _preempt_newest(self, step: _Step) -> Request:
         """Preempt the newest running request: free its blocks, requeue it at the front."""
         victim = self.running.pop()
@@ -211,6 +231,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.finished_req_ids.add(victim.request_id)
         step.preempted.append(victim)
+        step.spec_tokens.pop(victim.request_id, None)
         return victim
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -266,6 +287,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_scheduled
             i = index.get(req_id)
+            draft = sched_output.scheduled_spec_decode_tokens.get(req_id)
+            if draft:
+                sampled = [] if i is None else runner_output.sampled_token_ids[i]
+                self._roll_back(request, draft, sampled)
             if i is None:
                 continue
             output = self._apply_sampled(request, runner_output, i)
@@ -305,6 +330,17 @@ class Scheduler:
             return None  # a prefill chunk with nothing to report
         return self._core_output(request, new_token_ids, logprobs, prompt_logprobs)
 
+    def _roll_back(self, request: Request, draft: list[int], sampled: list[int]) -> None:
+        """After a verify step: the rejected draft tokens' KV slots are no longer computed, and
+        the blocks past the computed tokens go back to the pool (the runner drops the same)."""
+        assert self.spec is not None
+        num_accepted = max(0, len(sampled) - 1)
+        self.spec.on_verified(request.request_id, len(draft), num_accepted)
+        num_rejected = len(draft) - num_accepted
+        if num_rejected:
+            request.num_computed_tokens -= num_rejected
+            self.kv_cache_manager.trim(request, request.num_computed_tokens)
+
     @staticmethod
     def _core_output(
         request: Request, new_token_ids: list[int], logprobs: Logprobs | None,
@@ -331,6 +367,8 @@ class Scheduler:
     def _free_request(self, request: Request, had_runner_state: bool) -> None:
         """Forget a finished request (the caller removes it from `running`/`waiting`)."""
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.drop(request.request_id)
         if had_runner_state:
             self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]

@@ -82,6 +82,13 @@ class EngineArgs:
         2048, "token budget of one step (prefill chunks + decodes); default 512 on the CPU (a "
               "long prefill step stalls every running stream), 2048 on CUDA", SCHEDULER,
         cli_default=None)
+    speculative_config: str | None = flag(
+        None, "speculative decoding, as a JSON object (vLLM's shape): {\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": "
+              "m, \"disable_by_batch_size\": b}: each decoding request proposes up to k tokens "
+              "that followed an earlier occurrence of its last n..m tokens, checked in one step "
+              "(greedy output unchanged, sampled output's distribution unchanged); see "
+              "docs/speculative.md", SCHEDULER)
 
     kv_cache_memory: int | None = flag(
         None, "bytes for the KV cache (default: half the free memory, capped at need)", CACHE)

@@ -18,6 +18,7 @@ from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import RequestRejectedError, Scheduler
 from loom.engine.args import EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.engine.spec import drop_after_stop, spec_decoder
 from loom.loader.model_loader import load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
 from loom.request import FinishReason, Request, RequestStatus
@@ -127,7 +128,8 @@ class LLMEngine:
         kv_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len
         )
-        self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
+                                   spec_decoder(args, max_model_len))
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,
@@ -362,6 +364,7 @@ class LLMEngine:
         finish, stop_reason = out.finish_reason, out.stop_reason
         stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
         if stop_str is not None and finish is None:
+            drop_after_stop(o, len(child.detokenizer.output_token_ids))  # speculative steps
             self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
             finish, stop_reason = "stop", stop_str
         if finish is not None:

@@ -22,6 +22,7 @@ from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
 from loom.worker.kv_cache import allocate_kv_caches
 from loom.worker.pooler import Pooler
+from loom.worker.spec_verify import verify_draft
 
 
 @dataclass
@@ -118,9 +119,12 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         num_sched = [so.num_scheduled_tokens[r] for r in req_ids]
         computed = [s.num_computed_tokens for s in states]
+        drafts = so.scheduled_spec_decode_tokens  # speculative drafts, after each last token
         input_ids = np.fromiter(
             itertools.chain.from_iterable(
-                s.token_ids[c : c + n] for s, c, n in zip(states, computed, num_sched)
+                s.token_ids[c : c + n] if s.req_id not in drafts
+                else s.token_ids[c : c + 1] + drafts[s.req_id]
+                for s, c, n in zip(states, computed, num_sched)
             ),
             dtype=np.int64, count=sum(num_sched),
         )
@@ -131,22 +135,28 @@ class ModelRunner:
         ends = np.cumsum(num_sched)
         # A request samples when this step reaches the end of its known tokens.
         sampling = [i for i, (s, c, n) in enumerate(zip(states, computed, num_sched))
-                    if c + n == len(s.token_ids)]
+                    if c + n - len(drafts.get(s.req_id, ())) == len(s.token_ids)]
+        rows = ends[sampling] - 1
+        if drafts:  # a draft's rows all get logits: row i scores draft token i
+            rows, sampling, spec = _draft_rows(req_ids, sampling, ends, drafts)
         # Past the last layer's attention only the sampling rows matter, unless a prompt's
         # logprobs need every row's hidden state.
         all_rows = any(s.sampling_params.prompt_logprobs is not None
                        and c < s.num_prompt_tokens for s, c in zip(states, computed)
-                       ) or self.pooler.needs_all_rows(states, computed)
+                       ) or self.pooler.needs_all_rows(states, computed) or (
+                           drafts and any(s.sampling_params.pooling for s in states))
         with set_forward_context(md):
             hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
                 torch.from_numpy(input_ids).to(self.device),
                 torch.from_numpy(positions).to(self.device),
-                ends[sampling] - 1,
+                rows,
                 only_rows=not all_rows,
             )
         self.pooler.step(states, computed, num_sched, ends, sampling, hidden, all_rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
+        if drafts:
+            logits = self._verify(logits, states, spec, drafts, sampled_lists, failed)
         if sampling:
             if so.grammar_bitmask is not None:
                 self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
@@ -162,6 +172,29 @@ class ModelRunner:
         # after sampling: an int8 head writes every call's logits into the buffer it reuses
         prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden, failed)
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps, failed)
+
+    def _verify(self, logits: torch.Tensor, states: list[CachedRequestState],
+                spec: dict[int, tuple[int, int]], drafts: dict[str, list[int]],
+                sampled_lists: list[list[int]], failed: dict[str, str]) -> torch.Tensor:
+        """Verify each draft on its rows of `logits` (spec: request index -> (first row,
+        rows)); returns the other sampling requests' rows. The blocks past the tokens now
+        computed go, as the scheduler frees them."""
+        for i, (start, num) in spec.items():
+            s = states[i]
+            try:
+                tokens = verify_draft(logits[start : start + num], s, drafts[s.req_id],
+                                      self.eos_token_ids, self.model_config.vocab_size)
+            except Exception as e:  # noqa: BLE001 - this request's error alone
+                failed[s.req_id] = _reason("verifying a speculative draft", e)
+                continue
+            s.token_ids.extend(tokens)
+            s.output_token_ids.extend(tokens)
+            sampled_lists[i] = tokens
+            num_blocks = -(-(s.num_computed_tokens + len(tokens)) // self.block_size)
+            del s.block_ids[num_blocks:]  # the blocks of rejected tokens
+        plain = [r for r in range(logits.size(0))
+                 if not any(st <= r < st + n for st, n in spec.values())]
+        return logits[plain]
 
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState], failed: dict[str, str]
@@ -243,6 +276,25 @@ class ModelRunner:
 
 # Seeds are reduced to the 64 bits a torch generator holds.
 _SEED_MASK = 2**64 - 1
+
+
+def _draft_rows(
+    req_ids: list[str], sampling: list[int], ends: np.ndarray, drafts: dict[str, list[int]]
+) -> tuple[np.ndarray, list[int], dict[int, tuple[int, int]]]:
+    """The logits rows of a step with drafts: every sampling request's last row, and all
+    1 + k rows of a request with a draft of k. Returns (rows, the sampling requests without a
+    draft, request index -> (its first row in the logits, its number of rows))."""
+    rows: list[int] = []
+    plain: list[int] = []
+    spec: dict[int, tuple[int, int]] = {}
+    for i in sampling:
+        k = len(drafts.get(req_ids[i], ()))
+        if k:
+            spec[i] = (len(rows), k + 1)
+        else:
+            plain.append(i)
+        rows.extend(range(int(ends[i]) - 1 - k, int(ends[i])))
+    return np.asarray(rows, dtype=np.int64), plain, spec
 
 
 def _reason(what: str, e: BaseException) -> str:

@@ -1,0 +1,197 @@
+"""Speculative decoding, the scheduler's side: the n-gram (prompt-lookup) proposer, each
+request's adaptive draft length, and the counters /metrics shows.
+
+A decoding request with a proposal is scheduled for 1 + k tokens: its last real token and the k
+proposed ones, scored in one step beside the other requests' prompt chunks and decodes (the k
+count against the step's token budget). The runner verifies them (loom.worker.spec_verify) and
+returns the accepted tokens plus one it sampled itself; the scheduler then rolls the rejected
+tokens' KV slots back (num_computed_tokens, and blocks past them freed).
+
+Requests that do not speculate (the runner could not verify them token by token yet): those
+asking for logprobs, with a structured-output grammar, or pooling (embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from loom.config import ConfigError
+
+if TYPE_CHECKING:
+    from loom.request import Request
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config shape (method "ngram" only, so far)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: the most tokens proposed per step
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's tokens
+    prompt_lookup_min: int = 1  # shortest
+    # No request speculates while more than this many run (the verify rows cost compute a
+    # large batch no longer has to spare); None: any batch.
+    disable_by_batch_size: int | None = 8
+    adaptive: bool = True  # per request: shorter drafts after rejections, pauses after misses
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ConfigError(f"speculative_config method {self.method!r}: only 'ngram' is "
+                              "supported")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"speculative_config {name} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError("speculative_config prompt_lookup_min "
+                              f"({self.prompt_lookup_min}) > prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ConfigError(f"speculative_config disable_by_batch_size must be a positive "
+                              f"integer or null, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """From a JSON object (text or dict); None stays None. Unknown keys are refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown keys {unknown} (known: "
+                              f"{sorted(known)})")
+        if "method" not in value:
+            raise ConfigError("speculative_config needs a method (\"ngram\")")
+        return cls(**value)
+
+
+def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the longest
+    suffix n-gram (max_n down to min_n) of `tokens`; [] when none occurs."""
+    num = len(tokens)
+    if k <= 0 or num < min_n + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = arr[num - n:]
+        # windows start at 0 .. num-1-n: never the suffix itself, always a token after it
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: num - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return arr[start: start + k].tolist()
+    return []
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    """One request's draft length: after a step that accepted a of k, the next drafts hold at
+    most a + 1 tokens (k again after a full acceptance); after 2 steps in a row that accepted
+    nothing the request pauses, 2, 4, ... up to 32 steps."""
+
+    k: int
+    misses: int = 0
+    pause: int = 0
+    backoff: int = 1
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Cumulative counters (vLLM's spec_decode metric names, minus the prefix)."""
+
+    num_drafts: int = 0  # verify steps
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # of those, accepted
+    # accepted_per_pos[i]: drafts whose token i was accepted; proposed_per_pos[i]: drafts that
+    # had a token i (acceptance rate at position i = their ratio)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    proposed_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        grow = num_proposed - len(self.proposed_per_pos)
+        if grow > 0:
+            self.proposed_per_pos.extend([0] * grow)
+            self.accepted_per_pos.extend([0] * grow)
+        for i in range(num_proposed):
+            self.proposed_per_pos[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether the runner verifies this request's proposals (see the module docstring)."""
+    params = request.sampling_params
+    return (params.logprobs is None and request.grammar is None and params.pooling is None)
+
+
+class SpecDecoder:
+    """Proposes drafts for the scheduler and adapts their length per request."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+        self._adaptive: dict[str, _Adaptive] = {}
+
+    def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
+        """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
+        the step's budget left after that token."""
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size:
+            return []
+        if not can_speculate(request):
+            return []
+        state = self._adaptive.get(request.request_id)
+        if state is None:
+            state = self._adaptive[request.request_id] = _Adaptive(cfg.num_speculative_tokens)
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        # Never past max_tokens (the sampled token comes on top) nor max_model_len.
+        k = min(state.k, token_budget, self.max_model_len - request.num_tokens)
+        if request.max_tokens is not None:
+            k = min(k, request.max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
+                             cfg.prompt_lookup_max)
+
+    def on_verified(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.stats.record(num_proposed, num_accepted)
+        state = self._adaptive.get(req_id)
+        if state is None or not self.config.adaptive:
+            return
+        k_max = self.config.num_speculative_tokens
+        state.k = k_max if num_accepted == num_proposed else min(k_max, num_accepted + 1)
+        if num_accepted:
+            state.misses, state.backoff = 0, 1
+            return
+        state.misses += 1
+        if state.misses >= 2:
+            state.pause, state.misses = state.backoff, 0
+            state.backoff = min(2 * state.backoff, 32)
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished or preempted request."""
+        self._adaptive.pop(req_id, None)

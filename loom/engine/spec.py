@@ -1,0 +1,33 @@
+"""The engine's side of speculative decoding: building the SpecDecoder from EngineArgs, and the
+output trim a multi-token step needs when a stop string ends the text mid-step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from loom.config import ConfigError
+from loom.core.spec_decode import SpecDecoder, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from loom.engine.args import EngineArgs
+    from loom.engine.outputs import CompletionOutput
+
+
+def spec_decoder(args: EngineArgs, max_model_len: int) -> SpecDecoder | None:
+    """The scheduler's SpecDecoder for args.speculative_config (None: off)."""
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is None:
+        return None
+    if args.tensor_parallel_size > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError("speculative decoding does not run with tensor or pipeline "
+                          "parallelism yet")
+    return SpecDecoder(config, max_model_len)
+
+
+def drop_after_stop(output: CompletionOutput, num_tokens: int) -> None:
+    """A stop string completed at the output's `num_tokens`-th token: tokens accepted after it
+    in the same speculative step are dropped (decoding one by one would not have made them)."""
+    extra = len(output.token_ids) - num_tokens
+    if extra > 0:
+        del output.token_ids[-extra:]
+        del output.delta_token_ids[-min(extra, len(output.delta_token_ids)):]
