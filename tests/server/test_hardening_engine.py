@@ -24,7 +24,7 @@ SEEDED = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=10, ignore
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLM(None, max_model_len=1024, kv_cache_memory=64 * 2**20).engine
+    return LLM(None, max_model_len=1024, kv_cache_memory=64 * 2**20, batch_invariant=True).engine
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]],

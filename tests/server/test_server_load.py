@@ -24,7 +24,7 @@ PROMPTS = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i i
 @pytest.fixture(scope="module")
 def offline_texts() -> list[str]:
     """Reference outputs from the offline engine in this process (same model, greedy)."""
-    llm = LLM(None, max_model_len=1024, kv_cache_memory=256 * 2**20)
+    llm = LLM(None, max_model_len=1024, kv_cache_memory=256 * 2**20, batch_invariant=True)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                         use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]

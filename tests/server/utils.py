@@ -17,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = float(os.environ.get("LOOM_TEST_SERVER_START_TIMEOUT", "600"))
 
-# Small limits keep the KV cache (and so the server's memory) small on a CI machine.
-ENGINE_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", str(256 * 2**20)]
+# Small limits keep the KV cache (and so the server's memory) small on a CI machine. The tests
+# compare a request's tokens across batches (alone, concurrent, offline): batch-invariant kernels.
+ENGINE_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", str(256 * 2**20),
+               "--batch-invariant"]
 
 
 def free_port() -> int:
