@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from loom.config import ConfigError
-from loom.distributed.tensor_parallel import check_shardable, shard_model
-from loom.distributed.worker import COLLECTIVE_TIMEOUT, WorkerSpec, backend_for
+from loom.distributed.worker import (
+    COLLECTIVE_TIMEOUT, WorkerSpec, backend_for, check_model, prepare_rank,
+)
 
 if TYPE_CHECKING:
     from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -69,14 +70,18 @@ class TensorParallel:
         0's copy. `args`: the EngineArgs."""
         from loom.threads import set_num_threads
 
-        world = args.tensor_parallel_size
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        if tp > 1 and pp > 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size cannot both "
+                              "be above 1 yet")
+        world, mode = max(tp, pp), "pp" if pp > 1 else "tp"
         executor = args.distributed_executor_backend
         if executor not in BACKENDS:
             raise ConfigError(f"unknown --distributed-executor-backend {executor!r}; choose "
                               f"from {', '.join(BACKENDS)}")
-        check_shardable(loaded.model, loaded.config, world)
+        check_model(mode, loaded.model, loaded.config, world)
         if device.type == "cuda" and executor == "mp" and torch.cuda.device_count() < world:
-            raise ConfigError(f"--tensor-parallel-size {world} needs {world} GPUs; "
+            raise ConfigError(f"{world} ranks need {world} GPUs; "
                               f"torch sees {torch.cuda.device_count()}")
         threads = default_threads(args.num_threads, world, device)
         set_num_threads(threads)
@@ -88,14 +93,14 @@ class TensorParallel:
             host = ray_workers.node_ip()
         spec = WorkerSpec(source, args.dtype, device.type, args.quantization, args.cpu_kernels,
                           args.batch_invariant, args.seed, threads, world,
-                          f"tcp://{host}:{_free_port()}")
+                          f"tcp://{host}:{_free_port()}", mode)
         if executor == "ray":
             workers: Any = ray_workers.RayWorkers(spec)
         else:
             from loom.distributed.mp_workers import MPWorkers
 
             workers = MPWorkers(spec)
-        tp = cls(loaded, workers)
+        group = cls(loaded, workers)
         try:
             workers.wait_started()
             workers.start_join()
@@ -103,12 +108,14 @@ class TensorParallel:
                                     world_size=world, timeout=COLLECTIVE_TIMEOUT)
             workers.finish_join()
         except Exception:
-            tp.close()
+            group.close()
             raise
-        tp.loaded = replace(loaded, config=shard_model(loaded.model, loaded.config, 0, world))
-        logger.info("tensor parallel: %d ranks over %s, workers: %s (%s threads each)", world,
-                    backend_for(device), executor, threads)
-        return tp
+        config = prepare_rank(mode, loaded.model, loaded.config, 0, world)
+        group.loaded = replace(loaded, config=config)
+        logger.info("%s parallel: %d ranks over %s, workers: %s (%s threads each)",
+                    "pipeline" if mode == "pp" else "tensor", world, backend_for(device),
+                    executor, threads)
+        return group
 
     def drive(self, runner: ModelRunner, num_blocks: int, kv_dtype: torch.dtype,
               eos_token_ids: tuple[int, ...], block_size: int) -> _Driver:
@@ -129,12 +136,12 @@ class _Driver:
     def __init__(self, runner: ModelRunner, tp: TensorParallel) -> None:
         self._runner = runner
         self._tp = tp
-        self._last: dict[str, int] = {}  # rank 0's tokens of the last step, by request
+        self._last: dict[str, list[int]] = {}  # rank 0's tokens of the last step, by request
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._tp.workers.step(so, self._last)
         out = self._runner.execute_model(so)
-        self._last = {r: t[0] for r, t in zip(out.req_ids, out.sampled_token_ids) if t}
+        self._last = {r: list(t) for r, t in zip(out.req_ids, out.sampled_token_ids) if t}
         return out
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class MPWorkers:
             conn.send(args)
         self._expect_all("ready")
 
-    def step(self, so: SchedulerOutput, tokens: dict[str, int]) -> None:
+    def step(self, so: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
         for conn in self.conns:
             conn.send((so, tokens))
 

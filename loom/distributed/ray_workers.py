@@ -81,7 +81,7 @@ class RayWorkers:
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {status}")
 
-    def step(self, so: SchedulerOutput, tokens: dict[str, int]) -> None:
+    def step(self, so: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
         import ray
 
         if self._pending:  # done by now (the ranks met in the last step's collectives)

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from loom.distributed.tensor_parallel import shard_model
+from loom.distributed.pipeline_parallel import check_splittable, split_stages
+from loom.distributed.tensor_parallel import check_shardable, shard_model
 
 if TYPE_CHECKING:
+    from loom.config import ModelConfig
     from loom.core.sched_output import SchedulerOutput
     from loom.loader.resolve import ModelSource
     from loom.worker.model_runner import ModelRunner
@@ -37,6 +39,20 @@ class WorkerSpec:
     num_threads: int | None
     world: int
     init_method: str
+    mode: str = "tp"  # "tp": tensor parallel slices; "pp": pipeline stages
+
+
+def check_model(mode: str, model: torch.nn.Module, config: ModelConfig, world: int) -> None:
+    """ConfigError unless `model` splits over `world` ranks this way."""
+    (check_splittable if mode == "pp" else check_shardable)(model, config, world)
+
+
+def prepare_rank(mode: str, model: torch.nn.Module, config: ModelConfig, rank: int,
+                 world: int) -> ModelConfig:
+    """Keep rank `rank`'s part of `model` (in place); returns that part's config."""
+    if mode == "pp":
+        return split_stages(model, config, rank, world)
+    return shard_model(model, config, rank, world)
 
 
 def backend_for(device: torch.device) -> str:
@@ -76,20 +92,22 @@ class Worker:
         s = self.spec
         loaded = load_model(s.source, s.dtype, self.device, quantization=s.quantization,
                             cpu_kernels=s.cpu_kernels, batch_invariant=s.batch_invariant)
-        config = shard_model(loaded.model, loaded.config, self.rank, s.world)
+        config = prepare_rank(s.mode, loaded.model, loaded.config, self.rank, s.world)
         self.runner = ModelRunner(loaded.model, config, eos_token_ids, block_size, num_blocks,
                                   kv_dtype, self.device)
         return "ready"
 
-    def execute(self, so: SchedulerOutput, tokens: dict[str, int]) -> None:
+    def execute(self, so: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
         """Rank 0's tokens of the last step replace this rank's (equal unless sampling drew
         differently), then this step runs."""
         assert self.runner is not None
-        for req_id, token in tokens.items():
+        for req_id, toks in tokens.items():
             state = self.runner.requests.get(req_id)
-            if state is not None and state.output_token_ids and state.output_token_ids[-1] != token:
-                state.output_token_ids[-1] = token
-                state.token_ids[-1] = token
+            n = len(toks)
+            if state is not None and len(state.output_token_ids) >= n \
+                    and state.output_token_ids[-n:] != toks:
+                state.output_token_ids[-n:] = toks
+                state.token_ids[-n:] = toks
         self.runner.execute_model(so)
 
     def close(self) -> None:

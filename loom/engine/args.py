@@ -108,9 +108,14 @@ class EngineArgs:
            "GPU each): attention heads, MLP width and vocabulary; unquantized weights only. "
            "On the CPU for correctness and multi-socket machines, not speed on one socket",
         DISTRIBUTED, type=positive_int)
+    pipeline_parallel_size: int = flag(
+        1, "split the layers into N consecutive stages, one process each (torch.distributed "
+           "point to point; the stages of a step run one after another); Llama, Mistral, "
+           "Qwen", DISTRIBUTED, type=positive_int)
     distributed_executor_backend: str = flag(
-        "mp", "where tensor-parallel ranks other than 0 run: mp (processes on this machine) or "
-              "ray (actors placed by a Ray placement group: the cluster of RAY_ADDRESS or of "
+        "mp", "where tensor- or pipeline-parallel ranks other than 0 run: mp (processes on "
+              "this machine) or ray (actors placed by a Ray placement group: the cluster of "
+              "RAY_ADDRESS or of "
               "`ray start` on this machine, else a local Ray instance)", DISTRIBUTED,
         choices=("mp", "ray"))
 

@@ -93,7 +93,7 @@ class LLMEngine:
         if args.kv_cache_dtype == "auto":
             self.kv_dtype = loaded.default_kv_cache_dtype() or self.kv_dtype
         self.tensor_parallel = None  # rank 0 here, the other ranks in worker processes
-        if args.tensor_parallel_size > 1:
+        if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             from loom.distributed.executor import TensorParallel
 
             self.tensor_parallel = TensorParallel.start(args, source, device, loaded)

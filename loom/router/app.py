@@ -1,10 +1,11 @@
 """The router's HTTP side: OpenAI routes proxied to a replica, /health, /metrics.
 
-Generation routes pick a replica by the policy; the others (models, tokenize, version) go to
-the least loaded one. A request is retried on another replica when its replica cannot be
-reached, answers 503, or fails before the router has sent the client anything: a whole
-non-streamed answer, or a stream's first bytes. A stream cut after that ends with an error
-event in OpenAI's envelope. Errors of the router itself use the same envelope.
+Generation routes (and embeddings) pick a replica by the policy; the others (models,
+tokenize, version) go to the least loaded one. A request is retried on another replica when
+its replica cannot be reached, answers 503, or fails before the router has sent the client
+anything: a whole non-streamed answer, or a stream's first bytes. A stream cut after that
+ends with an error event in OpenAI's envelope. Errors of the router itself use the same
+envelope.
 """
 
 from __future__ import annotations
@@ -222,6 +223,10 @@ def build_app(args: RouterArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "messages")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await generate(request, "input")
 
     @app.post("/tokenize")
     @app.post("/detokenize")

@@ -1,7 +1,8 @@
-"""--tensor-parallel-size 2 over gloo (rank 0 in this process, rank 1 a worker process) on tiny
-random Llama and Qwen checkpoints: greedy tokens equal TP=1's, and the logprobs (log-softmax of
-the logits) of every prompt position and of the top-5 at each generated one agree within fp32
-tolerance. Quantized weights are refused with a clear error."""
+"""--tensor-parallel-size 2 and --pipeline-parallel-size 2 over gloo (rank 0 in this process,
+rank 1 a worker process or a Ray actor) on tiny random Llama, Qwen and Gemma checkpoints: greedy
+tokens equal one process's, and the logprobs (log-softmax of the logits) of every prompt
+position and of the top-5 at each generated one agree within fp32 tolerance; also through
+`loom serve`. Quantized weights and impossible splits are refused with a clear error."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def _tiny(arch: str, folder, **overrides):
     return folder
 
 
-def _run(folder, tp: int, **kwargs) -> list:
-    llm = LLM(str(folder), tensor_parallel_size=tp, dtype="float32", num_threads=1,
-              kv_cache_memory=8 * 2**20, max_model_len=256, **kwargs)
+def _run(folder, tp: int, pp: int = 1, **kwargs) -> list:
+    llm = LLM(str(folder), tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
+              num_threads=1, kv_cache_memory=8 * 2**20, max_model_len=256, **kwargs)
+    if pp > 1:  # rank 0 holds its stage's layers; the worker is up
+        assert llm.engine.model_config.num_hidden_layers == 2 // pp
+        assert len(llm.engine.tensor_parallel.procs) == pp - 1
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, prompt_logprobs=5,
                             ignore_eos=True)
     if tp > 1:  # rank 0 holds its share of the heads; the worker is up
@@ -69,15 +73,29 @@ def test_tp2_equals_tp1(tmp_path, arch, overrides) -> None:
                                        rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pp2_equals_pp1(tmp_path, arch) -> None:
+    folder = _tiny(arch, tmp_path / arch)
+    ref, pp2 = _run(folder, 1), _run(folder, 1, pp=2)
+    for a, b in zip(ref, pp2):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(_logprob_rows(a), _logprob_rows(b), strict=True):
+            torch.testing.assert_close(torch.tensor(row_b), torch.tensor(row_a), atol=1e-5,
+                                       rtol=1e-5)
+
+
 def test_tp_refuses_quantized_weights(tmp_path) -> None:
     folder = _tiny("llama", tmp_path / "q")
     with pytest.raises(ConfigError, match="unquantized weights only"):
         LLM(str(folder), tensor_parallel_size=2, quantization="int8", dtype="float32")
     with pytest.raises(ConfigError, match="must divide the number of attention heads"):
         LLM(str(folder), tensor_parallel_size=3, dtype="float32")
+    with pytest.raises(ConfigError, match="exceeds the number of layers"):
+        LLM(str(folder), pipeline_parallel_size=3, dtype="float32")
 
 
-def test_loom_serve_tp2_gives_tp1_greedy_text() -> None:
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_loom_serve_tp2_pp2_give_the_greedy_text_of_one_process(flag: str) -> None:
     from openai import OpenAI
 
     from tests.router.utils import REPLICA_ARGS, tiny_chat_model
@@ -90,14 +108,15 @@ def test_loom_serve_tp2_gives_tp1_greedy_text() -> None:
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     del llm
-    server = ServerProcess([folder, *REPLICA_ARGS, "--tensor-parallel-size", "2"]).start()
+    server = ServerProcess([folder, *REPLICA_ARGS, flag, "2"]).start()
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == ref.text and r.usage.completion_tokens == 16
-        assert "tensor parallel: 2 ranks over gloo" in server.log()
+        kind = "tensor" if "tensor" in flag else "pipeline"
+        assert f"{kind} parallel: 2 ranks over gloo" in server.log()
     finally:
         server.stop()
 
