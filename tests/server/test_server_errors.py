@@ -128,7 +128,7 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str, str | None]] = [
      "not_found_error", "model"),
     ("unknown model chat", "POST", CHAT, {"messages": USER, "model": "nope"}, 404,
      "not_found_error", "model"),
-    ("unknown route", "POST", "/v1/embeddings", {"input": "x"}, 404, "not_found_error", None),
+    ("unknown route", "POST", "/v1/nothing", {"input": "x"}, 404, "not_found_error", None),
     ("unknown route get", "GET", "/nothing/here", None, 404, "not_found_error", None),
     ("wrong method", "GET", CMPL, None, 405, "invalid_request_error", None),
     ("detokenize out of vocab", "POST", "/detokenize", {"tokens": [-1]}, 400,
