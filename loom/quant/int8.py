@@ -17,20 +17,20 @@ the CPU (`--cpu-kernels`; `--batch-invariant` keeps `fp32` everywhere):
 
 `amx`: products of more than 8 rows (prefill, many streams) run on
 AMX tiles (csrc/linear_amx.c) where the CPU has them: q exact in bf16, x split into two bf16
-parts, fp32 sums, so fp32's precision at 2-3x the 8-lane fp32 kernel's speed at 32-150 rows.
+parts, fp32 sums, so fp32's precision, faster than the fp32 kernel at many rows.
 Decode of up to 8 rows keeps the kernel above (the AMX entry point runs it). A request's bits
 then depend on whether its step had more than 8 rows (the two kernels sum in different orders).
 
 `bf16`: products of more than 8 rows in AVX512-BF16 dot products
 (csrc/linear_bf16.c; AMD Zen 4, Intel Cooper Lake and later): each dequantized weight and each x
-rounded to bf16, fp32 sums: ~1.7-2x the fp32 kernel's speed there, at bf16's precision (tested by
+rounded to bf16, fp32 sums: faster than the fp32 kernel there, at bf16's precision (tested by
 top-1 agreement with the fp32 reference, like the other quantized paths). Up to 8 rows as `amx`.
 
 `vnni` (the decode kernel): products of up to 8 rows (decode) in AVX512-VNNI integer
 dot products (csrc/linear_vnni.c; Intel Ice Lake, AMD Zen 4 and later): x in two int8 digits a
 group of 32 (16 significant bits), the weights as they are, scales and minimums read from fp16
-copies (GGUF's own precision; 4 bytes a group more memory): ~0.93x the fp32 kernel's time a step
-at one stream, ~0.85x at 8 on a Zen 4, 1494 of 1495 top-1 against the fp32 reference. A
+copies (GGUF's own precision; 4 bytes a group more memory): a little faster than the fp32
+kernel, near fp32's top-1 agreement (docs/cpu_kernels.md has both figures). A
 request's bits then depend on whether its step had more than 8 rows.
 
 Outputs return in the activations' dtype. Quality is tested against the unquantized reference
@@ -68,7 +68,7 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def quantize_groups_fast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_groups` in one C pass (the same bits; ~10x faster at load)."""
+    """`quantize_groups` in one C pass (the same bits, faster at load)."""
     n, k = w.shape
     wf = w.float().contiguous()
     q = torch.empty((n, k), dtype=torch.uint8)
@@ -186,7 +186,7 @@ class _OnGrid:
 class Int8Embedding(_OnGrid, nn.Module):
     """Token embeddings on the int8 grid, rows dequantized as they are looked up. From GGUF's
     block formats they hold the file's values exactly (the fp32 reference's embeddings, bit for
-    bit) in ~30% of fp32's bytes; a tied output projection shares the tensors."""
+    bit) in about a third of fp32's bytes; a tied output projection shares the tensors."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8) -> None:
         super().__init__()
@@ -206,8 +206,8 @@ class Int8Linear(_OnGrid, nn.Module):
     _half: tuple[torch.Tensor, torch.Tensor] | None = None
     # Write every output into one buffer kept across calls (grown as needed): each result is
     # then valid only until the next call. The loader sets it on the output projection, whose
-    # logits (vocab x rows: 50 MB at 256 rows for SmolLM2) the runner consumes within its step;
-    # a fresh buffer that size was page-faulted in on every step (~5% of an offline batch).
+    # logits (vocab x rows: tens of MB at many rows) the runner consumes within its step; a
+    # fresh buffer that size would be page-faulted in on every step.
     reuse_output = False
     _out: torch.Tensor | None = None
 
