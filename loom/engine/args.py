@@ -110,8 +110,8 @@ class EngineArgs:
         DISTRIBUTED, type=positive_int)
     pipeline_parallel_size: int = flag(
         1, "split the layers into N consecutive stages, one process each (torch.distributed "
-           "point to point; the stages of a step run one after another); Llama, Mistral, "
-           "Qwen", DISTRIBUTED, type=positive_int)
+           "point to point; a step's requests pass as micro-batches, so stages overlap); "
+           "Llama, Mistral, Qwen", DISTRIBUTED, type=positive_int)
     distributed_executor_backend: str = flag(
         "mp", "where tensor- or pipeline-parallel ranks other than 0 run: mp (processes on "
               "this machine) or ray (actors placed by a Ray placement group: the cluster of "

@@ -44,7 +44,10 @@ def _run(folder, tp: int, pp: int = 1, **kwargs) -> list:
         assert len(llm.engine.tensor_parallel.procs) == (tp - 1 if "distributed_executor_backend"
                                                          not in kwargs else 0)
     try:
-        return llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        if pp > 1:  # three requests a step: they went through the stages as micro-batches
+            assert llm.engine.runner.model.model.micro_batched_steps > 0
+        return outs
     finally:
         if llm.engine.tensor_parallel is not None:
             llm.engine.tensor_parallel.close()
