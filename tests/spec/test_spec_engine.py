@@ -1,0 +1,152 @@
+"""Speculative decoding end to end: greedy output identical with and without n-gram speculation
+(batched with requests that do not speculate, through preemption and prefix hits), rejected
+tokens' blocks returned, and the sampled output's distribution unchanged."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from loom import SamplingParams
+from loom.config import ConfigError
+from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1, "disable_by_batch_size": None}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return tiny_model_with_tokenizer(str(tmp_path_factory.mktemp("tiny")))
+
+
+def _tiny_prompts(n: int) -> list[list[int]]:
+    """Prompts that repeat themselves (so lookups find drafts) and share a first block."""
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    return [shared + [30 + i, 31, 32, 33, 30 + i, 31, 32, 33, 30 + i, 31] * (1 + i % 3)
+            for i in range(n)]
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert all(o.finished for o in outs)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def _mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
+    """Greedy requests; every third asks for logprobs (so does not speculate), one has a
+    repetition penalty (applied per accepted token) and one a stop token."""
+    params = []
+    for i in range(n):
+        kw: dict = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if i % 3 == 2:
+            kw["logprobs"] = 1
+        if i == 1:
+            kw["repetition_penalty"] = 1.3
+        params.append(SamplingParams(**kw))
+    return params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", [None, 40])  # 40: preemptions
+def test_tiny_greedy_same_with_speculation(make_llm, tiny, blocks) -> None:
+    prompts = _tiny_prompts(8) + _tiny_prompts(2)  # the last two: prefix hits on whole prompts
+    params = _mixed_params(len(prompts), 28)
+    results = {}
+    for spec in (None, json.dumps(NGRAM)):
+        llm = make_llm(tiny, speculative_config=spec, num_gpu_blocks_override=blocks,
+                       block_size=4, max_num_batched_tokens=64)
+        results[spec is not None] = _run(llm, prompts, params)
+        sched = llm.engine.scheduler
+        if spec is not None:
+            stats = sched.spec.stats
+            assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+            assert stats.num_accepted_tokens < stats.num_draft_tokens  # some were rolled back
+            assert sched.kv_cache_manager.prefix_cache_stats.hits > 0
+            if blocks is not None:
+                assert sched.num_preemptions_total > 0
+    assert results[True] == results[False]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_same_with_speculation(make_llm) -> None:
+    """The packaged model on its default (int8, C stack) path, batch-invariant kernels."""
+    prompts = [
+        "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+        "def add(a, b):\n    return a + b\n\nAdd a docstring to the function above:\n",
+        "What is the capital of France?",
+        "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",  # prefix hit
+    ]
+    params = _mixed_params(len(prompts), 40)
+    params[3] = SamplingParams(temperature=0.0, max_tokens=40, stop=["dog"])
+    results = {}
+    for spec in (None, json.dumps(NGRAM)):
+        llm = make_llm(None, speculative_config=spec, num_gpu_blocks_override=24)
+        results[spec is not None] = _run(llm, prompts, params)
+        if spec is not None:
+            assert llm.engine.scheduler.spec.stats.num_accepted_tokens > 0
+    assert results[True] == results[False]
+
+
+@pytest.mark.slow
+def test_tiny_sampled_distribution_unchanged(make_llm, tiny) -> None:
+    """Three tokens sampled (temperature 0.08) after a prompt whose lookup mostly proposes a
+    draft (the last two tokens come from a verify step): their joint distribution over 600
+    requests with and without speculation passes a two-sample chi-square test of homogeneity
+    at significance 0.001 (outcomes seen fewer than 20 times in both runs pooled). The seeds
+    are fixed, so the result is too; a sampler that accepted every draft fails it by far."""
+    # Every token but 0-2 once (a lookup finds it); 200, which this model likes after 182,
+    # moved there so some drafts are accepted
+    prompt = [t for t in range(255, 2, -1) if t != 200]
+    prompt.insert(prompt.index(182) + 1, 200)
+    n = 600
+    params = SamplingParams(temperature=0.08, max_tokens=3, ignore_eos=True)
+    counts = {}
+    for spec in (None, json.dumps(NGRAM)):
+        llm = make_llm(tiny, speculative_config=spec, seed=1, max_num_seqs=64)
+        outs = _run(llm, [prompt] * n, params)
+        counts[spec is not None] = Counter(tuple(o[0]) for o in outs)
+        if spec is not None:
+            stats = llm.engine.scheduler.spec.stats
+            assert stats.num_draft_tokens >= n // 2 and stats.num_accepted_tokens > 0
+    stat, df = _chi_square_homogeneity(counts[False], counts[True], min_count=20)
+    assert df >= 3
+    assert stat <= _chi_square_critical(df, z=3.09), (stat, df, counts)  # z(0.999) = 3.09
+
+
+def _chi_square_homogeneity(a: Counter, b: Counter, min_count: int) -> tuple[float, int]:
+    """Two equal-sized samples: sum over outcomes of (a - b)^2 / (a + b), and its degrees of
+    freedom; outcomes with fewer than `min_count` in both together pooled into one."""
+    keys = set(a) | set(b)
+    big = [k for k in keys if a[k] + b[k] >= min_count]
+    cells = [(a[k], b[k]) for k in big]
+    rest = (sum(a[k] for k in keys - set(big)), sum(b[k] for k in keys - set(big)))
+    if sum(rest):
+        cells.append(rest)
+    return sum((x - y) ** 2 / (x + y) for x, y in cells), len(cells) - 1
+
+
+def _chi_square_critical(df: int, z: float) -> float:
+    """The chi-square quantile at the normal quantile z (Wilson-Hilferty)."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * c ** 0.5) ** 3
+
+
+def test_large_batch_turns_speculation_off(make_llm, tiny) -> None:
+    config = dict(NGRAM, disable_by_batch_size=2)
+    llm = make_llm(tiny, speculative_config=json.dumps(config))
+    _run(llm, _tiny_prompts(4), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.scheduler.spec.stats.num_drafts == 0
+    _run(llm, _tiny_prompts(1), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert llm.engine.scheduler.spec.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 2}',
+                                 '{"method": "ngram", "num_speculative_tokens": 0}',
+                                 '{"method": "ngram", "lookahead": 2}', "ngram"])
+def test_bad_speculative_config_refused(make_llm, tiny, bad) -> None:
+    with pytest.raises(ConfigError, match="speculative_config"):
+        make_llm(tiny, speculative_config=bad)
