@@ -86,9 +86,9 @@ def test_a_replica_killed_mid_run_loses_no_request_that_had_not_streamed(replica
 
     def complete(i: int) -> str:
         r = client.completions.create(model=model, prompt=f"Request {i}: tell me a story",
-                                      max_tokens=200, temperature=0,
+                                      max_tokens=400, temperature=0,
                                       extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 200
+        assert r.usage.completion_tokens == 400
         return r.choices[0].text
 
     with cf.ThreadPoolExecutor(10) as pool:
