@@ -70,6 +70,7 @@ class Worker:
         device = torch.device(spec.device)
         if device.type == "cuda":  # all GPUs visible (local processes) or one (a Ray actor)
             device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)  # NCCL's communicator uses the current device
         self.device = device
         if spec.seed is not None:
             torch.manual_seed(spec.seed)
