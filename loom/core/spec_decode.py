@@ -125,6 +125,10 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos), list(self.proposed_per_pos))
+
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed

@@ -29,6 +29,7 @@ from loom.request import CONSTRAINT_FAILED
 from loom.engine.llm_engine import InvalidRequestError
 
 if TYPE_CHECKING:
+    from loom.core.spec_decode import SpecDecodeStats
     from loom.engine.llm_engine import LLMEngine
     from loom.engine.outputs import RequestOutput
     from loom.sampling_params import SamplingParams
@@ -91,6 +92,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     max_waiting_requests: int = 0
     num_rejected: int = 0  # requests answered "busy" (429) since start
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when on
 
 
 class RequestStream:
@@ -422,6 +424,7 @@ class AsyncEngine:
             generation_tokens=stats.generation_tokens_total,
             max_waiting_requests=self.max_waiting_requests,
             num_rejected=self._num_rejected,
+            spec_decode=None if sched.spec is None else sched.spec.stats.copy(),
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:

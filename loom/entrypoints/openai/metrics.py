@@ -66,6 +66,36 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self._model_name], value)
             yield c
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode, self._model_name)
+
+
+def _spec_decode_metrics(st, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names): drafts, draft and accepted tokens, both per draft
+    position (acceptance rate at position i = accepted_per_pos / draft_tokens_per_pos)."""
+    for name, doc, value in (
+        ("loom:spec_decode_num_drafts", "Speculative drafts verified", st.num_drafts),
+        ("loom:spec_decode_num_draft_tokens", "Draft tokens proposed", st.num_draft_tokens),
+        ("loom:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+         st.num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model_name], value)
+        yield c
+    for name, doc, values in (
+        ("loom:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+         st.accepted_per_pos),
+        ("loom:spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed, by position",
+         st.proposed_per_pos),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name", "position"])
+        for pos, value in enumerate(values):
+            c.add_metric([model_name, str(pos)], value)
+        yield c
+    g = GaugeMetricFamily("loom:spec_decode_acceptance_rate",
+                          "Draft tokens accepted / proposed since start", labels=["model_name"])
+    g.add_metric([model_name], st.acceptance_rate)
+    yield g
 
 
 class ServerMetrics:
