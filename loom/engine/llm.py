@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from loom.engine.args import EngineArgs
+from loom.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
@@ -56,6 +57,11 @@ class LLM:
                 self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt (loom.engine.beam_search: transformers' semantics)."""
+        return beam_search(self, prompts, params)
 
     def chat(
         self,
