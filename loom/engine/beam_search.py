@@ -26,6 +26,7 @@ from loom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from loom.engine.llm import LLM
+    from loom.engine.outputs import RequestOutput
 
 _NEG = -1.0e9  # transformers' "impossible" score
 
@@ -78,25 +79,50 @@ class _Search:
     done: bool = False
 
 
-def beam_search(llm: LLM, prompts: Sequence[str | list[int]],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search over each prompt (strings are tokenized as generate() does)."""
-    tok = llm.get_tokenizer()
-    eos = () if params.ignore_eos else tuple(llm.engine.eos_token_ids)
-    keep = max(2, 1 + len(llm.engine.eos_token_ids)) * params.beam_width
-    searches = [_Search(list(p) if not isinstance(p, str) else tok.encode(p), [([], 0.0)])
-                for p in prompts]
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep, ignore_eos=True)
-    while live := [s for s in searches if not s.done]:
-        batch = [s.prompt + beam for s in live for beam, _ in s.running]
-        outs = iter(llm.generate(batch, step_params, use_tqdm=False))
-        for s in live:
+class BeamSearch:
+    """The search over some prompts, driven step by step: `batch()` gives the token lists to
+    score (one per live beam), `advance()` takes their one-token outputs (with `logprobs`
+    = `step_params.logprobs`); `done` when every prompt's search ended."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.params = params
+        self.eos = () if params.ignore_eos else tuple(eos_token_ids)
+        keep = max(2, 1 + len(eos_token_ids)) * params.beam_width
+        self.keep = keep
+        self.step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep,
+                                          ignore_eos=True)
+        self.searches = [_Search(list(p), [([], 0.0)]) for p in prompt_ids]
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.searches)
+
+    def batch(self) -> list[list[int]]:
+        return [s.prompt + beam for s in self.searches if not s.done for beam, _ in s.running]
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        outs = iter(outputs)
+        for s in [s for s in self.searches if not s.done]:
             tops = []
             for _ in s.running:
                 lp = next(outs).outputs[0].logprobs[0]
                 tops.append(list(zip(lp.token_ids[1:], lp.logprobs[1:])))  # the top `keep`
-            _step(s, tops, params, eos, keep)
-    return [_result(s, eos, tok) for s in searches]
+            _step(s, tops, self.params, self.eos, self.keep)
+
+    def results(self, tokenizer) -> list[BeamSearchOutput]:  # noqa: ANN001
+        return [_result(s, self.eos, tokenizer) for s in self.searches]
+
+
+def beam_search(llm: LLM, prompts: Sequence[str | list[int]],
+                params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search over each prompt (strings are tokenized as generate() does)."""
+    tok = llm.get_tokenizer()
+    ids = [list(p) if not isinstance(p, str) else tok.encode(p) for p in prompts]
+    search = BeamSearch(ids, params, llm.engine.eos_token_ids)
+    while not search.done:
+        search.advance(llm.generate(search.batch(), search.step_params, use_tqdm=False))
+    return search.results(tok)
 
 
 def _step(s: _Search, tops: list[list[tuple[int, float]]], params: BeamSearchParams,

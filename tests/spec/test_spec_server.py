@@ -9,6 +9,7 @@ import pytest
 from openai import OpenAI
 
 from tests.server.conftest import _stop_all_servers, start_server  # noqa: F401
+from tests.engine_fixtures import make_llm  # noqa: F401
 from tests.server.utils import ENGINE_ARGS, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -46,3 +47,32 @@ def test_bad_config_refused_at_start() -> None:
     server = ServerProcess([*ENGINE_ARGS, "--speculative-config", '{"method": "medusa"}'])
     with pytest.raises(RuntimeError, match="only 'ngram' is supported"):
         server.start()
+
+
+def test_beam_search_completions(spec_server: ServerProcess, make_llm) -> None:
+    """use_beam_search on /v1/completions gives LLM.beam_search's best beams (both run the
+    same batch-invariant kernels); unsupported combinations are 400s naming the field."""
+    from loom.engine.beam_search import BeamSearchParams
+
+    client = OpenAI(base_url=f"{spec_server.url}/v1", api_key="x")
+    model = client.models.list().data[0].id
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    extra = {"use_beam_search": True, "beam_width": 3, "length_penalty": 0.8}
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=8, n=2,
+                                    temperature=0, extra_body=extra)
+    ref = make_llm(None).beam_search(prompts, BeamSearchParams(3, 8, length_penalty=0.8))
+    expected = [seq.text for r in ref for seq in r.sequences[:2]]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert out.usage.completion_tokens == sum(
+        len(seq.token_ids) for r in ref for seq in r.sequences[:2])
+    spec_server.wait_idle()
+    import httpx
+
+    for body, field in (({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"),
+                        ({"temperature": 0.7}, "temperature"), ({"n": 4}, "n")):
+        r = httpx.post(f"{spec_server.url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "hi", "max_tokens": 4, **extra, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{spec_server.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": "hi", "max_tokens": 4, "beam_width": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "beam_width", r.text

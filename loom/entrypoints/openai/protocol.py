@@ -136,7 +136,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: int | None = None  # top-N per token, 0..20 (legacy format)
     suffix: str | None = None  # rejected when set
-    best_of: int | None = None  # rejected unless 1
+    best_of: int | None = None  # rejected unless 1 (or the beam width, with use_beam_search)
+    # beam search (vLLM's extras; early_stopping as transformers': true, false or "never")
+    use_beam_search: bool | None = False
+    beam_width: int | None = None
+    length_penalty: float | None = 1.0
+    early_stopping: bool | Literal["never"] | None = False
 
 
 class TextContentPart(OpenAIBaseModel):

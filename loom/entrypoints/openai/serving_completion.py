@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from loom.engine.outputs import CompletionOutput
 from loom.entrypoints.openai.errors import bad_request
+from loom.entrypoints.openai.serving_beam import create_beam_completion
 from loom.entrypoints.openai.serving_common import (
     ServerContext,
     add_requests,
@@ -58,8 +59,13 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 def _check_unsupported(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported (no fill-in-the-middle)", "suffix")
-    if req.best_of is not None and req.best_of != 1:
+    if req.best_of is not None and req.best_of != 1 and not req.use_beam_search:
         raise bad_request("best_of is not supported; use n to get several samples", "best_of")
+    if not req.use_beam_search:
+        for name, default in (("beam_width", None), ("length_penalty", 1.0),
+                              ("early_stopping", False)):
+            if getattr(req, name) not in (None, default):
+                raise bad_request(f"{name} needs use_beam_search", name)
 
 
 async def create_completion(
@@ -70,6 +76,9 @@ async def create_completion(
     _check_unsupported(req)
     check_stream_options(req)
     prompts = _prompts(req)
+    if req.use_beam_search:  # loom/entrypoints/openai/serving_beam.py
+        return JSONResponse(await cancel_on_disconnect(
+            raw_request, lambda: create_beam_completion(ctx, req, prompts)))
     prompt_logprobs = req.logprobs if req.echo else None
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
