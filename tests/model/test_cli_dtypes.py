@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # `loom generate` subprocesses and the packaged S
 def test_bfloat16_and_float16_on_cpu_stay_close_to_float32(tmp_path) -> None:
     folder = make_tiny_model("qwen3", tmp_path / "q3")
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    ref = PagedBatch(load_model(resolve_model(str(folder)), "float32")).step({"r": ids})["r"]
+    ref = PagedBatch(load_model(resolve_model(str(folder)), "float32", quantization="none")
+                     ).step({"r": ids})["r"]
     for dtype in ("bfloat16", "float16"):
         loaded = load_model(resolve_model(str(folder)), dtype)
         assert next(loaded.model.parameters()).dtype == getattr(torch, dtype)

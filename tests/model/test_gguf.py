@@ -71,8 +71,8 @@ def test_smollm2_tensors_equal_gguf_reference() -> None:
 def test_tiny_gguf_matches_hf_checkpoint(tmp_path, name, arch, qtype) -> None:
     folder = make_tiny_model(name, tmp_path / "hf")
     gguf_path = write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype)
-    from_gguf = load_model(resolve_model(str(gguf_path)), dtype="float32")
-    from_hf = load_model(resolve_model(str(folder)), dtype="float32")
+    from_gguf = load_model(resolve_model(str(gguf_path)), dtype="float32", quantization="none")
+    from_hf = load_model(resolve_model(str(folder)), dtype="float32", quantization="none")
     assert from_gguf.config.tie_word_embeddings == from_hf.config.tie_word_embeddings
     assert from_gguf.config.attention_bias == from_hf.config.attention_bias
     assert from_gguf.config.qk_norm == from_hf.config.qk_norm
@@ -100,7 +100,7 @@ def smollm2():
 
     path = default_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    loaded = load_model(resolve_model(None), dtype="float32")
+    loaded = load_model(resolve_model(None), dtype="float32", quantization="none")
     tok = Tokenizer.from_source(resolve_model(None), loaded.config.eos_token_ids)
     return ref.eval(), loaded, tok
 
@@ -252,8 +252,8 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     folder = make_tiny_model(name, tmp_path / "hf")
     source = resolve_model(str(write_gguf(folder, tmp_path / f"{name}.gguf", arch, qtype,
                                           overrides=overrides)))
-    ref = load_model(source, dtype="float32")
-    q8 = load_model(source, dtype="float32", quantization="int8")
+    ref = load_model(source, dtype="float32", quantization="none")
+    q8 = load_model(source, dtype="float32", quantization="int8", batch_invariant=True)
     linears = {n: m for n, m in q8.model.model.named_modules() if isinstance(m, Int8Linear)}
     assert len(linears) == 2 * 4 and all(m.grouped for m in linears.values())
     nibbles = {"qkv_proj": "attn_v" not in overrides, "o_proj": True, "gate_up_proj": True,

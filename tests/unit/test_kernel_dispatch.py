@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
 
 import loom.kernels as kernels
 from loom.kernels import build, dispatch
+from loom.kernels import cpu_kernels
 from loom.kernels.dispatch import KernelChoiceError, Variant, choose
+from loom.loader.model_loader import default_quantization
 
 V3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split()  # a Zen 3 (x86-64-v3)
 V4 = [*V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]  # Skylake-X
@@ -105,3 +110,32 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
     finally:
         kernels._selection.cache_clear()
         build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
+
+
+def _gguf(*types: str) -> SimpleNamespace:
+    """A GGUF reader's tensor list: a Q8_0 embedding, F32 norms, linears of `types`."""
+    t = [SimpleNamespace(name="token_embd.weight", tensor_type=Q.Q8_0, shape=(256, 64)),
+         SimpleNamespace(name="blk.0.attn_norm.weight", tensor_type=Q.F32, shape=(64,))]
+    t += [SimpleNamespace(name=f"blk.0.w{i}.weight", tensor_type=Q[q], shape=(64, 64))
+          for i, q in enumerate(types)]
+    return SimpleNamespace(tensors=t)
+
+
+def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(caplog) -> None:
+    """quantization=None: a GGUF file's 32-wide blocks stay as they are (int8 on the CPU in
+    fp32); K-quants (no native kernel yet) keep the reference path, said in one warning; float
+    files and Hugging Face folders run in their dtype."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels")
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert default_quantization(_gguf("Q4_1", "Q4_1", "Q8_0"), cpu, f32) == "int8"
+    assert default_quantization(_gguf("Q4_0", "Q5_0", "Q5_1"), cpu, f32) == "int8"
+    assert default_quantization(_gguf("F16", "F32"), cpu, f32) is None
+    assert default_quantization(None, cpu, f32) is None
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="loom.loader.model_loader"):
+        assert default_quantization(_gguf("Q4_K", "Q6_K", "Q8_0"), cpu, f32) is None
+        assert default_quantization(_gguf("Q4_0"), cpu, torch.bfloat16) is None
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "Q4_K, Q6_K have no native kernel yet" in first and "--quantization int8" in first
+    assert "float32 activations only" in second

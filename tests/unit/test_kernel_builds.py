@@ -1,0 +1,104 @@
+"""Every kernel variant builds (gcc, clang, the AArch64 cross gcc), and the kernels' tests pass on
+every variant this CPU runs. Compiling is slow: every test here is."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.kernels import build, dispatch
+from loom.kernels.dispatch import runs_here
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+# The kernels' own tests (attention, the layer ops, the int8 linear and quantizer), run again
+# on each variant this CPU runs but does not choose (the suite runs them on the one it does).
+KERNEL_TESTS = ["tests/unit/test_cpu_layer_ops.py", "tests/unit/test_cpu_attention.py",
+                "tests/model/test_quant.py"]
+KERNEL_TEST_FILTER = ("not build_is_cached and not smollm2 and not reference and not stack "
+                      "and not sampling_rows and not dispatch and not head_reuses "
+                      "and not fp16 and not int4")
+
+
+def _built(results: dict[str, Path | build.BuildError]) -> None:
+    failed = {name: str(e) for name, e in results.items() if isinstance(e, build.BuildError)}
+    assert not failed, failed
+
+
+def _flags(so: Path) -> tuple[int, int, int]:
+    lib = ctypes.CDLL(str(so))
+    return lib.loom_vnni_available(), lib.loom_bf16_available(), lib.loom_amx_available()
+
+
+def test_every_x86_variant_builds_with_gcc() -> None:
+    """In the kernels' folder, as `make install` left it: each variant holds the kernels its
+    flags allow (checked where this CPU can load it)."""
+    cc = build.compiler()
+    if cc is None or dispatch.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    results = build.build_all(cc)
+    _built(results)
+    want = {"generic": (0, 0), "avx2": (0, 0), "avx512": (0, 0), "vnni": (1, 0), "bf16": (1, 1),
+            "amx": (1, 1)}
+    for v in dispatch.variants():
+        if runs_here(v):
+            assert _flags(results[v.name])[:2] == want[v.name], v.name
+
+
+def test_every_x86_variant_builds_with_clang(tmp_path) -> None:
+    if shutil.which("clang") is None or dispatch.machine() != "x86_64":
+        pytest.skip("no clang on this x86-64 machine (make install-test installs it as root)")
+    probe = subprocess.run(["clang", "-fopenmp", "-x", "c", "-c", "-", "-o", os.devnull],
+                           input="#include <omp.h>\n", capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip("clang has no OpenMP headers (Debian: libomp-dev)")
+    _built(build.build_all("clang", out_dir=tmp_path))
+
+
+def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
+    """The AArch64 variants with Debian's cross gcc; where qemu-user is there, a small C program
+    linked to each runs its int8 linear, quantizer and silu against plain loops."""
+    cc = "aarch64-linux-gnu-gcc"
+    if shutil.which(cc) is None:
+        pytest.skip("no aarch64-linux-gnu-gcc (make install-test installs it as root)")
+    results = build.build_all(cc, "aarch64", tmp_path)
+    _built(results)
+    qemu = shutil.which("qemu-aarch64")
+    if qemu is None:
+        pytest.skip("no qemu-aarch64: built, not run")
+    for name, so in results.items():
+        exe = tmp_path / f"check-{name}"
+        subprocess.run([cc, "-O1", str(ROOT / "tests/unit/kernel_check.c"), str(so), "-o",
+                        str(exe), "-lm", f"-Wl,-rpath,{tmp_path}"], check=True)
+        run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "ok" in run.stdout, (name, run.stdout, run.stderr)
+
+
+@pytest.mark.parametrize("name", [v.name for v in dispatch.VARIANTS
+                                  if v.arch == "x86_64" and v.name != "amx"])
+def test_kernel_tests_pass_on_each_variant_this_cpu_runs(name) -> None:
+    """The kernels' tests in a process that runs only this variant (LOOM_CPU_KERNELS)."""
+    v = dispatch.variant(name)
+    if not runs_here(v):
+        pytest.skip(f"this CPU does not run the {name} build")
+    if dispatch.choose().variant == name:
+        pytest.skip(f"{name} is this CPU's own build: the suite runs its tests")
+    env = {**os.environ, dispatch.ENV: name}
+    which = subprocess.run([sys.executable, "-c", "from loom.kernels import kernel_choice; "
+                            "print(kernel_choice().variant)"], env=env, capture_output=True,
+                           text=True)
+    assert which.stdout.split() == [name], which.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+         "-k", KERNEL_TEST_FILTER, *KERNEL_TESTS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert " passed" in run.stdout
