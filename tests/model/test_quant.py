@@ -535,11 +535,12 @@ def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
 
 
 def test_int8_vnni_kernel_agrees_with_reference(teacher_forced, monkeypatch) -> None:
-    """--cpu-kernels vnni, its decode kernel forced onto every row of the 1495-position prefill (module by
-    module, the head's too: each row's arithmetic is a decode row's). x in two int8 digits a group
-    (16 significant bits) and fp16 scales (GGUF's own: exact here). Measured 1494 of 1495 top-1,
-    logit error 2.6e-4; with the int8 KV cache as well 1485 (99.3%), 0.018. The same kernel
-    with x in one int8 digit (llama.cpp's Q8 activations), tried first: 1442 (96.5%), 0.051."""
+    """--cpu-kernels vnni, its decode kernel forced onto every row of the 1495-position prefill
+    (module by module, the head's too: each row's arithmetic is a decode row's). x in two int8
+    digits a group (16 significant bits) and fp16 scales (GGUF's own: exact here). Measured 1494
+    of 1495 top-1, logit error 2.6e-4; with the int8 KV cache as well 1485 (99.3%), 0.018. The
+    same kernel with x in one int8 digit (llama.cpp's Q8 activations), tried first: 1442
+    (96.5%), 0.051."""
     require_vnni()
     source, seqs, ref, _ = teacher_forced
     loaded = load_model(source, "float32", quantization="int8", cpu_kernels="vnni")
