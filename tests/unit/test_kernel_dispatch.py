@@ -139,3 +139,13 @@ def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(capl
     first, second = (r.getMessage() for r in caplog.records)
     assert "Q4_K, Q6_K have no native kernel yet" in first and "--quantization int8" in first
     assert "float32 activations only" in second
+
+
+def test_the_flag_offers_every_build() -> None:
+    """--cpu-kernels lists its choices without importing the kernels (torch): the same names."""
+    from dataclasses import fields
+
+    from loom.engine.args import EngineArgs
+
+    field = next(f for f in fields(EngineArgs) if f.name == "cpu_kernels")
+    assert field.default == "auto" and set(field.metadata["choices"]) == set(dispatch.NAMES)
