@@ -165,6 +165,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the rule."""
         step = _Step(token_budget=self.max_num_batched_tokens)
+        if self.spec is not None:
+            self.spec.prepare(self.running)  # a draft model's drafts, batched
         self._schedule_running(step)
         # A step that preempted admits nobody: the freed blocks go to the running requests.
         if not step.preempted:

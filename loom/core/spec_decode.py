@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's --speculative-config shape (method "ngram" only, so far)."""
+    """vLLM's --speculative-config shape: method "ngram" (prompt lookup) or "draft_model" (a
+    smaller model with the same vocabulary, `model`, run greedily with its own KV cache)."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model (method "draft_model")
     num_speculative_tokens: int = 3  # k: the most tokens proposed per step
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's tokens
     prompt_lookup_min: int = 1  # shortest
@@ -39,9 +41,12 @@ class SpeculativeConfig:
     adaptive: bool = True  # per request: shorter drafts after rejections, pauses after misses
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ConfigError(f"speculative_config method {self.method!r}: only 'ngram' is "
-                              "supported")
+        if self.method not in ("ngram", "draft_model"):
+            raise ConfigError(f"speculative_config method {self.method!r}: 'ngram' or "
+                              "'draft_model'")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config: a model goes with method 'draft_model' "
+                              "(and only with it)")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,7 +80,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: unknown keys {unknown} (known: "
                               f"{sorted(known)})")
         if "method" not in value:
-            raise ConfigError("speculative_config needs a method (\"ngram\")")
+            raise ConfigError("speculative_config needs a method (\"ngram\" or "
+                              "\"draft_model\")")
         return cls(**value)
 
 
@@ -149,14 +155,53 @@ def can_speculate(request: Request) -> bool:
     return (params.logprobs is None and request.grammar is None and params.pooling is None)
 
 
-class SpecDecoder:
-    """Proposes drafts for the scheduler and adapts their length per request."""
+class Drafter(Protocol):
+    """A model that proposes drafts (loom.engine.draft_model), given by the engine."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]: ...
+
+    def drop(self, req_id: str) -> None: ...
+
+
+class SpecDecoder:
+    """Proposes drafts for the scheduler and adapts their length per request. With a drafter
+    (method "draft_model"), `prepare` runs it once per step for every request that may decode
+    with a draft (batched), before the scheduler asks `propose` per request."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 drafter: Drafter | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.drafter = drafter
         self.stats = SpecDecodeStats()
         self._adaptive: dict[str, _Adaptive] = {}
+        self._drafts: dict[str, list[int]] = {}
+
+    def prepare(self, running: list[Request]) -> None:
+        """Draft-model drafts for this step's decoding requests (no-op for n-gram)."""
+        self._drafts = {}
+        if self.drafter is None:
+            return
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
+            return
+        reqs, ks = [], []
+        for r in running:
+            state = self._adaptive.get(r.request_id)
+            k = self._limit(r, cfg.num_speculative_tokens if state is None else state.k)
+            if (r.num_tokens - r.num_computed_tokens == 1 and can_speculate(r) and k > 0
+                    and (state is None or state.pause == 0)):
+                reqs.append(r)
+                ks.append(k)
+        if reqs:
+            self._drafts = self.drafter.propose(reqs, ks)
+
+    def _limit(self, request: Request, k: int) -> int:
+        """k, but never past max_tokens (the sampled token comes on top) nor max_model_len."""
+        k = min(k, self.max_model_len - request.num_tokens)
+        if request.max_tokens is not None:
+            k = min(k, request.max_tokens - request.num_output_tokens - 1)
+        return k
 
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
@@ -172,12 +217,11 @@ class SpecDecoder:
         if state.pause > 0:
             state.pause -= 1
             return []
-        # Never past max_tokens (the sampled token comes on top) nor max_model_len.
-        k = min(state.k, token_budget, self.max_model_len - request.num_tokens)
-        if request.max_tokens is not None:
-            k = min(k, request.max_tokens - request.num_output_tokens - 1)
+        k = self._limit(request, min(state.k, token_budget))
         if k <= 0:
             return []
+        if self.drafter is not None:
+            return self._drafts.get(request.request_id, [])[:k]
         return ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
                              cfg.prompt_lookup_max)
 
@@ -199,3 +243,5 @@ class SpecDecoder:
     def drop(self, req_id: str) -> None:
         """Forget a finished or preempted request."""
         self._adaptive.pop(req_id, None)
+        if self.drafter is not None:
+            self.drafter.drop(req_id)

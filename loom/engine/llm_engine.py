@@ -129,7 +129,8 @@ class LLMEngine:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len
         )
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
-                                   spec_decoder(args, max_model_len))
+                                   spec_decoder(args, max_model_len, loaded.config,
+                                                cache_config.block_size, device))
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,

@@ -9,19 +9,31 @@ from loom.config import ConfigError
 from loom.core.spec_decode import SpecDecoder, SpeculativeConfig
 
 if TYPE_CHECKING:
+    import torch
+
+    from loom.config import ModelConfig
     from loom.engine.args import EngineArgs
     from loom.engine.outputs import CompletionOutput
 
 
-def spec_decoder(args: EngineArgs, max_model_len: int) -> SpecDecoder | None:
-    """The scheduler's SpecDecoder for args.speculative_config (None: off)."""
+def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, block_size: int,
+                 device: torch.device) -> SpecDecoder | None:
+    """The scheduler's SpecDecoder for args.speculative_config (None: off); loads the draft
+    model of method "draft_model"."""
     config = SpeculativeConfig.parse(args.speculative_config)
     if config is None:
         return None
     if args.tensor_parallel_size > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
         raise ConfigError("speculative decoding does not run with tensor or pipeline "
                           "parallelism yet")
-    return SpecDecoder(config, max_model_len)
+    drafter = None
+    if config.method == "draft_model":
+        from loom.engine.draft_model import DraftModelProposer
+
+        assert config.model is not None
+        drafter = DraftModelProposer(args, config.model, target, max_model_len, block_size,
+                                     device)
+    return SpecDecoder(config, max_model_len, drafter)
 
 
 def drop_after_stop(output: CompletionOutput, num_tokens: int) -> None:

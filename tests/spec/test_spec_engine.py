@@ -150,3 +150,33 @@ def test_large_batch_turns_speculation_off(make_llm, tiny) -> None:
 def test_bad_speculative_config_refused(make_llm, tiny, bad) -> None:
     with pytest.raises(ConfigError, match="speculative_config"):
         make_llm(tiny, speculative_config=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_tiny_draft_model_greedy_same(make_llm, tiny, tmp_path, draft) -> None:
+    """A draft model (the target itself: nearly every draft accepted; another random model:
+    fewer)
+    leaves greedy output unchanged, batched with requests that do not speculate and through
+    preemptions."""
+    from tests.tiny_models import make_tiny_model
+
+    model = tiny if draft == "self" else str(make_tiny_model("llama", tmp_path / "d", seed=1))
+    config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3,
+              "disable_by_batch_size": None}
+    prompts = _tiny_prompts(6)
+    params = _mixed_params(len(prompts), 20)
+    results = {}
+    for spec in (None, json.dumps(config)):
+        llm = make_llm(tiny, speculative_config=spec, num_gpu_blocks_override=30, block_size=4)
+        results[spec is not None] = _run(llm, prompts, params)
+        if spec is not None:
+            sched = llm.engine.scheduler
+            stats = sched.spec.stats
+            assert stats.num_draft_tokens > 0 and sched.num_preemptions_total > 0
+            if draft == "self":  # (the repetition-penalised request's target disagrees)
+                assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens
+            else:
+                assert stats.num_accepted_tokens < stats.num_draft_tokens
+            sched.spec.drafter.kv.check_integrity()
+    assert results[True] == results[False]

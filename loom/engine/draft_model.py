@@ -1,0 +1,120 @@
+"""The draft-model proposer of speculative decoding (`{"method": "draft_model", "model": ...}`):
+a smaller model with the same vocabulary, run greedily by its own ModelRunner with its own KV
+cache, proposes k tokens per decoding request each step.
+
+Per request the draft cache holds the KV of a prefix of the request's tokens (`seen`); each
+step it first computes the tokens it has not seen (the prompt, the last step's accepted and
+sampled tokens: whatever differs from what it drafted), then k - 1 one-token steps, all
+requests in one batch per step. Rejected draft tokens simply stop counting as seen. A greedy
+draft is a point mass, so the target's verification (loom.worker.spec_verify) is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loom.config import CacheConfig, ConfigError
+from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from loom.loader.model_loader import load_model, resolve_dtype
+from loom.loader.resolve import resolve_model
+from loom.sampling_params import SamplingParams
+from loom.worker.kv_cache import determine_num_blocks, kv_cache_dtype
+from loom.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    import torch
+
+    from loom.config import ModelConfig
+    from loom.engine.args import EngineArgs
+    from loom.request import Request
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+@dataclass
+class _Seq:
+    """What KVCacheManager needs of a request (it reads sampling_params only with caching)."""
+
+    request_id: str
+    num_computed_tokens: int
+
+
+class DraftModelProposer:
+    def __init__(self, args: EngineArgs, model: str, target: ModelConfig, max_model_len: int,
+                 block_size: int, device: torch.device) -> None:
+        loaded = load_model(resolve_model(model), args.dtype, device,
+                            quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+                            batch_invariant=args.batch_invariant)
+        config = loaded.config
+        if config.vocab_size != target.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({config.vocab_size} tokens) is not "
+                              f"the target's ({target.vocab_size})")
+        if config.max_position_embeddings < max_model_len:
+            raise ConfigError(f"the draft model's context ({config.max_position_embeddings}) is "
+                              f"shorter than max_model_len ({max_model_len})")
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device))
+        if args.kv_cache_dtype == "auto":
+            kv_dtype = loaded.default_kv_cache_dtype() or kv_dtype
+        num_blocks = determine_num_blocks(
+            CacheConfig(block_size=block_size, enable_prefix_caching=False,
+                        kv_cache_memory=args.kv_cache_memory,
+                        num_gpu_blocks_override=args.num_gpu_blocks_override),
+            config, kv_dtype, device, max_needed_tokens=2 * args.max_num_seqs * max_model_len)
+        self.runner = ModelRunner(loaded.model, config, (), block_size, num_blocks, kv_dtype,
+                                  device)
+        self.kv = KVCacheManager(num_blocks, block_size, False, max_model_len)
+        self.seen: dict[str, list[int]] = {}  # per request: the tokens its draft KV holds
+        self._stale: set[str] = set()  # runner states to drop at the next call
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]:
+        """Up to num_tokens[i] greedy draft tokens for requests[i] (fewer without KV blocks)."""
+        new, ks, computed = [], {}, {}
+        for r, k in zip(requests, num_tokens):
+            tokens = list(r.all_token_ids)
+            seq = _Seq(r.request_id, _common_prefix(self.seen.get(r.request_id, ()), tokens))
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
+            self.kv.trim(seq, seq.num_computed_tokens)
+            if self.kv.allocate_slots(seq, len(tokens) + k - 1 - seq.num_computed_tokens) is None:
+                continue  # no room in the draft cache: no draft this step
+            new.append(NewRequestData(r.request_id, tokens, len(tokens), _GREEDY,
+                                      self.kv.get_block_ids(r.request_id),
+                                      seq.num_computed_tokens))
+            ks[r.request_id], computed[r.request_id] = k, len(tokens)
+            self.seen[r.request_id] = tokens
+        drafts: dict[str, list[int]] = {rid: [] for rid in ks}
+        so = SchedulerOutput(new, CachedRequestData(),
+                             {n.req_id: len(n.token_ids) - n.num_computed_tokens for n in new},
+                             0, self._stale)
+        self._stale = set(ks)
+        for step in range(max(ks.values(), default=0)):
+            if step:  # one token more for each request still drafting
+                live = [rid for rid, k in ks.items() if k > step and len(drafts[rid]) == step]
+                if not live:
+                    break
+                cached = CachedRequestData(live, [[] for _ in live],
+                                           [computed[rid] + step - 1 for rid in live])
+                so = SchedulerOutput([], cached, dict.fromkeys(live, 1), 0, set())
+            so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+            out = self.runner.execute_model(so)
+            for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
+                if rid not in out.failed and sampled:
+                    drafts[rid].extend(sampled)
+        for rid, tokens in drafts.items():
+            self.seen[rid] = self.seen[rid] + tokens[:-1]  # the last one's KV is not computed
+        return drafts
+
+    def drop(self, req_id: str) -> None:
+        self.kv.free(_Seq(req_id, 0))
+        self.seen.pop(req_id, None)
+        self._stale.add(req_id)
+
+
+def _common_prefix(a: list[int] | tuple[()], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
