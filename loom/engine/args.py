@@ -87,8 +87,10 @@ class EngineArgs:
               "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": "
               "m, \"disable_by_batch_size\": b}: each decoding request proposes up to k tokens "
               "that followed an earlier occurrence of its last n..m tokens, checked in one step "
-              "(greedy output unchanged, sampled output's distribution unchanged); see "
-              "docs/speculative.md", SCHEDULER)
+              "(greedy output unchanged, sampled output's distribution unchanged); or "
+              "{\"method\": \"draft_model\", \"model\": M, \"num_speculative_tokens\": k}: a "
+              "smaller model M with the same vocabulary drafts them; see docs/speculative.md",
+        SCHEDULER)
 
     kv_cache_memory: int | None = flag(
         None, "bytes for the KV cache (default: half the free memory, capped at need)", CACHE)
