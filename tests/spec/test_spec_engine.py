@@ -11,6 +11,7 @@ import pytest
 
 from loom import SamplingParams
 from loom.config import ConfigError
+from loom.structured.params import StructuredOutputsParams
 from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -73,7 +74,8 @@ def test_tiny_greedy_same_with_speculation(make_llm, tiny, blocks) -> None:
 
 @pytest.mark.slow
 def test_smollm2_greedy_same_with_speculation(make_llm) -> None:
-    """The packaged model on its default (int8, C stack) path, batch-invariant kernels."""
+    """The packaged model on its default (int8, C stack) path, batch-invariant kernels; a
+    stop string, a constrained request and a prefix hit among them."""
     prompts = [
         "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
         "def add(a, b):\n    return a + b\n\nAdd a docstring to the function above:\n",
@@ -82,6 +84,10 @@ def test_smollm2_greedy_same_with_speculation(make_llm) -> None:
     ]
     params = _mixed_params(len(prompts), 40)
     params[3] = SamplingParams(temperature=0.0, max_tokens=40, stop=["dog"])
+    # a constrained request (does not speculate) in the same batches
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=(
+        StructuredOutputsParams(choice=["Paris", "Lyon"]))))
+    prompts.append(prompts[2])
     results = {}
     for spec in (None, json.dumps(NGRAM)):
         llm = make_llm(None, speculative_config=spec, num_gpu_blocks_override=24)
