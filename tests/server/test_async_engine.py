@@ -53,6 +53,7 @@ class _FakeScheduler:
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec: None = None  # no speculative decoding
 
 
 @dataclass
