@@ -534,6 +534,7 @@ def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
         assert not torch.equal(got, q(x))  # different kernels, different summation orders
 
 
+@pytest.mark.slow
 def test_int8_vnni_kernel_agrees_with_reference(teacher_forced, monkeypatch) -> None:
     """--cpu-kernels vnni, its decode kernel forced onto every row of the 1495-position prefill
     (module by module, the head's too: each row's arithmetic is a decode row's). x in two int8
