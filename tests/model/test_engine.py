@@ -347,7 +347,12 @@ def test_idle_engine_faults_in_the_next_blocks_pages(make_llm) -> None:
     queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
     assert [b.block_id for b in queue.peek(3)] == [1, 2, 3]  # a fresh pool: blocks in order
     far = engine.num_blocks // 2  # away from the pages K shares with V
-    assert not any(_resident_pages(caches[5][0, far]))  # never written: not committed
+    # Never written, so not committed, unless the allocator handed a layer memory it had used
+    # before (in a process that ran other engines): such layers cannot show what prefaulting did.
+    checked = [(layer, half) for layer in (0, 5, 29) for half in (0, 1)
+               if not any(_resident_pages(caches[layer][half, far]))]
+    if not checked:
+        pytest.skip("every checked layer's far block was resident before prefaulting")
     done = engine.prefault_kv_cache(4)
     if done == 0 and not engine.prefaulter.ok:
         pytest.skip("no MADV_POPULATE_WRITE on this kernel (Linux 5.14+)")
@@ -358,7 +363,8 @@ def test_idle_engine_faults_in_the_next_blocks_pages(make_llm) -> None:
     for layer in (0, 29):
         for half in (0, 1):
             assert all(_resident_pages(caches[layer][half, 1 : 1 + done]))
-            assert not any(_resident_pages(caches[layer][half, far]))
+    for layer, half in checked:  # the far block was left alone
+        assert not any(_resident_pages(caches[layer][half, far])), (layer, half)
     assert all(int(c[:, : 1 + done].abs().sum()) == 0 for c in caches)  # nothing written
     params = SamplingParams(temperature=0.0, max_tokens=16)
     before = token_ids(llm.chat(chats()[:3], params, use_tqdm=False))
