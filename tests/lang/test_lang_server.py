@@ -55,7 +55,9 @@ def _results(state) -> dict[str, object]:
 def test_both_backends_give_the_same_greedy_results(remote):
     claim = "Water boils at 100 C at sea level."
     r = judge.run(claim, backend=remote)
-    with EngineBackend(LLM(max_model_len=1024, kv_cache_memory=128 * 2**20)) as local:
+    # The server's batch-invariant kernels (ENGINE_ARGS): the same bits in any batch.
+    with EngineBackend(LLM(max_model_len=1024, kv_cache_memory=128 * 2**20,
+                           batch_invariant=True)) as local:
         loc = judge.run(claim, backend=local)
     got, want = _results(r), _results(loc)
     assert got["vars"] == want["vars"] and got["text"] == want["text"]

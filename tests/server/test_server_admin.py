@@ -26,7 +26,9 @@ GRACE_S = 12
 @pytest.fixture(scope="module")
 def admin_server() -> ServerProcess:
     return start_server(
-        [*ENGINE_ARGS, "--max-num-seqs", "2", "--max-waiting-requests", "1",
+        # Room for a request that outlasts the grace period at any speed (_long).
+        [*ENGINE_ARGS, "--max-model-len", "4096", "--max-num-seqs", "2",
+         "--max-waiting-requests", "1",
          "--timeout-graceful-shutdown", str(GRACE_S), "--served-model-name", "loom-test"],
         env={"LOOM_API_KEY": KEY},
     )
@@ -65,7 +67,7 @@ def test_openai_client_with_and_without_key(admin_server: ServerProcess) -> None
 
 
 def _long(stream: bool) -> dict[str, Any]:
-    return {"prompt": "Write an endless story.", "max_tokens": 1000, "ignore_eos": True,
+    return {"prompt": "Write an endless story.", "max_tokens": 4000, "ignore_eos": True,
             "stream": stream}
 
 
