@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -71,7 +72,15 @@ async def test_failed_recovery_is_503_for_good() -> None:
     assert failed.status_code in (500, 503)
     await _until(lambda: not engine.is_running)
     assert (await client.get("/health")).status_code == 503
-    after = await client.post("/v1/completions", json=BODY)
-    assert after.status_code == 503 and "died" in after.json()["error"]["message"]
+    # 503 "recovering" until the failed integrity check ends the engine thread, then "died"
+    deadline = time.monotonic() + 30
+    while True:
+        after = await client.post("/v1/completions", json=BODY)
+        assert after.status_code == 503
+        if "died" in after.json()["error"]["message"] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    assert "died" in after.json()["error"]["message"]
+    assert (await client.get("/health")).status_code == 503
     await engine.shutdown()
     await client.aclose()
