@@ -19,6 +19,7 @@ torch first: then it only says so). It logs once what it did.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -28,7 +29,6 @@ logger = logging.getLogger(__name__)
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 SPIN_COUNT = "1000"  # libgomp's spins (pause instructions) before a waiting thread sleeps
-_applied: dict[str, str] | None = None  # what apply_thread_defaults did; None: not called yet
 
 
 def openmp_env_defaults(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
@@ -46,28 +46,24 @@ def openmp_env_defaults(environ: dict[str, str] | os._Environ = os.environ) -> d
     return env
 
 
+@functools.cache
 def apply_thread_defaults() -> dict[str, str]:
     """Set openmp_env_defaults() in os.environ, once per process, before torch loads OpenMP;
     returns the variables set ({} when the user set them all, or when torch came first, which
     it logs: the defaults could no longer take effect)."""
-    global _applied
-    if _applied is not None:
-        return _applied
     wanted = openmp_env_defaults()
     if "torch" in sys.modules:
-        _applied = {}
         if wanted:
             logger.info("torch was imported before Loom's engine: its OpenMP keeps the settings "
                         "it started with; for Loom's defaults set %s before starting Python",
                         " ".join(f"{k}={v}" for k, v in wanted.items()))
-        return _applied
+        return {}
     os.environ.update(wanted)
-    _applied = wanted
     if wanted:
         logger.info("thread defaults: %s (the user's environment wins; on cores shared with busy "
                     "processes set OMP_WAIT_POLICY=PASSIVE)",
                     " ".join(f"{k}={v}" for k, v in wanted.items()))
-    return _applied
+    return wanted
 
 
 def set_num_threads(num_threads: int | None) -> None:

@@ -64,9 +64,12 @@ def test_openmp_env_defaults_leave_the_users_choice() -> None:
 def test_too_late_once_torch_is_imported(monkeypatch) -> None:
     monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)
     monkeypatch.delenv(SPIN_COUNT_ENV, raising=False)
-    monkeypatch.setattr("loom.threads._applied", None)
-    assert apply_thread_defaults() == {}
-    assert WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ
+    apply_thread_defaults.cache_clear()  # as if no engine had started in this process yet
+    try:
+        assert apply_thread_defaults() == {}
+        assert WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ
+    finally:
+        apply_thread_defaults.cache_clear()
 
 
 def test_set_num_threads() -> None:
