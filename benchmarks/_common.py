@@ -11,8 +11,6 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 
 def _child(fn: Callable[..., dict[str, Any]], args: tuple, queue: mp.Queue) -> None:
     result = fn(*args)
@@ -48,6 +46,8 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
+    import torch  # here, not at the top: scripts that only dump JSON need not load it
+
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": torch.get_num_threads(),

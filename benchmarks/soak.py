@@ -28,7 +28,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from _common import dump  # noqa: E402
 
 from loom.bench.server_proc import ServerProcess, tree_rss  # noqa: E402
 
@@ -200,10 +202,7 @@ def main() -> None:
         if server is not None:
             report_code = server.stop()
             print(f"server exit code {report_code}", file=sys.stderr)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    dump(args.out, report)
 
 
 if __name__ == "__main__":
