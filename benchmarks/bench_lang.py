@@ -23,7 +23,6 @@ less prefill work and >= 2x faster end to end. Outputs are checked equal across 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from loom import LLM, SamplingParams
 from loom.lang import EngineBackend, function, gen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dump, machine  # noqa: E402
+from _common import dump, machine, median_of  # noqa: E402
 
 WORDS = ("river mill harbor lantern copper orchard signal meadow glacier ledger compass "
          "violet thunder marble falcon cedar quarry beacon tundra saffron").split()
@@ -127,7 +126,7 @@ def main() -> None:
             f"{m} {v[-1]['prompt_tokens_computed']} tok {v[-1]['seconds']:.2f} s"
             for m, v in runs.items()), file=sys.stderr)
 
-    med = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in runs.items()}
+    med = {m: median_of(v) for m, v in runs.items()}
     base = med["naive"]
     result = {
         "config": vars(args), "machine": machine(), "median": med, "runs": runs,
