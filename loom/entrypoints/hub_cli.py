@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def _describe_gguf(path: Path) -> dict[str, object]:
     reader = open_gguf(path)
     cfg = model_config_from_gguf(reader, path)
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    params = sum(_numel(t.shape) for t in reader.tensors)
+    params = sum(math.prod(map(int, t.shape)) for t in reader.tensors)
     return {
         "size": f"{path.stat().st_size / 1e6:.1f} MB",
         "architecture": cfg.architecture,
@@ -145,9 +146,3 @@ def _shape(cfg: Any) -> dict[str, object]:
             "heads": f"{cfg.num_attention_heads} (kv {cfg.num_key_value_heads})",
             "vocabulary": cfg.vocab_size}
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
