@@ -23,6 +23,8 @@ SCHEDULER = "scheduler"
 KERNELS = "quantization and kernels"
 SERVER = "server"
 GROUP_ORDER = (MODEL, CACHE, SCHEDULER, KERNELS, SERVER)
+# --log-level of the HTTP commands (`loom serve`, `loom router`): uvicorn's names.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _NO_CLI_DEFAULT = object()
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.engine.arg_utils import SERVER, flag, non_negative_int, positive_float, positive_int
+from loom.engine.arg_utils import (
+    LOG_LEVELS, SERVER, flag, non_negative_int, positive_float, positive_int,
+)
 
 ROUTER = "router"
 POLICIES = ("cache_aware", "round_robin", "least_load")
@@ -36,5 +38,4 @@ class RouterArgs:
     max_attempts: int = flag(
         3, "replicas a request is tried on before it fails (only while nothing was streamed)",
         ROUTER, type=positive_int)
-    log_level: str = flag("info", "log level", SERVER,
-                          choices=("critical", "error", "warning", "info", "debug"))
+    log_level: str = flag("info", "log level", SERVER, choices=LOG_LEVELS)

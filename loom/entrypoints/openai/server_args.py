@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.engine.arg_utils import (
-    SERVER, flag, non_negative_float, non_negative_int, positive_int,
+    LOG_LEVELS, SERVER, flag, non_negative_float, non_negative_int, positive_int,
 )
 from loom.tools.parsers import PARSERS
 
@@ -40,8 +40,7 @@ class ServerArgs:
         DEFAULT_GRACE_SECONDS, "seconds running requests get to finish after SIGTERM/SIGINT "
                                "before they are aborted with an error", SERVER,
         type=non_negative_float)
-    log_level: str = flag("info", "server log level", SERVER,
-                          choices=("critical", "error", "warning", "info", "debug"))
+    log_level: str = flag("info", "server log level", SERVER, choices=LOG_LEVELS)
     data_parallel_size: int = flag(
         1, "engine replicas: N > 1 starts N `loom serve` processes on internal loopback ports "
            "and the cache-aware router (`loom router`) on --host/--port in front of them; "
