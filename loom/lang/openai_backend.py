@@ -94,6 +94,10 @@ class OpenAIBackend(Backend):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:  # the server failed after its 200 went out
+                    error = chunk["error"]
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    raise LangError(f"the server failed mid-stream: {message}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     if choice.get("text"):
@@ -141,7 +145,7 @@ class OpenAIBackend(Backend):
         answer = sorted(self._check(r).json()["choices"], key=lambda c: c["index"])
         token_lps = [[v for v in c["logprobs"]["token_logprobs"][start:] if v is not None]
                      for c in answer]
-        return ChoiceScores(list(choices), [sum(t) for t in token_lps], token_lps)
+        return ChoiceScores.from_token_logprobs(choices, token_lps)
 
     def _score_by_generation(self, prompt: str, choices: Sequence[str]) -> ChoiceScores:
         """The fallback: generate greedily and take the choice the output matches best (the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -50,8 +51,7 @@ class ScriptBackend(Backend):
         return GenResult(text, "stop", len(prompt), len(text), [-0.5] * len(text))
 
     def score_choices(self, prompt: str, choices: Sequence[str]) -> ChoiceScores:
-        lps = [[-1.0] * len(c) for c in choices]
-        return ChoiceScores(list(choices), [sum(t) for t in lps], lps)
+        return ChoiceScores.from_token_logprobs(choices, [[-1.0] * len(c) for c in choices])
 
 
 def test_scored_span_starts_where_all_tokenizations_agree():
@@ -186,3 +186,41 @@ def test_run_batch_keeps_input_order():
     states = prog.run_batch([{"word": w} for w in ["a", "bb", "ccc", "dddd"]],
                             backend=ScriptBackend(), num_threads=2)
     assert [st["x"] for st in states] == ["<1>", "<2>", "<3>", "<4>"]
+
+
+class _FailingStream(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server whose completion stream breaks off with an in-band error
+    event, as Loom's server sends one when the engine fails after the headers went out."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["content-length"]))
+        body = (b'data: {"choices": [{"index": 0, "text": "Hel", "finish_reason": null}]}\n\n'
+                b'data: {"error": {"message": "the engine failed", "type": "internal_error", '
+                b'"param": null, "code": 500}}\n\ndata: [DONE]\n\n')
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_error_event_mid_stream_fails_the_gen():
+    from loom.lang import OpenAIBackend
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FailingStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    @function
+    def prog(s):
+        s += "Say hello:" + gen("x", max_tokens=4)
+
+    try:
+        with OpenAIBackend(f"http://127.0.0.1:{server.server_port}/v1", model="m") as backend, \
+                pytest.raises(LangError, match="the engine failed"):
+            prog.run(backend=backend)
+    finally:
+        server.shutdown()
+        server.server_close()
