@@ -43,6 +43,12 @@ class ChoiceScores:
     token_logprobs: list[list[float]]  # per scored token
     exact: bool = True
 
+    @classmethod
+    def from_token_logprobs(cls, choices: Sequence[str],
+                            token_logprobs: list[list[float]]) -> ChoiceScores:
+        """Exact scores: a choice's logprob is the sum of its scored tokens' logprobs."""
+        return cls(list(choices), [sum(t) for t in token_logprobs], token_logprobs)
+
     def best(self, method: Literal["sum", "mean"] = "sum") -> int:
         """Index of the winning choice (first of equals)."""
         def key(i: int) -> float:

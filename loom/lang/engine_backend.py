@@ -114,4 +114,4 @@ class EngineBackend(Backend):
         for out in self._call(score_all()):
             entries = out.prompt_logprobs or []
             token_lps.append([lp.logprobs[0] for lp in entries[start:] if lp is not None])
-        return ChoiceScores(list(choices), [sum(t) for t in token_lps], token_lps)
+        return ChoiceScores.from_token_logprobs(choices, token_lps)
