@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from loom.engine.arg_utils import HelpFormatter, add_dataclass_args
+from loom.engine.arg_utils import HelpFormatter, add_dataclass_args, from_namespace
 from loom.engine.args import EngineArgs
 
 HELP = """commands:
@@ -223,8 +224,6 @@ class ChatREPL:
 
 
 def cmd_chat(ns: argparse.Namespace) -> None:
-    import logging
-
     from loom.entrypoints.chat_backends import BackendError, LocalBackend, RemoteBackend
 
     try:
@@ -243,10 +242,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 
 def _local_engine(ns: argparse.Namespace, level: int):  # noqa: ANN202 - LLMEngine
-    import logging
-
     from loom.config import ConfigError
-    from loom.engine.arg_utils import from_namespace
     from loom.engine.llm_engine import LLMEngine
     from loom.loader.resolve import ModelNotFoundError
 
