@@ -18,7 +18,7 @@ from pydantic import Field
 
 from loom.entrypoints.openai.body import parse_body
 from loom.entrypoints.openai.errors import APIError, bad_request
-from loom.entrypoints.openai.protocol import OpenAIBaseModel
+from loom.entrypoints.openai.protocol import OpenAIBaseModel, Prompt
 from loom.entrypoints.openai.serving_common import (
     ServerContext,
     add_requests,
@@ -30,7 +30,7 @@ from loom.sampling_params import SamplingParams
 
 
 class EmbeddingRequest(OpenAIBaseModel):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt  # as /v1/completions' prompt: one form per value, the first bad item named
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
