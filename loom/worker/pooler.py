@@ -38,26 +38,26 @@ class Pooler:
 
     def step(
         self, states: Sequence[_State], computed: Sequence[int], num_sched: Sequence[int],
-        ends: np.ndarray, sampling: list[int], hidden: torch.Tensor, all_rows: bool,
+        ends: np.ndarray, hidden: torch.Tensor, rows: np.ndarray | None,
     ) -> None:
-        """Pool this step's rows. `hidden` holds every row when `all_rows`, else only the
-        `sampling` requests' last rows, in that order."""
+        """Pool this step's rows. `hidden` holds every row when `rows` is None, else only the
+        rows `rows` names (ascending), in that order."""
         for i, s in enumerate(states):
             mode = s.sampling_params.pooling
             if mode is None or computed[i] >= s.num_prompt_tokens:
                 continue
+            end = int(ends[i])
             if mode == "mean":
-                end = int(ends[i])
                 part = hidden[end - num_sched[i]: end].float().sum(0)  # [hidden]
                 # computed 0: a first or preempted-and-restarted prefill
                 before = self.sums.get(s.req_id) if computed[i] else None
                 self.sums[s.req_id] = part if before is None else before + part
-            if i not in sampling:  # the prompt goes on in a later step
-                continue
+            if computed[i] + num_sched[i] < s.num_prompt_tokens:
+                continue  # the prompt goes on in a later step
             if mode == "mean":
                 vec = self.sums.pop(s.req_id) / s.num_prompt_tokens
             else:
-                vec = hidden[int(ends[i]) - 1] if all_rows else hidden[sampling.index(i)]
+                vec = hidden[end - 1 if rows is None else int(np.searchsorted(rows, end - 1))]
             self.pooled[s.req_id] = F.normalize(vec.float(), dim=-1).tolist()
 
     def drop(self, req_id: str) -> None:

@@ -150,6 +150,42 @@ def test_large_batch_turns_speculation_off(make_llm, tiny) -> None:
     assert llm.engine.scheduler.spec.stats.num_drafts > 0
 
 
+@pytest.mark.slow
+def test_embedding_beside_drafts_pools_its_own_row(make_llm, tiny, monkeypatch) -> None:
+    """A "last"-pooling request whose prompt ends in a step where other requests verify drafts
+    (so the logits rows hold the drafts' rows too) gets the embedding it gets alone."""
+    llm = make_llm(tiny, speculative_config=json.dumps(NGRAM))
+    engine = llm.engine
+    prompt = [5, 6, 7, 8, 9]
+    alone = llm.embed([prompt], pooling="last", use_tqdm=False)[0].embedding
+    drafted: set[str] = set()  # embedding requests whose prompt ran beside drafts
+    execute = engine.runner.execute_model
+
+    def observe(so):
+        if so.scheduled_spec_decode_tokens:
+            drafted.update(r for r in so.num_scheduled_tokens if r.startswith("e"))
+        return execute(so)
+
+    monkeypatch.setattr(engine.runner, "execute_model", observe)
+    for i, tokens in enumerate(_tiny_prompts(3)):
+        engine.add_request(f"g{i}", tokens,
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    embeddings = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step < 20:
+            engine.add_request(f"e{step}", prompt,
+                               SamplingParams(temperature=0.0, max_tokens=1, pooling="last"))
+        for out in engine.step():
+            if out.finished and out.request_id.startswith("e"):
+                embeddings[out.request_id] = out.embedding
+        step += 1
+    engine.check_integrity()
+    assert drafted and len(embeddings) == min(step, 20)
+    for rid in drafted:
+        assert embeddings[rid] == pytest.approx(alone, abs=1e-5), rid
+
+
 @pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 2}',
                                  '{"method": "ngram", "num_speculative_tokens": 0}',
                                  '{"method": "ngram", "lookahead": 2}', "ngram"])
