@@ -104,8 +104,8 @@ class Router:
                 logger.warning("%s %s failed on %s (%s); retrying elsewhere", method, path,
                                backend.url, e)
         self.metrics.requests.labels("", "503").inc()
-        detail = "; ".join(reasons) if reasons else "none of %d replicas passes its health " \
-                 "checks" % len(self.pool.backends)
+        detail = "; ".join(reasons) or (f"none of {len(self.pool.backends)} replicas passes its "
+                                        "health checks")
         return error(503, f"no healthy backend to serve the request ({detail})",
                      code="no_healthy_backend")
 

@@ -141,6 +141,7 @@ def test_router_errors_are_openai_errors(replicas) -> None:
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert e.value.status_code == 503
     assert e.value.body["code"] == "no_healthy_backend"
+    assert "none of 1 replicas passes its health checks" in e.value.body["message"]
     assert _metric(nobody, "loom_router:requests_total") == 1
 
 
