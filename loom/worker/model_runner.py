@@ -143,8 +143,7 @@ class ModelRunner:
         # logprobs need every row's hidden state.
         all_rows = any(s.sampling_params.prompt_logprobs is not None
                        and c < s.num_prompt_tokens for s, c in zip(states, computed)
-                       ) or self.pooler.needs_all_rows(states, computed) or (
-                           drafts and any(s.sampling_params.pooling for s in states))
+                       ) or self.pooler.needs_all_rows(states, computed)
         with set_forward_context(md):
             hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
                 torch.from_numpy(input_ids).to(self.device),
@@ -152,7 +151,7 @@ class ModelRunner:
                 rows,
                 only_rows=not all_rows,
             )
-        self.pooler.step(states, computed, num_sched, ends, sampling, hidden, all_rows)
+        self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
         if drafts:
