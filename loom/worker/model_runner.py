@@ -191,9 +191,10 @@ class ModelRunner:
             sampled_lists[i] = tokens
             num_blocks = -(-(s.num_computed_tokens + len(tokens)) // self.block_size)
             del s.block_ids[num_blocks:]  # the blocks of rejected tokens
-        plain = [r for r in range(logits.size(0))
-                 if not any(st <= r < st + n for st, n in spec.values())]
-        return logits[plain]
+        plain = np.ones(logits.size(0), dtype=bool)  # the rows of requests without a draft
+        for start, num in spec.values():
+            plain[start : start + num] = False
+        return logits[torch.from_numpy(plain).to(logits.device)]
 
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState], failed: dict[str, str]
