@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -65,8 +66,6 @@ class RouterProcess(ServerProcess):
 
 
 def wait_for(cond, timeout: float, what: str, proc: ServerProcess | None = None) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -94,8 +93,7 @@ def conversations(seed: int, num_systems: int, convs_per_system: int) -> list[li
     chats = []
     for s in range(num_systems):
         system = f"System {seed}-{s}: " + " ".join(rng.choice(words) for _ in range(120))
-        for c in range(convs_per_system):
-            chats.append([{"role": "system", "content": system}])
+        chats += [[{"role": "system", "content": system}] for _ in range(convs_per_system)]
     return chats
 
 
