@@ -56,8 +56,7 @@ class Program:
                 self.fn(state, *args, **kwargs)
                 state.sync()
             except BaseException as e:  # noqa: BLE001 - surfaced by text_iter / sync
-                with state._lock:
-                    state._error = state._error or e
+                state._fail(e)
             finally:
                 state._end_stream()
 

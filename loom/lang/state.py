@@ -90,8 +90,12 @@ class ProgramState:
             try:
                 op()
             except BaseException as e:  # noqa: BLE001 - kept and raised to the reader
-                with self._lock:
-                    self._error = e
+                self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """Keep the first failure; every later read raises it."""
+        with self._lock:
+            self._error = self._error or error
 
     def sync(self) -> ProgramState:
         """Wait until everything added so far has run; raise the first failure."""
