@@ -9,21 +9,21 @@ p with d removed. After k accepted drafts one more token comes from the last row
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from loom.kernels.cpu_ops import argmax_rows
-from loom.sample.sampler import apply_min_p, apply_top_k_top_p
+from loom.sample.sampler import compute_probs
+
+if TYPE_CHECKING:
+    from loom.sample.metadata import SamplingMetadata
 
 
-def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                 top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution Sampler.sample draws from, per row of already-penalized `logits`
-    [rows, vocab] (modified): temperature, top-k, top-p, softmax, min-p; rows sum to 1."""
-    logits.div_(temperature.unsqueeze(1))
-    logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)  # [rows, vocab]
-    if min_p is not None:
-        probs = apply_min_p(probs, min_p)
+    [rows, vocab] (modified), normalised: rows sum to 1."""
+    probs = compute_probs(logits, metadata)  # [rows, vocab]
     return probs.div_(probs.sum(dim=-1, keepdim=True))
 
 

@@ -60,17 +60,25 @@ class Sampler:
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
-        assert metadata.temperature is not None
-        logits.div_(metadata.temperature.unsqueeze(1))  # [num_reqs, vocab]
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)  # [num_reqs, vocab]
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
+        probs = compute_probs(logits, metadata)  # [num_reqs, vocab]
         sampled = random_sample(probs, metadata.generators)  # [num_reqs]
         if greedy is not None:
             assert metadata.greedy_mask is not None
             sampled = torch.where(metadata.greedy_mask, greedy, sampled)
         return sampled
+
+
+def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row is drawn from, from already-penalized `logits`
+    [num_reqs, vocab] (modified): temperature, top-k, top-p, softmax, then min-p zeroes tokens
+    (rows then sum to <= 1). Speculative verification scores drafts against the same."""
+    assert metadata.temperature is not None
+    logits.div_(metadata.temperature.unsqueeze(1))  # [num_reqs, vocab]
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = torch.softmax(logits, dim=-1)  # [num_reqs, vocab]
+    if metadata.min_p is not None:
+        probs = apply_min_p(probs, metadata.min_p)
+    return probs
 
 
 def apply_top_k_top_p(

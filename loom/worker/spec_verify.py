@@ -45,7 +45,6 @@ def verify_draft(logits: torch.Tensor, state: _State, draft: list[int],
     apply_all(logits, md)
     if params.greedy:
         return verify_greedy(greedy_tokens(logits), draft)
-    assert md.temperature is not None
-    probs = target_probs(logits, md.temperature, md.top_k, md.top_p, md.min_p)
+    probs = target_probs(logits, md)
     return rejection_sample(probs, draft, generator=state.generator)
 
