@@ -69,15 +69,22 @@ def test_both_backends_give_the_same_greedy_results(remote):
 
 
 def test_select_falls_back_with_a_warning(server):
+    prompt, choices = "The capital of France is", [" Paris", " Rome"]
     with OpenAIBackend(f"{server.url}/v1", exact_select=False) as backend:
         @function
         def pick(s):
-            s += "The capital of France is" + select("city", choices=[" Paris", " Rome"])
+            s += prompt + select("city", choices=choices)
 
         with pytest.warns(LangFallbackWarning, match="falls back"):
             state = pick.run(backend=backend)
-    assert state["city"] in (" Paris", " Rome")
-    assert not state.meta("city").exact
+        # the fallback takes the choice that the greedy continuation starts with
+        greedy = backend.client.post(f"{server.url}/v1/completions", json={
+            "model": backend.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+        }).json()["choices"][0]["text"]
+    assert greedy.startswith(state["city"])
+    meta = state.meta("city")
+    assert not meta.exact
+    assert meta.choice_logprobs == [0.0 if c == state["city"] else None for c in choices]
 
 
 def test_server_errors_reach_the_program(remote):
