@@ -40,9 +40,9 @@ sys.path.insert(0, os.getcwd())
 logging.disable(logging.INFO)
 from loom import LLM, SamplingParams
 # e.g. int8+bf16: the quantization, then a --cpu-kernels build
-quant, *kernels = os.environ.get("LOOM_AB_QUANT", "").split("+")
+quant, _, kernels = os.environ.get("LOOM_AB_QUANT", "").partition("+")
 llm = LLM(quantization=quant or None, max_model_len=1024, kv_cache_memory=2**30,
-          **dict(zip(("cpu_kernels",), kernels)))
+          **({"cpu_kernels": kernels} if kernels else {}))
 prompt = llm.get_tokenizer().encode("The history of the Roman Empire is long. " * 20)[:150]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 out = {}
