@@ -12,62 +12,40 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-import numpy as np
 import torch
-from torch import nn
 
 from loom.config import ModelConfig
-from loom.kernels import cpu_ops
-from loom.layers.embedding import VocabEmbedding
 from loom.layers.norm import RMSNorm
 from loom.layers.rotary import Rope, RotaryEmbedding
-from loom.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from loom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """A Llama layer with two more norms: after attention (post_attention_layernorm, on
+    attention's output alone) and around the MLP (pre_ and post_feedforward_layernorm)."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.sliding = config.layer_window(layer) is not None
-        self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        super().__init__(config, layer)
+        self.rope_index = int(config.layer_window(layer) is not None)  # (global, sliding)
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
 
-    def forward(
-        self, ropes: tuple[Rope, Rope], x: torch.Tensor, residual: torch.Tensor | None,
-        keep: torch.Tensor | None = None,
+    def mlp_block(
+        self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer.forward: (this layer's normed MLP output, the residual stream
-        before it); `ropes` is (global, sliding)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_norm(x, residual)
-        x = self.self_attn(ropes[self.sliding], x)
-        if keep is not None:
-            x, residual = x[keep], residual[keep]
-            if not len(keep):
-                return x, residual
         x, residual = self.pre_feedforward_layernorm.add_norm(
             self.post_attention_layernorm(x), residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(LlamaModel):
+    layer_cls = GemmaDecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        super().__init__(config)
+        self.stack = False  # the one-call C stack runs Llama layers only
         self.normalizer = config.hidden_size**0.5
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
         # Gemma 3's sliding layers rotate with their own base, unscaled; Gemma 2 shares one.
         self.rotary_local = self.rotary_emb
         if config.rope_local_theta is not None:
@@ -75,29 +53,17 @@ class GemmaModel(nn.Module):
                 config.head_dim, config.max_position_embeddings, config.rope_local_theta, None
             )
 
-    def c_stack(self) -> None:
-        """The one-call C stack runs Llama layers only (LlamaForCausalLM.forward_logits asks)."""
-        return None
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: np.ndarray | None = None
-    ) -> torch.Tensor:
-        """As LlamaModel.forward: final-normed hidden states [num_tokens, hidden] (or `keep`'s)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         # Hugging Face scales by sqrt(hidden) rounded to the weights' dtype.
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        fused = cpu_ops.usable(x)
+        return x * torch.tensor(self.normalizer, dtype=x.dtype)
+
+    def ropes(self, positions: torch.Tensor, fused: bool) -> tuple[Rope, Rope]:
+        """(global, sliding)."""
         glob = Rope(self.rotary_emb, positions, fused)
-        local = glob if self.rotary_local is self.rotary_emb else Rope(
-            self.rotary_local, positions, fused)
-        residual = None
-        last = len(self.layers) - 1
-        rows = None if keep is None else torch.from_numpy(keep).to(x.device)
-        for i, layer in enumerate(self.layers):
-            x, residual = layer((glob, local), x, residual, rows if i == last else None)
-        if not x.shape[0]:
-            return x
-        return self.norm.add_norm(x, residual)[0]
+        if self.rotary_local is self.rotary_emb:
+            return glob, glob
+        return glob, Rope(self.rotary_local, positions, fused)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

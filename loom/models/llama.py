@@ -96,6 +96,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    rope_index = 0  # which of the model's `ropes` this layer's attention rotates with
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
@@ -120,6 +122,13 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = x[keep], residual[keep]
             if not len(keep):
                 return x, residual
+        return self.mlp_block(x, residual)
+
+    def mlp_block(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output and the residual stream -> (the MLP's output, the residual stream
+        before it)."""
         x, residual = self.post_attention_layernorm.add_norm(x, residual)
         return self.mlp(x), residual
 
@@ -154,16 +163,25 @@ class LlamaModel(nn.Module):
         stack = self.c_stack()
         if stack is not None:  # every layer in one C call
             return stack.forward(input_ids, positions, rows=keep, only_rows=keep is not None)[0]
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))  # shared by every layer
+        x = self.embed(input_ids)  # [num_tokens, hidden]
+        ropes = self.ropes(positions, fused=cpu_ops.usable(x))  # shared by every layer
         residual = None
         last = len(self.layers) - 1
         rows = None if keep is None else torch.from_numpy(keep).to(x.device)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(rope, x, residual, rows if i == last else None)
+            x, residual = layer(ropes[layer.rope_index], x, residual,
+                                rows if i == last else None)
         if not x.shape[0]:
             return x
         return self.norm.add_norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [num_tokens] -> the first layer's input [num_tokens, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def ropes(self, positions: torch.Tensor, fused: bool) -> tuple[Rope, ...]:
+        """The step's rotations, indexed by the layers' `rope_index`."""
+        return (Rope(self.rotary_emb, positions, fused),)
 
 
 class LlamaForCausalLM(nn.Module):

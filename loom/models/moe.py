@@ -87,9 +87,9 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeModel(LlamaModel):
     layer_cls = MoeDecoderLayer
 
-    def c_stack(self) -> None:
-        """The one-call C stack runs dense Llama layers only."""
-        return None
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.stack = False  # the one-call C stack runs dense Llama layers only
 
 
 class MoeForCausalLM(LlamaForCausalLM):
