@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -194,17 +194,37 @@ def structured_outputs_from(req: SamplingRequest) -> StructuredOutputsParams | N
         raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
 
 
-def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of every prompt (worker thread: the tokenizer releases the GIL), each first
-    checked by its size alone."""
-    ids: list[list[int]] = []
+def as_prompts(value: str | list[Any], param: str) -> list[str | list[int]]:
+    """A prompt-like field (text, texts, token ids or lists of token ids: protocol.Prompt) as
+    a list of prompts; 400 naming `param` when it is an empty list."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty", param)
+    if isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
+
+
+def check_prompt_sizes(
+    ctx: ServerContext, prompts: Sequence[str | list[int]], param: str = "prompt"
+) -> None:
+    """400 for a prompt too long for max_model_len by its size alone: a text by its characters
+    (without tokenizing it), token ids by their number. Names `param`, or `param[i]` of several."""
     for i, prompt in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        name = param if len(prompts) == 1 else f"{param}[{i}]"
         if isinstance(prompt, str):
-            ctx.check_text_size(len(prompt), param)
-            prompt = ctx.tokenizer.encode(prompt)
-        ctx.check_ids_size(len(prompt), param)
-        ids.append(prompt)
+            ctx.check_text_size(len(prompt), name)
+        else:
+            ctx.check_ids_size(len(prompt), name)
+
+
+def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (worker thread: the tokenizer releases the GIL): every prompt
+    checked by its size before any is tokenized, and by its number of tokens after."""
+    check_prompt_sizes(ctx, prompts)
+    ids = [ctx.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    check_prompt_sizes(ctx, ids)
     return ids
 
 

@@ -22,8 +22,10 @@ from loom.entrypoints.openai.serving_beam import create_beam_completion
 from loom.entrypoints.openai.serving_common import (
     ServerContext,
     add_requests,
+    as_prompts,
     build_sampling_params,
     cancel_on_disconnect,
+    check_prompt_sizes,
     check_stream_options,
     collect_final,
     constraint_source,
@@ -45,17 +47,6 @@ if TYPE_CHECKING:
 _Entry = tuple[int, "Logprobs | None"]
 
 
-def _prompts(req: CompletionRequest) -> list[str | list[int]]:
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
-
-
 def _check_unsupported(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported (no fill-in-the-middle)", "suffix")
@@ -75,7 +66,7 @@ async def create_completion(
     ctx.check_model(req.model)
     _check_unsupported(req)
     check_stream_options(req)
-    prompts = _prompts(req)
+    prompts = as_prompts(req.prompt, "prompt")
     if req.use_beam_search:  # loom/entrypoints/openai/serving_beam.py
         return JSONResponse(await cancel_on_disconnect(
             raw_request, lambda: create_beam_completion(ctx, req, prompts)))
@@ -83,12 +74,7 @@ async def create_completion(
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
     params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
-    for i, prompt in enumerate(prompts):  # cheap size checks first, before any tokenizing
-        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(prompt, str):
-            ctx.check_text_size(len(prompt), param)
-        else:
-            ctx.check_ids_size(len(prompt), param)
+    check_prompt_sizes(ctx, prompts)  # a 400 before add_requests' 503 and 429
     source = constraint_source(req)
     request_id = new_id("cmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)

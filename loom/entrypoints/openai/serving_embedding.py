@@ -22,7 +22,9 @@ from loom.entrypoints.openai.protocol import OpenAIBaseModel, Prompt
 from loom.entrypoints.openai.serving_common import (
     ServerContext,
     add_requests,
+    as_prompts,
     cancel_on_disconnect,
+    check_prompt_sizes,
     collect_final,
     new_id,
 )
@@ -38,22 +40,13 @@ class EmbeddingRequest(OpenAIBaseModel):
 
 
 def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[str | list[int]]:
-    value = req.input
-    if isinstance(value, str):
-        value = [value]
-    elif value and isinstance(value[0], int):
-        value = [value]  # type: ignore[list-item]
-    if not value:
-        raise bad_request("input must not be empty", "input")
-    for i, item in enumerate(value):
-        param = "input" if len(value) == 1 else f"input[{i}]"
+    inputs = as_prompts(req.input, "input")
+    for i, item in enumerate(inputs):
         if not item:
+            param = "input" if len(inputs) == 1 else f"input[{i}]"
             raise bad_request(f"{param} must not be empty", param)
-        if isinstance(item, str):
-            ctx.check_text_size(len(item), param)
-        else:
-            ctx.check_ids_size(len(item), param)
-    return list(value)  # type: ignore[arg-type]
+    check_prompt_sizes(ctx, inputs, "input")
+    return inputs
 
 
 def _encode(vec: list[float], encoding: str) -> list[float] | str:
