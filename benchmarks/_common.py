@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import socket
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,13 @@ def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any,
     result = queue.get()
     proc.join()
     return result
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server this script starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from loom.bench.server_proc import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dump, machine  # noqa: E402
+from _common import dump, free_port, machine  # noqa: E402
 
 # Long enough that every request runs to max_tokens inside the JSON.
 SCHEMA = {"type": "object", "properties": {"cities": {"type": "array", "minItems": 40,
@@ -35,12 +34,6 @@ SCHEMA = {"type": "object", "properties": {"cities": {"type": "array", "minItems
               "population": {"type": "integer", "minimum": 0}},
               "required": ["name", "population"]}}}, "required": ["cities"]}
 PROMPT = "List forty world cities with their populations as JSON."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_round(client: AsyncOpenAI, streams: int, constrained: bool, max_tokens: int) -> dict:

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,9 @@ from loom.bench.server_proc import (
 from loom.bench.sweep import SweepPlan, plot_sweep, sweep_server
 from loom.loader.resolve import default_gguf_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("LOOM_PEERS", Path.home() / ".cache" / "loom-peers"))
 
@@ -55,12 +57,6 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     version: str = ""
     notes: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _out(cmd: list[str]) -> str:

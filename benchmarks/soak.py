@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import dump  # noqa: E402
+from _common import dump, free_port  # noqa: E402
 
 from loom.bench.server_proc import ServerProcess, tree_rss  # noqa: E402
 
@@ -182,15 +182,17 @@ def main() -> None:
                     "counts as hung")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-every", type=float, default=1.0)
-    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--port", type=int, default=None,
+                    help="the port of the server it starts (default: a free one)")
     ap.add_argument("--out", help="write the JSON report here too")
     ap.add_argument("serve_args", nargs="*", help="extra `loom serve` flags (after --)")
     args = ap.parse_args()
     server = None
     url, pid = args.url, args.pid
     if url is None:
-        url = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(args.port),
+        port = args.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(port),
                "--disable-log-requests", *args.serve_args]
         server = ServerProcess(cmd, url, log_path="/tmp/loom-soak-server.log").start()
         server.wait_healthy()
