@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loom.kernels.cpu_ops import argmax_rows
 from loom.sample.sampler import compute_probs
 
 if TYPE_CHECKING:
@@ -66,7 +65,3 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], q: torch.Tensor | No
     token = int(torch.multinomial(residual, 1, generator=generator))
     return [*draft[:num], token]
 
-
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """argmax per row (the first of ties), as Sampler.sample takes it."""
-    return argmax_rows(logits).tolist()

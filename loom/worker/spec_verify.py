@@ -16,10 +16,14 @@ import torch
 
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.penalties import apply_all
-from loom.sample.rejection import greedy_tokens, rejection_sample, target_probs, verify_greedy
+from loom.sample.rejection import rejection_sample, target_probs, verify_greedy
+from loom.sample.sampler import Sampler
 
 if TYPE_CHECKING:
     from loom.sampling_params import SamplingParams
+
+
+_SAMPLER = Sampler()  # stateless
 
 
 class _State(Protocol):
@@ -41,10 +45,10 @@ def verify_draft(logits: torch.Tensor, state: _State, draft: list[int],
         [params] * (k + 1), [state.prompt_token_ids] * (k + 1),
         [state.output_token_ids + draft[:j] for j in range(k + 1)], [None] * (k + 1),
         eos_token_ids, vocab_size, logits.device)
+    if params.greedy:  # the sampler's own tokens (it copies the logits only if it must)
+        return verify_greedy(_SAMPLER.forward(logits, md).sampled_token_ids.tolist(), draft)
     logits = logits.to(torch.float32, copy=True)  # [k + 1, vocab]
     apply_all(logits, md)
-    if params.greedy:
-        return verify_greedy(greedy_tokens(logits), draft)
     probs = target_probs(logits, md)
     return rejection_sample(probs, draft, generator=state.generator)
 
