@@ -73,8 +73,8 @@ def main() -> None:
     ap.add_argument("--loom-cpu-kernels", default="auto",
                     help="with --loom-quantization: Loom's --cpu-kernels (default: auto)")
     args = ap.parse_args()
-    # Loom's OpenMP default (a short spin: `import loom` sets it before torch loads); this
-    # script has imported torch already, so its Loom children get it from here
+    # Loom's OpenMP defaults (loom/threads.py) take effect only if set before torch loads: its
+    # children get them in their environment from the start
     loom_env = openmp_env_defaults()
     loom = in_fresh_process(run_loom, args.num_prompts, args.output_len, env=loom_env)
     quant = None
