@@ -142,6 +142,12 @@ class ServerMetrics:
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
 
+    def ttft_totals(self) -> tuple[float, float]:
+        """The time-to-first-token histogram's (sum of seconds, count) since start."""
+        samples = self.ttft.collect()[0].samples
+        total = {x.name.rpartition("_")[2]: x.value for x in samples}
+        return total["sum"], total["count"]
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

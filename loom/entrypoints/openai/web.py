@@ -73,14 +73,7 @@ class Recorder:
 
     def sample(self) -> None:
         s = self.engine.snapshot
-        ttft_sum = ttft_count = 0.0
-        for family in self.metrics.registry.collect():
-            if family.name == "loom:time_to_first_token_seconds":
-                for x in family.samples:
-                    if x.name.endswith("_sum"):
-                        ttft_sum = x.value
-                    elif x.name.endswith("_count"):
-                        ttft_count = x.value
+        ttft_sum, ttft_count = self.metrics.ttft_totals()
         self.samples.append(_Sample(time.monotonic(), s.generation_tokens, s.prompt_tokens,
                                     s.num_running, s.num_waiting, s.kv_cache_usage, ttft_sum,
                                     ttft_count))
