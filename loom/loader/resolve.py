@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2"
+from loom.hub import ModelNameError, ModelNotPulledError, packaged_gguf, resolve_cached
+from loom.hub.registry import PACKAGED as DEFAULT_MODEL
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -20,8 +21,6 @@ class ModelSource:
 
 
 def default_gguf_path() -> Path:
-    from loom.hub import ModelNotPulledError, packaged_gguf
-
     try:
         return packaged_gguf()
     except ModelNotPulledError as e:
@@ -45,8 +44,6 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource("hf", path, model)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder")
-    from loom.hub import ModelNameError, ModelNotPulledError, resolve_cached
-
     try:  # a name: alias, org/repo or org/repo:QUANT, pulled before (`loom pull`)
         kind, found = resolve_cached(model)
     except (ModelNameError, ModelNotPulledError) as e:
