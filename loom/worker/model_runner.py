@@ -4,6 +4,7 @@ sampling. It turns a plain-data `SchedulerOutput` into a `ModelRunnerOutput`."""
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,8 @@ from loom.structured.backend import apply_token_bitmask
 from loom.worker.kv_cache import allocate_kv_caches
 from loom.worker.pooler import Pooler
 from loom.worker.spec_verify import verify_draft
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,7 +73,7 @@ class ModelRunner:
             try:  # a request whose inputs cannot be prepared fails alone (`failed`)
                 self.requests[new.req_id] = self._new_state(new)
             except Exception as e:  # noqa: BLE001 - reported as this request's error
-                failed[new.req_id] = _reason("preparing the request", e)
+                _fail_alone(failed, new.req_id, "preparing the request", e)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -184,7 +187,7 @@ class ModelRunner:
                 tokens = verify_draft(logits[start : start + num], s, drafts[s.req_id],
                                       self.eos_token_ids, self.model_config.vocab_size)
             except Exception as e:  # noqa: BLE001 - this request's error alone
-                failed[s.req_id] = _reason("verifying a speculative draft", e)
+                _fail_alone(failed, s.req_id, "verifying a speculative draft", e)
                 continue
             s.token_ids.extend(tokens)
             s.output_token_ids.extend(tokens)
@@ -208,14 +211,16 @@ class ModelRunner:
             out = self.sampler.forward(logits, self._metadata(states))
             return list(zip(out.sampled_token_ids.tolist(), out.logprobs))
         except Exception:  # noqa: BLE001 - find the row at fault below
-            pass
+            # said, with its traceback: were every row to pass alone, the bug is the batch's
+            logger.warning("sampling %d rows at once failed; sampling them one by one",
+                           len(states), exc_info=True)
         rows: list[tuple[int | None, Logprobs | None]] = []
         for j, state in enumerate(states):
             try:
                 out = self.sampler.forward(logits[j : j + 1], self._metadata([state]))
                 rows.append((out.sampled_token_ids.tolist()[0], out.logprobs[0]))
             except Exception as e:  # noqa: BLE001 - this request's error alone
-                failed[state.req_id] = _reason("sampling", e)
+                _fail_alone(failed, state.req_id, "sampling", e)
                 rows.append((None, None))
         return rows
 
@@ -269,7 +274,7 @@ class ModelRunner:
                     targets = torch.tensor(s.token_ids[c + 1 : last + 1], device=self.device)
                     entries.extend(compute_prompt_logprobs(logits, targets, num_top))
                 except Exception as e:  # noqa: BLE001 - this request's error alone
-                    failed[s.req_id] = _reason("computing prompt logprobs", e)
+                    _fail_alone(failed, s.req_id, "computing prompt logprobs", e)
             result.append(entries)
         return result
 
@@ -297,6 +302,8 @@ def _draft_rows(
     return np.asarray(rows, dtype=np.int64), plain, spec
 
 
-def _reason(what: str, e: BaseException) -> str:
-    """The error message a request that failed alone gets (no traceback, bounded length)."""
-    return f"internal error while {what}: {type(e).__name__}: {str(e)[:200]}"
+def _fail_alone(failed: dict[str, str], req_id: str, what: str, e: BaseException) -> None:
+    """Fail one request of the step: its client gets a short reason (no traceback, bounded
+    length) in `failed`; the log gets the traceback."""
+    logger.warning("request %s failed alone while %s", req_id, what, exc_info=e)
+    failed[req_id] = f"internal error while {what}: {type(e).__name__}: {str(e)[:200]}"
