@@ -51,8 +51,7 @@ class EngineBackend(Backend):
             llm = LLM(**engine_kwargs)
         self.llm = llm
         self.tokenizer = llm.engine.tokenizer
-        self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) \
-            if self.tokenizer.chat_template else None
+        self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loom-lang-loop",
                                         daemon=True)

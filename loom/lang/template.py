@@ -32,8 +32,11 @@ class ChatTemplate:
         self._render = render
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
-        """The template of a Loom `Tokenizer` (the engine's, or one loaded for a server)."""
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate | None:
+        """The template of a Loom `Tokenizer` (the engine's, or one loaded for a server); None
+        when the model has none."""
+        if not tokenizer.chat_template:
+            return None
 
         def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
             return tokenizer.apply_chat_template(messages, add_generation_prompt)

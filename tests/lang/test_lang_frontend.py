@@ -73,6 +73,19 @@ def test_role_spans_come_from_the_template():
         t.role_span([], "tool")
 
 
+def test_a_tokenizer_gives_its_template_or_none():
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    raw = RawTokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    assert ChatTemplate.from_tokenizer(Tokenizer(backend=raw)) is None
+    t = ChatTemplate.from_tokenizer(Tokenizer(backend=raw, chat_template=CHATML))
+    assert t is not None and t.role_span([{"role": "system", "content": "S"}], "user") == (
+        "<|im_start|>user\n", "<|im_end|>\n")
+
+
 def test_roles_render_like_the_template_and_record_messages():
     @function
     def chat(s):
