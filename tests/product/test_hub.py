@@ -127,8 +127,8 @@ def test_pull_shows_progress_and_resumes(hub) -> None:
     assert 0 < start < size  # ...from where it stopped, with a Range request
     assert fake.gets(OTHER) == []  # the other tag was not downloaded
     cached = next(Path(env["HF_HOME"]).glob(f"hub/models--*/snapshots/*/{GGUF}"))
-    assert file_digest(cached.resolve(), RepoFile(default_gguf_path(), True).sha256)[1] == \
-        RepoFile(default_gguf_path(), True).sha256
+    sha256 = RepoFile(default_gguf_path(), True).sha256
+    assert file_digest(cached.resolve(), sha256) == ("sha256", sha256)
     again = loom(env, "pull", "--quiet", f"{REPO}:Q4_1")  # cached: no second download
     assert again.returncode == 0 and len(fake.gets(GGUF)) == 2
 
@@ -202,6 +202,7 @@ def test_list_show_rm_agree(hub) -> None:
     shown = loom(env, "show", name)
     assert shown.returncode == 0 and "LlamaForCausalLM" in shown.stdout
     assert "Q4_1" in shown.stdout and "chat template   yes" in shown.stdout
+    assert "134.5 M" in shown.stdout  # SmolLM2-135M's parameters, counted from its tensors
     rm = loom(env, "rm", name)
     assert rm.returncode == 0 and f"deleted {name}" in rm.stdout
     assert name not in loom(env, "list").stdout
