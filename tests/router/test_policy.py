@@ -48,6 +48,7 @@ def test_cache_aware_follows_the_prefix_until_its_replica_is_overloaded() -> Non
     fresh = block_hashes(prompt_text(_chat(SYSTEM, "five " * 40)), 64)
     assert policy.choose(backends, fresh) == (other, 4)
 
+
 def test_round_robin_alternates_and_load_is_parsed() -> None:
     backends = [Backend("http://a", healthy=True), Backend("http://b", healthy=True)]
     rr = RoundRobin()
