@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from loom.config import CacheConfig, ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -73,7 +75,7 @@ class DraftModelProposer:
         new, ks, computed = [], {}, {}
         for r, k in zip(requests, num_tokens):
             tokens = list(r.all_token_ids)
-            seq = _Seq(r.request_id, _common_prefix(self.seen.get(r.request_id, ()), tokens))
+            seq = _Seq(r.request_id, _common_prefix(self.seen.get(r.request_id, []), tokens))
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
             self.kv.trim(seq, seq.num_computed_tokens)
             if self.kv.allocate_slots(seq, len(tokens) + k - 1 - seq.num_computed_tokens) is None:
@@ -111,10 +113,10 @@ class DraftModelProposer:
         self._stale.add(req_id)
 
 
-def _common_prefix(a: list[int] | tuple[()], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of a and b's common prefix, compared in C (they are whole sequences; only the
+    last few tokens, the drafts, ever differ)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return int(np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0])
