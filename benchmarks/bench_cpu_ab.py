@@ -30,7 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-PORT = 8123
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _common import free_port  # noqa: E402
 
 # One decode measurement; run with the checkout under test as the working directory (its
 # `loom` package shadows the installed one).
@@ -67,12 +69,13 @@ print("RESULT " + json.dumps(out))
 def _startup_once(tree: Path) -> dict[str, float]:
     # The measuring `loom bench` sets its OpenMP defaults for itself: the server must not inherit
     # them (each side's CLI sets its own).
+    port = free_port()
     serve = f"cd {tree} && exec env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT {PYTHON} " \
             f"-m loom.entrypoints.cli serve " \
-            f"--port {PORT}"
+            f"--port {port}"
     out = subprocess.run(
         [PYTHON, "-m", "loom.entrypoints.cli", "bench", "startup", "--base-url",
-         f"http://127.0.0.1:{PORT}", "--timeout", "300", "--", "bash", "-c", serve],
+         f"http://127.0.0.1:{port}", "--timeout", "300", "--", "bash", "-c", serve],
         cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout
     first = float(re.search(r"first token after ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
