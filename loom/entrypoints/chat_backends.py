@@ -74,8 +74,7 @@ class LocalBackend:
 
     def stream(self, messages: Messages, settings: dict[str, Any],
                stopped: Callable[[], bool]) -> Iterator[str]:
-        from loom.engine.llm_engine import InvalidRequestError
-        from loom.sampling_params import SamplingParams, SamplingParamsError
+        from loom.sampling_params import SamplingParams
 
         try:
             params = SamplingParams(**settings)
@@ -84,7 +83,7 @@ class LocalBackend:
             request_id = f"chat-{self._count}"
             timer = _Timer()
             self.engine.add_request(request_id, prompt, params)
-        except (InvalidRequestError, SamplingParamsError, ValueError) as e:
+        except ValueError as e:  # InvalidRequestError, SamplingParamsError, ChatTemplateError
             raise BackendError(str(e)) from None
         self.stats = stats = AnswerStats(prompt_tokens=len(prompt))
         try:
