@@ -94,20 +94,20 @@ class LLGuidanceBackend:
         """Compute the first mask on `template` itself (every request's copy then starts with
         it cached) and follow one allowed token per step on a copy for `_PROBE_STEPS` steps."""
         bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-        matcher = template
+        matcher = GrammarMatcher(template)
         for step in range(_PROBE_STEPS + 1):
-            GrammarMatcher(matcher).fill_bitmask(bitmask, 0)
-            error = GrammarMatcher(matcher).error
-            if error is not None:
-                raise GrammarError(f"the {kind} exceeds a limit of the grammar engine: {error}")
-            allowed = _allowed_tokens(bitmask[0], self.vocab_size, self.eos_token_ids)
-            if step == _PROBE_STEPS or not allowed or matcher.is_stopped():
-                return
-            if matcher is template:
-                matcher = template.deep_copy()
-            if not matcher.consume_token(allowed[-1]) or matcher.is_error():
+            matcher.fill_bitmask(bitmask, 0)
+            if matcher.error is not None:
                 raise GrammarError(f"the {kind} exceeds a limit of the grammar engine: "
-                                   f"{GrammarMatcher(matcher).error or 'a token was rejected'}")
+                                   f"{matcher.error}")
+            allowed = _allowed_tokens(bitmask[0], self.vocab_size, self.eos_token_ids)
+            if step == _PROBE_STEPS or not allowed or matcher.is_terminated():
+                return
+            if step == 0:  # the template itself stays at its start
+                matcher = GrammarMatcher(template.deep_copy())
+            if not matcher.accept_token(allowed[-1]) or matcher.error is not None:
+                raise GrammarError(f"the {kind} exceeds a limit of the grammar engine: "
+                                   f"{matcher.error or 'a token was rejected'}")
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         llg = self._llg.LLMatcher
