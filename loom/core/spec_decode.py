@@ -180,21 +180,31 @@ class SpecDecoder:
     def prepare(self, running: list[Request]) -> None:
         """Draft-model drafts for this step's decoding requests (no-op for n-gram)."""
         self._drafts = {}
-        if self.drafter is None:
-            return
-        cfg = self.config
-        if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
+        if self.drafter is None or self._off(len(running)):
             return
         reqs, ks = [], []
         for r in running:
-            state = self._adaptive.get(r.request_id)
-            k = self._limit(r, cfg.num_speculative_tokens if state is None else state.k)
-            if (r.num_tokens - r.num_computed_tokens == 1 and can_speculate(r) and k > 0
-                    and (state is None or state.pause == 0)):
+            if r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r):
+                continue
+            state = self._state(r)
+            k = 0 if state.pause else self._limit(r, state.k)
+            if k > 0:
                 reqs.append(r)
                 ks.append(k)
         if reqs:
             self._drafts = self.drafter.propose(reqs, ks)
+
+    def _off(self, num_running: int) -> bool:
+        """No request speculates in a batch this large."""
+        limit = self.config.disable_by_batch_size
+        return limit is not None and num_running > limit
+
+    def _state(self, request: Request) -> _Adaptive:
+        state = self._adaptive.get(request.request_id)
+        if state is None:
+            state = self._adaptive[request.request_id] = _Adaptive(
+                self.config.num_speculative_tokens)
+        return state
 
     def _limit(self, request: Request, k: int) -> int:
         """k, but never past max_tokens (the sampled token comes on top) nor max_model_len."""
@@ -206,14 +216,9 @@ class SpecDecoder:
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
         the step's budget left after that token."""
-        cfg = self.config
-        if cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size:
+        if self._off(num_running) or not can_speculate(request):
             return []
-        if not can_speculate(request):
-            return []
-        state = self._adaptive.get(request.request_id)
-        if state is None:
-            state = self._adaptive[request.request_id] = _Adaptive(cfg.num_speculative_tokens)
+        state = self._state(request)
         if state.pause > 0:
             state.pause -= 1
             return []
@@ -222,6 +227,7 @@ class SpecDecoder:
             return []
         if self.drafter is not None:
             return self._drafts.get(request.request_id, [])[:k]
+        cfg = self.config
         return ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
                              cfg.prompt_lookup_max)
 
