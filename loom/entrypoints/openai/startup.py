@@ -17,7 +17,7 @@ def _weights(engine: LLMEngine) -> str:
         fmt = f"GGUF {gguf_tag(source.path.name) or ''}".rstrip()
     else:
         fmt = "safetensors"
-    quant = getattr(engine.loaded, "quantization", engine.args.quantization)
+    quant = engine.loaded.quantization
     if quant is None:
         how = f"run in {dtype}"
     elif quant == "int8" and source.kind == "gguf" and engine.args.quantization is None:
@@ -29,13 +29,12 @@ def _weights(engine: LLMEngine) -> str:
 
 
 def _kernels(engine: LLMEngine) -> str:
-    k = getattr(engine.loaded, "kernels", None)
+    k = engine.loaded.kernels
     if k is None:
         return f"torch ops on {engine.args.resolved_device()} (no CPU C kernels)"
     from loom.kernels.dispatch import runs_here, variants
 
-    chosen = getattr(engine.args, "cpu_kernels", "auto")
-    why = ("chosen with --cpu-kernels" if chosen not in (None, "auto") else
+    why = ("chosen with --cpu-kernels" if engine.args.cpu_kernels not in (None, "auto") else
            "the best of " + ", ".join(v.name for v in variants() if runs_here(v))
            + " this CPU runs")
     return (f"{k.variant} build ({why}); int8 linears {k.batch} past 8 rows, {k.decode} up to "
