@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loom import __version__
+from loom.errors import error_body
 from loom.router.args import RouterArgs
 from loom.router.backends import Backend, BackendPool
 from loom.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -37,16 +38,11 @@ MAX_BODY_BYTES = 16 * 2**20
 _DROP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
                  "accept-encoding", "upgrade", "te", "trailer", "proxy-authorization"}
 _PASS_BACK = ("content-type", "retry-after", "x-request-id")
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error",
-                503: "unavailable_error"}
 
 
 def error(status: int, message: str, param: str | None = None,
           code: str | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 class _Retry(Exception):
@@ -157,9 +153,8 @@ class Router:
         except httpx.TransportError as e:
             backend.mark_down(f"{type(e).__name__}: {e}")
             self.metrics.stream_failures.labels(backend.url).inc()
-            err = {"error": {"message": f"the replica failed while streaming ({type(e).__name__})"
-                             "; the answer is incomplete", "type": "server_error",
-                             "param": None, "code": "backend_failed"}}
+            err = error_body(500, f"the replica failed while streaming ({type(e).__name__}); "
+                             "the answer is incomplete", code="backend_failed")
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             backend.in_flight -= 1
