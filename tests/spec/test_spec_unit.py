@@ -80,8 +80,10 @@ def test_adaptive_draft_length_and_pause() -> None:
     assert spec.propose(req, 1, 0) == []  # no budget left
     assert spec.stats.num_draft_tokens == 7 and spec.stats.accepted_per_pos == [1, 0, 0, 0]
     short = _request([1, 2, 3, 1, 2], max_tokens=3)
-    short.output_token_ids.append(1)  # one of 3 out: at most 1 draft + 1 sampled
-    assert len(spec.propose(short, 1, 100)) <= 1
+    short.append_output_token_ids(1)  # one of 3 out: at most 1 draft + 1 sampled
+    fresh = SpecDecoder(config, max_model_len=100)  # (spec's "r" now drafts 1 token at most)
+    assert ngram_propose(short.all_token_ids, 4, 1, 2) == [2, 1]
+    assert fresh.propose(short, 1, 100) == [2]
 
 
 def test_trim_returns_the_rejected_tokens_blocks() -> None:
