@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loom.config import ConfigError, ModelConfig
+from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
@@ -164,11 +164,9 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     layers = int(field(reader, f"{arch}.block_count"))
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag a layer: sliding or not
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
     else:
-        period = int(pattern or (6 if arch == "gemma3" else 2))
-        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                 for i in range(layers)]
+        types = interleaved_layer_types(layers, int(pattern or (6 if arch == "gemma3" else 2)))
     if field(reader, f"{arch}.attention.sliding_window") is None:
         raise GGUFError(f"{path}: metadata key {arch}.attention.sliding_window is missing")
     hidden = int(field(reader, f"{arch}.embedding_length"))
@@ -177,7 +175,7 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     is_27b = layers == (62 if arch == "gemma3" else 46)
     tokens = field(reader, "tokenizer.ggml.tokens", [])
     return dict(
-        layer_types=tuple(types),
+        layer_types=types,
         rope_local_theta=(float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
                           if arch == "gemma3" else None),
         query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim),
@@ -212,20 +210,20 @@ def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = field(reader, f"{arch}.rope.scaling.type")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors if t.name in _ROPE_FACTORS}
+
+    def factors(name: str) -> tuple[float, ...]:
+        t = tensors[name]
+        return tuple(dequantize(t.data, t.tensor_type, (-1,)).tolist())
+
     if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
-        long, short = (dequantize(tensors[f"rope_factors_{k}.weight"].data,
-                                  tensors[f"rope_factors_{k}.weight"].tensor_type, (-1,))
-                       for k in ("long", "short"))
-        return {"rope_type": "longrope", "long_factor": tuple(long.tolist()),
-                "short_factor": tuple(short.tolist()),
+        return {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                "short_factor": factors("rope_factors_short.weight"),
                 "original_max_position_embeddings":
                     int(field(reader, f"{arch}.rope.scaling.original_context_length")),
                 "attention_factor": field(reader, f"{arch}.rope.scaling.attn_factor")}
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:  # Llama 3.1 GGUFs store the scaled frequencies' divisors
-        factors = dequantize(freqs.data, freqs.tensor_type, (-1,))
-        return {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
+    if "rope_freqs.weight" in tensors:  # Llama 3.1 GGUFs store the scaled frequencies' divisors
+        return {"rope_type": "freq_factors", "factors": factors("rope_freqs.weight")}
     if kind in (None, "none"):
         return None
     if kind == "linear":

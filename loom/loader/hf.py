@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom.config import ConfigError, ModelConfig
+from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -48,10 +48,9 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if not types:  # older configs: every `pattern`-th layer is global (Gemma 2: every other)
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-                      or (6 if arch == "Gemma3ForCausalLM" else 2))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n)]
+        types = interleaved_layer_types(n, int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+            or (6 if arch == "Gemma3ForCausalLM" else 2)))
     local = cfg.get("rope_local_base_freq")
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
