@@ -23,7 +23,7 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
     config = SpeculativeConfig.parse(args.speculative_config)
     if config is None:
         return None
-    if args.tensor_parallel_size > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         raise ConfigError("speculative decoding does not run with tensor or pipeline "
                           "parallelism yet")
     drafter = None
