@@ -12,7 +12,6 @@ callers use their torch path.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -129,9 +128,7 @@ def _selection(name: str, batch_invariant: bool) -> tuple[ctypes.CDLL, KernelCho
                 raise dispatch.KernelChoiceError(
                     f"CPU kernels {name!r} failed to build: {e}") from None
             continue
-        if choice.batch == "amx" and not lib.loom_amx_available():  # Linux withholds the tiles
-            choice = dataclasses.replace(choice, batch="bf16")
-        return lib, choice
+        return lib, dispatch.granted(choice, amx_tiles=bool(lib.loom_amx_available()))
 
 
 _current: list[tuple[ctypes.CDLL, KernelChoice] | None] = []  # the selection, once made

@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +159,12 @@ def choose(name: str = "auto", batch_invariant: bool = False,
             raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
     batch, decode = ("fp32", "fp32") if batch_invariant else (v.batch, v.decode)
     return KernelChoice(v.name, batch, decode, "int8", batch_invariant)
+
+
+def granted(choice: KernelChoice, amx_tiles: bool) -> KernelChoice:
+    """`choice` once its build is loaded: where Linux withholds the AMX tiles from this process
+    (`amx_tiles` False: the library's loom_amx_available), the amx build's AVX512-BF16 dot
+    products past 8 rows instead."""
+    if choice.batch == "amx" and not amx_tiles:
+        return replace(choice, batch="bf16")
+    return choice

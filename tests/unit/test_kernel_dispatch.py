@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -66,6 +67,15 @@ def test_a_named_build_runs_or_says_why(cpu) -> None:
     with pytest.raises(KernelChoiceError, match="'avx2' failed to build"):
         choose("avx2", failed=frozenset({"avx2"}))
     assert choose(failed=frozenset({"avx2"})).variant == "generic"  # the next one down
+
+
+def test_amx_tiles_withheld_by_linux_run_the_builds_bf16_kernel(cpu) -> None:
+    cpu(CPUS["sapphire rapids"][0])
+    amx = choose()
+    assert dispatch.granted(amx, amx_tiles=True) == amx
+    assert dispatch.granted(amx, amx_tiles=False) == dataclasses.replace(amx, batch="bf16")
+    cpu(CPUS["zen4"][0])
+    assert dispatch.granted(choose(), amx_tiles=False) == choose()  # no tiles asked for
 
 
 def test_every_name_is_a_variant_and_the_best_come_first() -> None:
