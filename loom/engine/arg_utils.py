@@ -57,6 +57,22 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def cli_default(f: dataclasses.Field) -> Any:
+    """The command line's default of a `flag(...)` field."""
+    meta = f.metadata
+    return f.default if meta["cli_default"] is _NO_CLI_DEFAULT else meta["cli_default"]
+
+
+def flags_set(cls: type, ns: argparse.Namespace, skip: Iterable[str] = (),
+              defaults: dict[str, Any] | None = None) -> list[str]:
+    """The `--flag` names of `cls` whose parsed value is not their default (`defaults`: those a
+    command's parser changed with set_defaults): what the user set."""
+    skip, defaults = set(skip), defaults or {}
+    return ["--" + f.name.replace("_", "-") for f in flag_fields(cls)
+            if f.name not in skip and hasattr(ns, f.name)
+            and getattr(ns, f.name) != defaults.get(f.name, cli_default(f))]
+
+
 def _flag_type(annotation: Any) -> Any:
     """int | None -> int; str -> str."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -96,7 +112,7 @@ def add_dataclass_args(
         if f.name in skip:
             continue
         meta = f.metadata
-        default = f.default if meta["cli_default"] is _NO_CLI_DEFAULT else meta["cli_default"]
+        default = cli_default(f)
         kwargs: dict[str, Any] = {"default": default, "help": meta["help"]}
         kind = _flag_type(hints[f.name])
         if kind is bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from loom.engine.arg_utils import HelpFormatter, add_dataclass_args, from_namespace
+from loom.engine.arg_utils import HelpFormatter, add_dataclass_args, flags_set, from_namespace
 from loom.engine.args import EngineArgs
 
 HELP = """commands:
@@ -34,12 +34,15 @@ SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
             "presence_penalty": float, "frequency_penalty": float}
 
 
+ENGINE_DEFAULTS = {"max_num_seqs": 1}  # one conversation: a KV cache for one sequence
+
+
 def register(sub: Any) -> argparse.ArgumentParser:
     """Register `loom chat` on the `loom` subcommand parser."""
     p = sub.add_parser("chat", help="chat with a model in the terminal (streamed)",
                        formatter_class=HelpFormatter, description=__doc__)
     add_dataclass_args(p, EngineArgs, positional=("model",), skip=("served_model_name",))
-    p.set_defaults(max_num_seqs=1)  # one conversation: a KV cache for one sequence
+    p.set_defaults(**ENGINE_DEFAULTS)
     g = p.add_argument_group("chat")
     g.add_argument("--url", default=None,
                    help="chat with a running server (e.g. http://127.0.0.1:8000) instead of "
@@ -232,6 +235,11 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         pass
     settings = {"temperature": ns.temperature, "top_p": ns.top_p, "max_tokens": ns.max_tokens}
     if ns.url:
+        # The server runs its own engine: an engine flag here would be silently ignored.
+        ignored = flags_set(EngineArgs, ns, skip=("model",), defaults=ENGINE_DEFAULTS)
+        if ignored:
+            raise SystemExit(f"error: {', '.join(ignored)} configure a local engine; with --url "
+                             "the server's own settings apply")
         try:
             backend: Any = RemoteBackend(ns.url, ns.api_key, ns.model)
         except BackendError as e:

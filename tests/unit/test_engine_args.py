@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from loom.engine.arg_utils import add_dataclass_args, flag_fields, from_namespace
+from loom.engine.arg_utils import add_dataclass_args, flag_fields, flags_set, from_namespace
 from loom.engine.args import SERVE_CPU_BATCHED_TOKENS, EngineArgs
 from loom.entrypoints.cli import build_parser
 from loom.entrypoints.openai.server_args import ServerArgs
@@ -93,3 +93,18 @@ def test_serve_help_is_grouped(capsys) -> None:
     assert positions == sorted(positions)
     server = out[positions[-1]:]
     assert "--served-model-name" in server and "--port" in server and "(default: 8000)" in server
+
+
+def test_flags_set_names_what_the_user_gave() -> None:
+    ns = build_parser().parse_args(["serve", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    assert flags_set(EngineArgs, ns) == ["--max-num-seqs", "--enable-prefix-caching"]
+    assert flags_set(EngineArgs, build_parser().parse_args(["serve"])) == []
+
+
+def test_chat_with_url_refuses_engine_flags() -> None:
+    """`loom chat --url` talks to a server with its own engine: an engine flag would be
+    ignored, so it is an error (raised before any connection)."""
+    from loom.entrypoints.cli import main
+
+    with pytest.raises(SystemExit, match="--quantization configure a local engine"):
+        main(["chat", "--url", "http://127.0.0.1:9", "--quantization", "none"])
