@@ -1,4 +1,5 @@
-"""OpenAI error envelope `{"error": {message, type, param, code}}` with a fixed status mapping.
+"""OpenAI error envelope `{"error": {message, type, param, code}}` with a fixed status mapping
+(the envelope and the mapping: loom.errors, shared with the router).
 
 | status | type                  | when                                                      |
 |--------|-----------------------|-----------------------------------------------------------|
@@ -32,20 +33,11 @@ from loom.engine.async_engine import (
     QueueFullError,
     RequestFailedError,
 )
+from loom.errors import error_body
 from loom.sampling_params import SamplingParamsError
 from loom.tokenizer.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
-
-ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "unavailable_error",
-}
 
 
 class APIError(Exception):
@@ -62,14 +54,8 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    @property
-    def type(self) -> str:
-        return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else
-                               "invalid_request_error")
-
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
