@@ -33,12 +33,11 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)  # [num_tokens, out/N]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ColumnParallelLinear):
+    """Its weight [out, in/N]; the bias (whole) is added once, after the all-reduce."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group=None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)  # [out, in/N]
-        self.bias = None if bias is None else nn.Parameter(bias.contiguous(),
-                                                           requires_grad=False)
+        super().__init__(weight, bias)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
