@@ -193,7 +193,7 @@ class Scheduler:
             if num_new <= 0:
                 req_index += 1
                 continue
-            draft = self._propose(request, num_new, step)
+            draft = self._propose(request, step)
             if draft and (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + len(draft))) is not None:
                 step.spec_tokens[request.request_id] = draft
@@ -215,10 +215,9 @@ class Scheduler:
             step.add(request, num_new)
             req_index += 1
 
-    def _propose(self, request: Request, num_new: int, step: _Step) -> list[int]:
+    def _propose(self, request: Request, step: _Step) -> list[int]:
         """A speculative draft for a request about to decode (its last token alone is new)."""
-        if (self.spec is None or num_new != 1
-                or request.num_tokens - request.num_computed_tokens != 1):
+        if self.spec is None or request.num_tokens - request.num_computed_tokens != 1:
             return []
         return self.spec.propose(request, len(self.running), step.token_budget - 1)
 
