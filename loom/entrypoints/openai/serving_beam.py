@@ -43,7 +43,7 @@ def beam_params(req: CompletionRequest) -> tuple[BeamSearchParams, int]:
     if req.temperature not in (None, 0, 0.0):
         raise bad_request("use_beam_search needs temperature 0 (or unset)", "temperature")
     n = req.n if req.n is not None else 1
-    width = req.beam_width or req.best_of or n
+    width = next(w for w in (req.beam_width, req.best_of, n) if w is not None)  # 0 is a value
     if n < 1 or width < 1:
         raise bad_request("n and beam_width must be positive", "beam_width")
     if n > width:
