@@ -78,13 +78,6 @@ def kv_pointers(kv_cache: torch.Tensor) -> tuple[int, int]:
     return k, k + kv_cache.numel() // 2 * kv_cache.element_size()
 
 
-def cache_dir() -> Path:
-    """Where the kernels' builds lie (loom.kernels.build.cache_dir)."""
-    from loom.kernels.build import cache_dir
-
-    return cache_dir()
-
-
 def cpu_flags() -> str:
     """The CPU's feature flags, space-separated (loom.kernels.dispatch.cpu_features)."""
     return " ".join(sorted(dispatch.cpu_features()))

@@ -188,7 +188,8 @@ def test_supported_only_where_the_kernel_runs():
 def test_build_is_cached_and_switchable(tmp_path):
     """A fresh cache folder gets one library on first use (the variant this CPU runs best);
     LOOM_CPU_KERNELS=0 turns the kernels off."""
-    code = "from loom.kernels import cpu_kernels, cache_dir; print(cpu_kernels() is not None, cache_dir())"
+    code = ("from loom.kernels import cpu_kernels; from loom.kernels.build import cache_dir; "
+            "print(cpu_kernels() is not None, cache_dir())")
     env = {"LOOM_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert on.stdout.split() == ["True", str(tmp_path / "kernels")], on.stderr
