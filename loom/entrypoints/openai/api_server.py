@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loom import __version__
 from loom.engine.async_engine import AsyncEngine, EngineShutdownError
+from loom.entrypoints.openai import web
 from loom.entrypoints.openai.body import (
     BodySizeLimitMiddleware, install_openapi, openapi_body, parse_body,
 )
@@ -37,14 +38,12 @@ from loom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from loom.entrypoints.openai.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from loom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
-from loom.entrypoints.openai.startup import startup_line
 from loom.entrypoints.openai.serving_embedding import EmbeddingRequest, embeddings_route
-from loom.entrypoints.openai import web
-
-from loom.entrypoints.openai.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from loom.entrypoints.openai.startup import startup_line
 
 if TYPE_CHECKING:
     from loom.engine.args import EngineArgs
