@@ -37,7 +37,10 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 
 
 _GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM")  # sliding_window applies to every layer
+# sliding_window as the config gives it (Gemma: its sliding layers'; the others: every layer's)
+_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", *_GEMMAS)
+# Qwen's sliding window applies to some layers only: refused
+_QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -67,23 +70,20 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-        sliding_window=cfg.get("sliding_window"),
     )
 
 
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
-def _moe_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Experts, top-k, the router's renormalisation, shared expert, which layers are sparse."""
     n = int(cfg["num_hidden_layers"])
     if arch == "MixtralForCausalLM":  # every layer sparse, top-k always renormalised
         return dict(num_experts=int(cfg["num_local_experts"]),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
-                    moe_layers=tuple(range(n)), sliding_window=cfg.get("sliding_window"))
-    if cfg.get("use_sliding_window"):
-        raise ConfigError(f"{path}: use_sliding_window=true is not supported for {arch}")
+                    moe_layers=tuple(range(n)))
     experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 renames
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
@@ -138,7 +138,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         if scaling is not None and "original_max_position_embeddings" in cfg:
             scaling.setdefault("original_max_position_embeddings",
                                cfg["original_max_position_embeddings"])  # Phi-3 keeps it apart
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        if arch in _QWENS and cfg.get("use_sliding_window"):
             raise ConfigError(f"{path}: use_sliding_window=true is not supported for {arch}")
         eos = _as_tuple(cfg.get("eos_token_id"))
         gen_path = folder / "generation_config.json"
@@ -169,7 +169,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
         if arch in _MOES:
-            fields.update(_moe_fields(arch, cfg, path))
+            fields.update(_moe_fields(arch, cfg))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

@@ -58,3 +58,23 @@ def test_tiny_gguf_matches_hf_checkpoint(tmp_path, name, arch) -> None:
     out_gguf = PagedBatch(from_gguf).step({"r": ids})["r"]
     out_hf = PagedBatch(from_hf).step({"r": ids})["r"]
     assert rel_err(out_gguf, out_hf) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_sliding_window_is_read_or_refused(tmp_path, name) -> None:
+    """Mixtral's window applies to every layer and is kept; Qwen's covers some layers only and
+    is refused."""
+    import json
+
+    from loom.config import ConfigError
+    from loom.loader.hf import model_config_from_hf
+
+    folder = make_tiny_model(name, tmp_path / name)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 16}))
+    if name == "mixtral":
+        assert model_config_from_hf(folder).sliding_window == 16
+    else:
+        with pytest.raises(ConfigError, match="use_sliding_window=true is not supported"):
+            model_config_from_hf(folder)
