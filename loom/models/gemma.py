@@ -72,7 +72,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     model_cls = GemmaModel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # [n, vocab]
+        logits = super().compute_logits(hidden)  # [n, vocab]
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -82,7 +82,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return f"architecture {self.config.architecture}"
 
     def init_buffers(self, device: torch.device) -> None:
-        self.model.rotary_emb.build_cache(device)
+        super().init_buffers(device)
         if self.model.rotary_local is not self.model.rotary_emb:
             self.model.rotary_local.build_cache(device)
 
