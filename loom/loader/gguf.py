@@ -248,7 +248,7 @@ def iter_gguf_tensors(
             continue
         m = _LAYER_RE.match(t.name)
         if m and m.group(2) in _EXPERTS:  # one float tensor per expert (moe.py stacks them)
-            w = _dequantize(t)
+            w = _read(t)
             prefix = f"model.layers.{m.group(1)}.mlp.experts"
             for e in range(w.shape[0]):
                 yield f"{prefix}.{e}.{_EXPERTS[m.group(2)]}.weight", w[e]
@@ -256,13 +256,7 @@ def iter_gguf_tensors(
         name = hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
-        shape = t.shape
-        try:
-            w = q8_groups(t.data, t.tensor_type, shape) if q8 else None
-            if w is None:
-                w = dequantize(t.data, t.tensor_type, shape)
-        except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
-            raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {shape}): {e}") from None
+        w = _read(t, q8)
         heads = None
         if permute and name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
@@ -278,10 +272,13 @@ def iter_gguf_tensors(
         yield name, w
 
 
-def _dequantize(t: Any) -> torch.Tensor:
+def _read(t: Any, q8: bool = False) -> torch.Tensor | Q8Groups:
+    """Tensor `t`'s values in fp32; with `q8`, a 2-D tensor in a 32-wide block format as int8
+    groups instead. GGUFError naming the tensor where its type cannot be read."""
     try:
-        return dequantize(t.data, t.tensor_type, t.shape)
-    except (ValueError, RuntimeError) as e:
+        w = q8_groups(t.data, t.tensor_type, t.shape) if q8 else None
+        return dequantize(t.data, t.tensor_type, t.shape) if w is None else w
+    except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
         raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {t.shape}): {e}") from None
 
 
