@@ -3,12 +3,13 @@ transformers' greedy text, chat renders Gemma's turn format and stops at <end_of
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from tests.gguf_files import gemma3_gguf_path
 from tests.server.conftest import start_server
-from tests.server.utils import ENGINE_ARGS
+from tests.server.utils import ENGINE_ARGS, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +19,13 @@ FRANCE = (" the capital of the country of France. It is the largest city in Fran
 
 
 @pytest.fixture(scope="module")
-def gemma_client() -> OpenAI:
-    server = start_server([str(gemma3_gguf_path()), *ENGINE_ARGS])
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300, max_retries=0)
+def gemma_server() -> ServerProcess:
+    return start_server([str(gemma3_gguf_path()), *ENGINE_ARGS])
+
+
+@pytest.fixture(scope="module")
+def gemma_client(gemma_server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{gemma_server.url}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
 def test_gemma_completion_is_transformers_greedy(gemma_client: OpenAI) -> None:
@@ -32,7 +37,8 @@ def test_gemma_completion_is_transformers_greedy(gemma_client: OpenAI) -> None:
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 20)  # <bos> + 5
 
 
-def test_gemma_chat_uses_the_turn_template(gemma_client: OpenAI) -> None:
+def test_gemma_chat_uses_the_turn_template(gemma_client: OpenAI,
+                                            gemma_server: ServerProcess) -> None:
     model = gemma_client.models.list().data[0].id
     out = gemma_client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=64, temperature=0)
@@ -41,3 +47,12 @@ def test_gemma_chat_uses_the_turn_template(gemma_client: OpenAI) -> None:
     choice = out.choices[0]
     assert choice.message.content and "<end_of_turn>" not in choice.message.content
     assert choice.finish_reason in ("stop", "length")
+    # This small model talks past 64 tokens above; pushed to end its turn, it stops there.
+    end_of_turn = httpx.post(f"{gemma_server.url}/tokenize", json={
+        "prompt": "<end_of_turn>", "add_special_tokens": False}).json()["tokens"]
+    assert len(end_of_turn) == 1
+    out = gemma_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=64, temperature=0,
+        logit_bias={str(end_of_turn[0]): 100})
+    assert (out.choices[0].finish_reason, out.choices[0].message.content) == ("stop", "")
+    assert out.usage.completion_tokens == 1
