@@ -166,6 +166,45 @@ def _materialize(
                 module._buffers[name] = torch.empty(b.shape, dtype=b_dtype, device=device)
 
 
+def _select_kernels(device: torch.device, name: str, batch_invariant: bool
+                    ) -> KernelChoice | None:
+    """The CPU kernels this process runs (loom.kernels.select, said in the log); None off the
+    CPU, where `name` must stay "auto"."""
+    if device.type != "cpu":
+        if name != "auto":
+            raise ConfigError(f"cpu_kernels {name!r} needs the CPU, not {device.type}")
+        return None
+    try:
+        kernels = select(name, batch_invariant)
+    except KernelChoiceError as e:
+        raise ConfigError(str(e)) from None
+    if kernels is not None:
+        logger.info(kernels.describe())
+    return kernels
+
+
+def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None) -> None:
+    """quantize_model_, then give the int8 linears `kernels`' batch and decode kernels."""
+    quantize_model_(model, quantization)
+    # Beside the quantized kernels the oneDNN fp32 path was slower end to end, though faster
+    # alone (docs/cpu_kernels.md); the remaining fp32 linears keep F.linear.
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.onednn = False
+        if isinstance(module, Int8Linear) and module.grouped and kernels is not None:
+            module.batch_kernel = kernels.batch
+            if kernels.decode == "vnni":
+                module.use_vnni()
+    head = getattr(model, HEAD, None)
+    if isinstance(head, Int8Linear) and head.grouped:
+        head.reuse_output = True  # logits live until the next step (the runner's use)
+    refusal = model.c_stack_refusal() if quantization == "int8" else None
+    if refusal is not None:  # said at load, never a silent fallback
+        logger.warning("quantization int8: Loom's one-call C decoder stack runs Llama-family "
+                       "layers only, not %s; this model runs layer by layer (int8 linears, "
+                       "per-op kernels)", refusal)
+
+
 def load_model(
     source: ModelSource, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
     progress: bool = False, quantization: str | None = None, cpu_kernels: str = "auto",
@@ -181,16 +220,7 @@ def load_model(
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     start = time.perf_counter()
     device = torch.device(device)
-    kernels = None
-    if device.type == "cpu":
-        try:
-            kernels = select(cpu_kernels, batch_invariant)
-        except KernelChoiceError as e:
-            raise ConfigError(str(e)) from None
-        if kernels is not None:
-            logger.info(kernels.describe())
-    elif cpu_kernels != "auto":
-        raise ConfigError(f"cpu_kernels {cpu_kernels!r} needs the CPU, not {device.type}")
+    kernels = _select_kernels(device, cpu_kernels, batch_invariant)
     torch_dtype = resolve_dtype(dtype, device)
     reader = gguf_loader.open_gguf(source.path) if source.kind == "gguf" else None
     if quantization is None:
@@ -222,24 +252,7 @@ def load_model(
         model.load_weights(weights)
     model.init_buffers(device)
     if quantization is not None:
-        quantize_model_(model, quantization)
-        # Beside the quantized kernels the oneDNN fp32 path was slower end to end, though faster
-        # alone (docs/cpu_kernels.md); the remaining fp32 linears keep F.linear.
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.onednn = False
-            if isinstance(module, Int8Linear) and module.grouped and kernels is not None:
-                module.batch_kernel = kernels.batch
-                if kernels.decode == "vnni":
-                    module.use_vnni()
-        head = getattr(model, HEAD, None)
-        if isinstance(head, Int8Linear) and head.grouped:
-            head.reuse_output = True  # logits live until the next step (the runner's use)
-        refusal = model.c_stack_refusal() if quantization == "int8" else None
-        if refusal is not None:  # said at load, never a silent fallback
-            logger.warning("quantization int8: Loom's one-call C decoder stack runs Llama-family "
-                           "layers only, not %s; this model runs layer by layer (int8 linears, "
-                           "per-op kernels)", refusal)
+        _quantize(model, quantization, kernels)
     model.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s, quantization %s) in %.2f s", source.path, config.architecture,
