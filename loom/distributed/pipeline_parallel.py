@@ -22,8 +22,6 @@ from torch import nn
 from loom.attention.forward_context import get_forward_context
 from loom.attention.metadata import AttentionMetadata, build_attention_metadata
 from loom.config import ConfigError, ModelConfig
-from loom.kernels import cpu_ops
-from loom.layers.rotary import Rope
 from loom.models.llama import LlamaModel
 
 
@@ -129,18 +127,14 @@ class LlamaStage(LlamaModel):
         weight = self.norm.weight
         n, hidden_size = input_ids.shape[0], weight.shape[0]
         if first:
-            x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+            x = self.embed(input_ids)  # [num_tokens, hidden]
             residual = None
         else:
             x = torch.empty(n, hidden_size, dtype=weight.dtype, device=weight.device)
             residual = torch.empty_like(x)
             dist.recv(x, src=self.pp_rank - 1)
             dist.recv(residual, src=self.pp_rank - 1)
-        rope = Rope(self.rotary_emb, positions, fused=cpu_ops.usable(x))
-        rows = None if keep is None else torch.from_numpy(keep).to(x.device)
-        for i, layer in enumerate(self.layers):
-            at_end = last and i == len(self.layers) - 1
-            x, residual = layer(rope, x, residual, rows if at_end else None)
+        x, residual = self.run_layers(x, residual, positions, keep if last else None)
         if not last:
             dist.send(x.contiguous(), dst=self.pp_rank + 1)
             dist.send(residual.contiguous(), dst=self.pp_rank + 1)

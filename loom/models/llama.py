@@ -163,17 +163,25 @@ class LlamaModel(nn.Module):
         stack = self.c_stack()
         if stack is not None:  # every layer in one C call
             return stack.forward(input_ids, positions, rows=keep, only_rows=keep is not None)[0]
-        x = self.embed(input_ids)  # [num_tokens, hidden]
+        x, residual = self.run_layers(self.embed(input_ids), None, positions, keep)
+        if not x.shape[0]:
+            return x
+        return self.norm.add_norm(x, residual)[0]
+
+    def run_layers(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        keep: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """self.layers on x [num_tokens, hidden] and the residual stream (None before the first
+        layer): (the last layer's MLP output, the residual stream before it), `keep`'s rows
+        alone past the last layer's attention where given (LlamaDecoderLayer.forward)."""
         ropes = self.ropes(positions, fused=cpu_ops.usable(x))  # shared by every layer
-        residual = None
         last = len(self.layers) - 1
         rows = None if keep is None else torch.from_numpy(keep).to(x.device)
         for i, layer in enumerate(self.layers):
             x, residual = layer(ropes[layer.rope_index], x, residual,
                                 rows if i == last else None)
-        if not x.shape[0]:
-            return x
-        return self.norm.add_norm(x, residual)[0]
+        return x, residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [num_tokens] -> the first layer's input [num_tokens, hidden]."""
