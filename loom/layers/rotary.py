@@ -26,33 +26,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
+def rope_freqs(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
 ) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq[head_dim // 2], attention scaling applied to cos/sin)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """(freqs [max_position, head_dim // 2]: position p's rotation angles, attention scaling
+    applied to cos/sin) for the checkpoint's rope scaling."""
+    t = torch.arange(max_position, dtype=torch.float32)
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / base
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
-        return inv_freq, 1.0
+        return torch.outer(t, inv_freq), 1.0
     assert scaling is not None
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if rope_type == "freq_factors":  # GGUF rope_freqs tensor (Llama 3.1 written by llama.cpp)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling), 1.0
-    raise ConfigError(f"unsupported rope scaling type {rope_type!r} "
-                      "(supported: linear, llama3, longrope/su)")
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "freq_factors":  # GGUF rope_freqs tensor (Llama 3.1 written by llama.cpp)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type in ("longrope", "su"):
+        return _longrope_freqs(t, base, scaling, max_position)
+    else:
+        raise ConfigError(f"unsupported rope scaling type {rope_type!r} "
+                          "(supported: linear, llama3, longrope/su)")
+    return torch.outer(t, inv_freq), 1.0
 
 
 def _longrope_freqs(
-    t: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
+    t: torch.Tensor, base: torch.Tensor, scaling: dict[str, Any], max_position: int
 ) -> tuple[torch.Tensor, float]:
-    """Phi-3's LongRoPE ("su"): per-frequency divisors, `short_factor` for positions below
-    original_max_position_embeddings and `long_factor` from there on (vLLM's table; Hugging
-    Face re-rotates a whole sequence with the long factors once it outgrows the original
-    length), and cos/sin scaled by the attention factor. Returns (freqs [positions, head_dim //
-    2], attention factor)."""
+    """Phi-3's LongRoPE ("su"): per-frequency divisors of `base` (theta ** (2i / head_dim)),
+    `short_factor` for positions below original_max_position_embeddings and `long_factor` from
+    there on (vLLM's table; Hugging Face re-rotates a whole sequence with the long factors once
+    it outgrows the original length), and cos/sin scaled by the attention factor."""
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError(f"rope scaling {scaling.get('rope_type')!r} with partial_rotary_factor "
                           f"{scaling['partial_rotary_factor']} is not supported")
@@ -61,8 +67,7 @@ def _longrope_freqs(
     attn = scaling.get("attention_factor")
     if attn is None:
         attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * theta**exponent)
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base)
                    for k in ("short_factor", "long_factor"))
     freqs = torch.where((t < orig)[:, None], torch.outer(t, short), torch.outer(t, long))
     return freqs, float(attn)
@@ -86,15 +91,8 @@ class RotaryEmbedding(nn.Module):
         head, and sin carrying rotate-half's sign, so rotating is x * cos + swap_halves(x) * sin
         with no negation or split per layer, bit for bit Hugging Face's q * cos + rotate_half(q)
         * sin."""
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
-        if rope_type in ("longrope", "su"):
-            assert self.scaling is not None
-            freqs, attn_scale = _longrope_freqs(t, self.head_dim, self.theta, self.scaling,
-                                                self.max_position)
-        else:
-            inv_freq, attn_scale = compute_inv_freq(self.head_dim, self.theta, self.scaling)
-            freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        freqs, attn_scale = rope_freqs(self.head_dim, self.theta, self.scaling,
+                                       self.max_position)  # [max_position, head_dim // 2]
         cos, sin = freqs.cos() * attn_scale, freqs.sin() * attn_scale
         cache = torch.cat([cos, cos, -sin, sin], dim=-1)  # [max_position, 2 * head_dim]
         self.cos_sin_cache = cache.to(device)
