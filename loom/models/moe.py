@@ -71,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [num_tokens, top_k]
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, weights.to(logits.dtype), experts)
+        out = self.experts(x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -105,7 +105,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 # Mixtral's names -> Qwen-MoE's
-_MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT_RE = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED_RE = re.compile(r"(.*\.mlp\.shared_expert)\.(gate_proj|up_proj)\.weight$")
 
@@ -120,7 +120,7 @@ def _stack_experts(
     num = config.num_experts
     for name, w in weights:
         if ".block_sparse_moe." in name:
-            name = re.sub(r"\.(block_sparse_moe|w1|w2|w3)\.", lambda m: f".{_MIXTRAL[m[1]]}.",
+            name = re.sub(r"\.(w1|w2|w3)\.", lambda m: f".{_MIXTRAL[m[1]]}.",
                           name.replace(".block_sparse_moe.", ".mlp."))
         m = _EXPERT_RE.match(name) or _SHARED_RE.match(name)
         if m is None:
