@@ -26,7 +26,7 @@ from loom.models.weight_map import load_packed_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -98,7 +98,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     rope_index = 0  # which of the model's `ropes` this layer's attention rotates with
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)

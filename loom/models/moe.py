@@ -78,7 +78,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
         if config.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(config)
