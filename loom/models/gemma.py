@@ -44,7 +44,6 @@ class GemmaModel(LlamaModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.stack = False  # the one-call C stack runs Llama layers only
         self.normalizer = config.hidden_size**0.5
         # Gemma 3's sliding layers rotate with their own base, unscaled; Gemma 2 shares one.
         self.rotary_local = self.rotary_emb

@@ -208,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config)
+        if self.c_stack_refusal() is not None:
+            self.model.stack = False  # never built: the model runs layer by layer
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -240,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden, logits
 
     def c_stack_refusal(self) -> str | None:
-        """Why the one-call C decoder stack (int8) cannot run this model, or None if it can."""
+        """Why the one-call C decoder stack (int8) cannot run this model, or None if it can: the
+        one place that says which models it runs (a refused model never builds it; the loader
+        logs the reason)."""
         if self.config.qk_norm:
             return f"{self.config.architecture} with q/k norms"
         return None

@@ -87,10 +87,6 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeModel(LlamaModel):
     layer_cls = MoeDecoderLayer
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.stack = False  # the one-call C stack runs dense Llama layers only
-
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE, Qwen3-MoE and Mixtral (registered under each name)."""

@@ -67,11 +67,11 @@ def _grouped(m: object, bias_ok: bool = False) -> bool:
 
 
 def eligible(model: torch.nn.Module) -> bool:
-    """`model` is a LlamaModel whose layers the C stack can run (weights only; the step's
-    activations and cache are checked per call)."""
+    """`model` is a LlamaModel whose layers the C stack can run (weights only: the architecture
+    is LlamaForCausalLM.c_stack_refusal's, the step's activations and cache are checked per
+    call)."""
     return (
-        not model.layers[0].self_attn.qk_norm
-        and all(
+        all(
             _grouped(layer.self_attn.qkv_proj, bias_ok=True) and _grouped(layer.self_attn.o_proj)
             and _grouped(layer.mlp.gate_up_proj) and _grouped(layer.mlp.down_proj)
             for layer in model.layers

@@ -110,14 +110,19 @@ def test_real_gemma3_chat_template(gemma3) -> None:
                                                                             "<end_of_turn>"]
 
 
-def test_int8_load_names_what_the_c_stack_does_not_run(tmp_path, caplog) -> None:
-    """The one-call C stack is Llama-only: an int8 Gemma says so at load and runs layer by
-    layer (its int8 linears near its fp32 logits)."""
-    folder = make_tiny_model("gemma3", tmp_path / "hf")
+@pytest.mark.parametrize("name,why", [
+    ("gemma3", "not architecture Gemma3ForCausalLM"),
+    ("qwen3", "not Qwen3ForCausalLM with q/k norms"),
+    ("qwen2-moe", "not architecture Qwen2MoeForCausalLM (mixture of experts)"),
+])
+def test_int8_load_names_what_the_c_stack_does_not_run(tmp_path, caplog, name, why) -> None:
+    """The one-call C stack runs dense Llama layers without q/k norms only: any other int8 model
+    says so at load and runs layer by layer (its int8 linears near its fp32 logits)."""
+    folder = make_tiny_model(name, tmp_path / "hf")
     ref = load_model(resolve_model(str(folder)), dtype="float32")
     with caplog.at_level("WARNING", logger="loom.loader.model_loader"):
         q8 = load_model(resolve_model(str(folder)), quantization="int8")
-    assert "not architecture Gemma3ForCausalLM" in caplog.text
+    assert why in caplog.text
     assert q8.model.model.c_stack() is None
     ids = list(range(1, 30))
     out_q8, out_ref = (PagedBatch(m).step({"r": ids})["r"] for m in (q8, ref))
