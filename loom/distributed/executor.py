@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from loom.config import ConfigError
 from loom.distributed.worker import (
     COLLECTIVE_TIMEOUT, WorkerSpec, backend_for, check_model, prepare_rank,
 )
+from loom.net import free_port
 
 if TYPE_CHECKING:
     from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -36,12 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("mp", "ray")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def default_threads(num_threads: int | None, world: int, device: torch.device) -> int | None:
@@ -93,7 +87,7 @@ class TensorParallel:
             host = ray_workers.node_ip()
         spec = WorkerSpec(source, args.dtype, device.type, args.quantization, args.cpu_kernels,
                           args.batch_invariant, args.seed, threads, world,
-                          f"tcp://{host}:{_free_port()}", mode)
+                          f"tcp://{host}:{free_port('')}", mode)
         if executor == "ray":
             workers: Any = ray_workers.RayWorkers(spec)
         else:

@@ -18,21 +18,16 @@ from loom.bench.request import RequestInput, RequestRecord
 from loom.bench.runner import BenchConfig, run_benchmark, server_model
 from loom.bench.server_proc import ServerProcess
 from loom.entrypoints.cli import main
+from loom.net import free_port
 
 pytestmark = pytest.mark.slow  # a real `loom serve` subprocess
 
 NUM, CONC, IN_LEN, OUT_LEN, MAX_LEN = 6, 3, 8, 8, 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     cmd = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(port),
            "--max-model-len", str(MAX_LEN), "--kv-cache-memory", str(32 << 20),
@@ -188,6 +183,6 @@ def test_dying_or_silent_server_does_not_hang(mode) -> None:
 
 
 def test_unreachable_server_fails_every_request_quickly() -> None:
-    cfg = BenchConfig(f"http://127.0.0.1:{_free_port()}", "m", concurrency=2, disable_tqdm=True)
+    cfg = BenchConfig(f"http://127.0.0.1:{free_port()}", "m", concurrency=2, disable_tqdm=True)
     res = run_benchmark(cfg, [RequestInput(i, "x", 1, 2) for i in range(4)])
     assert all("cannot connect" in r.error for r in res.records) and res.duration < 60

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loom.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = float(os.environ.get("LOOM_TEST_SERVER_START_TIMEOUT", "600"))
 
@@ -21,12 +22,6 @@ START_TIMEOUT_S = float(os.environ.get("LOOM_TEST_SERVER_START_TIMEOUT", "600"))
 # compare a request's tokens across batches (alone, concurrent, offline): batch-invariant kernels.
 ENGINE_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", str(256 * 2**20),
                "--batch-invariant"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

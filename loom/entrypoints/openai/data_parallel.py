@@ -12,7 +12,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -21,17 +20,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from loom.net import free_port
+
 if TYPE_CHECKING:
     from loom.engine.args import EngineArgs
     from loom.entrypoints.openai.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _replica_main(index: int, engine_args: EngineArgs, server_args: ServerArgs,
@@ -91,7 +86,7 @@ def run_data_parallel(engine_args: EngineArgs, args: ServerArgs) -> None:
     if engine_args.num_threads is None:  # the replicas share the cores
         engine_args = replace(engine_args, num_threads=max(1, (os.cpu_count() or 1) // n))
     internal = "127.0.0.1"
-    ports = [_free_port(internal) for _ in range(n)]
+    ports = [free_port(internal) for _ in range(n)]
     urls = [f"http://{internal}:{p}" for p in ports]
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
