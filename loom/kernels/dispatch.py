@@ -116,21 +116,26 @@ def runs_here(v: Variant) -> bool:
 class KernelChoice:
     """The kernels a process runs: the build (`variant`) and, for the int8 linears, the kernel
     past 8 rows (`batch`) and up to 8 (`decode`); `kv_cache_dtype`: what "auto" means for the
-    KV cache of a model on these kernels."""
+    KV cache of a model on these kernels; `named`: the build was asked for by name, not "auto"."""
 
     variant: str
     batch: str
     decode: str
     kv_cache_dtype: str
     batch_invariant: bool
+    named: bool = False
+
+    def summary(self) -> str:
+        """The build, why, and the int8 linears' kernels, in one phrase (the start-up line's)."""
+        why = ("chosen with --cpu-kernels" if self.named else "the best of " + ", ".join(
+            v.name for v in variants() if runs_here(v)) + " this CPU runs")
+        return (f"{self.variant} build ({variant(self.variant).about}; {why}); int8 linears "
+                f"{self.batch} past 8 rows, {self.decode} up to 8"
+                f"{' (batch-invariant)' if self.batch_invariant else ''}")
 
     def describe(self) -> str:
-        v = variant(self.variant)
-        return (f"CPU kernels: {self.variant} build ({v.about}; best of "
-                f"{', '.join(x.name for x in variants() if runs_here(x))} on this CPU); int8 "
-                f"linears {self.batch} past 8 rows, {self.decode} up to 8"
-                f"{' (batch-invariant)' if self.batch_invariant else ''}; quantized models' "
-                f"KV cache {self.kv_cache_dtype}. Override: --cpu-kernels, --batch-invariant")
+        return (f"CPU kernels: {self.summary()}; quantized models' KV cache "
+                f"{self.kv_cache_dtype}. Override: --cpu-kernels, --batch-invariant")
 
 
 def requested() -> str:
@@ -158,7 +163,7 @@ def choose(name: str = "auto", batch_invariant: bool = False,
         if v not in usable:
             raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
     batch, decode = ("fp32", "fp32") if batch_invariant else (v.batch, v.decode)
-    return KernelChoice(v.name, batch, decode, "int8", batch_invariant)
+    return KernelChoice(v.name, batch, decode, "int8", batch_invariant, name != "auto")
 
 
 def granted(choice: KernelChoice, amx_tiles: bool) -> KernelChoice:

@@ -32,13 +32,7 @@ def _kernels(engine: LLMEngine) -> str:
     k = engine.loaded.kernels
     if k is None:
         return f"torch ops on {engine.args.resolved_device()} (no CPU C kernels)"
-    from loom.kernels.dispatch import runs_here, variants
-
-    why = ("chosen with --cpu-kernels" if engine.args.cpu_kernels not in (None, "auto") else
-           "the best of " + ", ".join(v.name for v in variants() if runs_here(v))
-           + " this CPU runs")
-    return (f"{k.variant} build ({why}); int8 linears {k.batch} past 8 rows, {k.decode} up to "
-            f"8{', batch-invariant' if k.batch_invariant else ''}")
+    return k.summary()
 
 
 def startup_line(engine: LLMEngine, host: str, port: int) -> str:
