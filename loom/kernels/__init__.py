@@ -49,6 +49,11 @@ SIGNATURES = {
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_vnni_available": (_int, []),
+    "loom_linear_kq": (
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _i64, _int]
+    ),
+    "loom_kq_dequant": (None, [_ptr, _int, _i64, _i64, _i64, _ptr, _i64]),
+    "loom_kq_isa": (_int, []),
     "loom_llama_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
                _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,

@@ -1,0 +1,570 @@
+// Linear layers on GGUF's K-quant blocks as the file stores them: y[M, N] = x[M, K] W^T + bias,
+// W's rows in Q4_K, Q5_K or Q6_K super-blocks of 256 weights (formats named by ggml's type ids:
+// 12, 13, 14). Bit layouts (checked against the `gguf` package's numpy dequantizer):
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and minimums m[8],
+//     128 bytes of nibbles: bytes 32j .. 32j + 31 hold weights 64j + l in their low nibbles and
+//     64j + 32 + l in their high ones; w = d sc[i / 32] q - dmin m[i / 32].
+//   Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits between scales and nibbles: bit t of
+//     byte l is weight 32t + l's (16 added to its nibble).
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d;
+//     per half c of 128: ql bytes 64c + l (l < 64) hold weight 128c + l low and 128c + 64 + l
+//     high; qh byte 32c + l holds bits 4-5 of weights 128c + 32t + l in its bits 2t, 2t + 1;
+//     w = d sc[i / 16] (q - 32).
+//
+// Decode (the memory-bound case): x is quantized once a call, each run of 16 values with d =
+// max |x| / 127 and two int8 digits, x / d = a + b / 256 (to 1/512 of d, 1/256 where b
+// saturates); a run's sum of q x is d (256 sum q a + sum q b) / 256 in exact int32 (q unsigned,
+// the digits signed: vpdpbusd's / vpmaddubsw's operands as they are), scaled by the run's weight
+// scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K) and the -32's (Q6_K)
+// terms take each run's sum of x~ once a super-block. One digit (llama.cpp's) measured 96.5%
+// top-1 on Loom's default model for its int8 grid; two: 99.9% (docs/cpu_kernels.md).
+// Every output is summed in the same order whatever M (up to 8 rows at once, more in chunks of
+// 8 over blocks of weight rows), so a row's bits do not depend on its batch within a build.
+//
+// Built without fast math (loom/kernels/build.py).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "half.h"
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KQ_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KQ_AVX2 1
+#include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define KQ_NEON 1
+#include <arm_neon.h>
+#endif
+
+int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
+                    int64_t *u1);
+
+#define QK 256        // weights a super-block
+#define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
+#define M_MAX 8       // x rows at once
+#define NB_ROWS 16    // weight rows a unit past M_MAX rows (reused from cache by each chunk)
+#define PF 1024       // weight bytes prefetched ahead in a row
+enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Bytes of one super-block of `fmt`; 0 for a format this file does not run.
+int loom_kq_block_bytes(int fmt)
+{
+    return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : fmt == Q6_K ? 210 : 0;
+}
+
+// Which SIMD code this build runs the K-quant kernels with: 4 AVX512-VNNI, 3 AVX-512 (BW),
+// 2 AVX2, 1 NEON with dot products, 0 portable C.
+int loom_kq_isa(void)
+{
+#if defined(KQ_AVX512) && defined(__AVX512VNNI__)
+    return 4;
+#elif defined(KQ_AVX512)
+    return 3;
+#elif defined(KQ_AVX2)
+    return 2;
+#elif defined(KQ_NEON)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// 0 if the kernels take rows of K weights in `fmt`; -1 if not.
+int loom_kq_check(int64_t K, int fmt)
+{
+    return K <= 0 || K % QK != 0 || !loom_kq_block_bytes(fmt) ? -1 : 0;
+}
+
+// ---- the blocks' scales ------------------------------------------------------------------
+
+// Q4_K's and Q5_K's 12 bytes -> sc[0..7] then m[0..7], 6 bits each: bytes 0..3 hold sc 0..3
+// (low 6 bits) and the top 2 bits of sc 4..7; bytes 4..7 the same for the minimums; bytes 8..11
+// the low 4 bits of sc 4..7 (low nibbles) and of m 4..7 (high nibbles).
+static inline void k4_scales(const uint8_t *s, uint8_t out[16])
+{
+    uint32_t w0, w1, w2;
+    memcpy(&w0, s, 4);
+    memcpy(&w1, s + 4, 4);
+    memcpy(&w2, s + 8, 4);
+    const uint32_t v[4] = {w0 & 0x3f3f3f3fu, (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u),
+                           w1 & 0x3f3f3f3fu, ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)};
+    memcpy(out, v, 16);
+}
+
+// A super-block's weight scale sw[h] and offset ow[h] for each run h of 16 (portable): the
+// weight is sw[h] * q - ow[h], q its unsigned integer.
+static inline void block_scales(const uint8_t *blk, int fmt, float sw[16], float ow[16])
+{
+    if (fmt == Q6_K) {
+        const float d = loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8));
+        for (int h = 0; h < 16; h++) {
+            sw[h] = d * (float)(int8_t)blk[192 + h];
+            ow[h] = 32.0f * sw[h];
+        }
+        return;
+    }
+    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
+    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    uint8_t sm[16];
+    k4_scales(blk + 4, sm);
+    for (int h = 0; h < 16; h++) {
+        sw[h] = d * (float)sm[h / 2];
+        ow[h] = dmin * (float)sm[8 + h / 2];
+    }
+}
+
+// A super-block's 256 unsigned integers in weight order (portable).
+static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK])
+{
+    if (fmt == Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        for (int c = 0; c < 2; c++)
+            for (int l = 0; l < 64; l++) {
+                const int t = l / 32, j = l % 32;
+                const uint8_t hb = qh[32 * c + j];
+                q[128 * c + l] = (uint8_t)((ql[64 * c + l] & 15) | ((hb >> (2 * t)) & 3) << 4);
+                q[128 * c + 64 + l] =
+                    (uint8_t)((ql[64 * c + l] >> 4) | ((hb >> (2 * t + 4)) & 3) << 4);
+            }
+        return;
+    }
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16), *qh = blk + 16;
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * j + l] = qs[32 * j + l] & 15;
+            q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+            if (fmt == Q5_K) {
+                q[64 * j + l] |= (uint8_t)(((qh[l] >> (2 * j)) & 1) << 4);
+                q[64 * j + 32 + l] |= (uint8_t)(((qh[l] >> (2 * j + 1)) & 1) << 4);
+            }
+        }
+}
+
+// Rows [n0, n1) of w (K a row, `fmt`) as fp32, out[(n - n0) * ldo + k]: sw * q - ow, the
+// `gguf` package's values bit for bit (every product is exact in fp32; one rounding).
+void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n1, float *out,
+                     int64_t ldo)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    const int64_t nsb = K / QK;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *blk = w + (n * nsb + s) * bb;
+            float sw[16], ow[16];
+            uint8_t q[QK];
+            block_scales(blk, fmt, sw, ow);
+            block_values(blk, fmt, q);
+            float *o = out + (n - n0) * ldo + s * QK;
+            for (int i = 0; i < QK; i++) o[i] = sw[i / RUN] * (float)q[i] - ow[i / RUN];
+        }
+}
+
+// ---- quantized x ---------------------------------------------------------------------------
+// One row of K: int8 a[K], int8 b[K], then fp32 dr[K / 16] (each run's d / 256) and fp32
+// sx[K / 16] (each run's sum of x~ = d (a + b / 256)). stride: bytes a row (a multiple of 64).
+static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
+
+// Run h's digits from t = x * 127 / max|x| (|t| <= 127): a = t to nearest even, b = (t - a) 256
+// (t - a exact) to nearest even, 128 -> 127. The same values in every build.
+static void quantize_row(const float *x, int64_t K, uint8_t *buf)
+{
+    int8_t *a = (int8_t *)buf, *b = a + K;
+    float *dr = (float *)(buf + 2 * K), *sx = dr + K / RUN;
+    for (int64_t h = 0; h < K / RUN; h++) {
+        const float *xr = x + h * RUN;
+#if defined(KQ_AVX512)
+        const __m512 v = _mm512_loadu_ps(xr);
+        const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+        const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f));
+        const __m512i ai = _mm512_cvtps_epi32(t);
+        const __m512i bi = _mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(ai)), _mm512_set1_ps(256.0f)));
+        const __m512i bc = _mm512_min_epi32(bi, _mm512_set1_epi32(127));
+        _mm_storeu_si128((__m128i *)(a + h * RUN), _mm512_cvtepi32_epi8(ai));
+        _mm_storeu_si128((__m128i *)(b + h * RUN), _mm512_cvtepi32_epi8(bc));
+        const int32_t tot = _mm512_reduce_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(ai, 8), bc));
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < RUN; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t tot = 0;
+        for (int i = 0; i < RUN; i++) {
+            const float t = xr[i] * inv, ai = rintf(t);
+            float bf = rintf((t - ai) * 256.0f);
+            bf = bf > 127.0f ? 127.0f : bf;
+            a[h * RUN + i] = (int8_t)ai;
+            b[h * RUN + i] = (int8_t)bf;
+            tot += 256 * (int32_t)ai + (int32_t)bf;
+        }
+#endif
+        dr[h] = amax / 127.0f / 256.0f;
+        sx[h] = (float)tot * dr[h];
+    }
+}
+
+// ---- one weight row against M quantized x rows ------------------------------------------------
+// out[m * ldy] = sum over super-blocks of sum_h sw[h] dr[h] (256 A_h + B_h) - ow[h] sx[h].
+
+#if defined(KQ_AVX512)
+// A super-block's integers as four vectors of 64 in weight order, and its sw, ow.
+static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, const int fmt,
+                                                            __m512i W[4], __m512 *sw, __m512 *ow)
+{
+    const __m512i nib = _mm512_set1_epi8(15);
+    if (fmt == Q6_K) {
+        const float d = loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8));
+        *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128((const __m128i *)(blk + 192)))),
+                            _mm512_set1_ps(d));
+        *ow = _mm512_mul_ps(*sw, _mm512_set1_ps(32.0f));
+        // bits 4-5 from qh: the first 32 bytes of a vector take qh's bits 0-1 (low nibbles) or
+        // 4-5 (high), the second 32 bits 2-3 or 6-7; shifts by 16-bit lanes stay within bytes
+        const __m512i m_lo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
+        const __m512i m_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(-64), 1);
+        const __m512i c_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        const __m512i c_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        for (int c = 0; c < 2; c++) {
+            const __m512i L = _mm512_loadu_si512(blk + 64 * c);
+            const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                (const __m256i *)(blk + 128 + 32 * c)));
+            W[2 * c] = _mm512_or_si512(_mm512_and_si512(L, nib),
+                                       _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo));
+            W[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), nib),
+                                           _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi));
+        }
+        return;
+    }
+    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
+    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    uint8_t sm[16];
+    k4_scales(blk + 4, sm);
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((__m128i *)sm)));
+    const __m512i pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    *sw = _mm512_mul_ps(_mm512_permutexvar_ps(pair, f), _mm512_set1_ps(d));
+    *ow = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), f),
+                        _mm512_set1_ps(dmin));
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    for (int c = 0; c < 2; c++) {
+        const __m512i L = _mm512_loadu_si512(qs + 64 * c);
+        const __m512i lo = _mm512_and_si512(L, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), nib);
+        W[2 * c] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // weights 128c + 0 .. 63
+        W[2 * c + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 128c + 64 .. 127
+    }
+    if (fmt == Q5_K) {
+        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        for (int j = 0; j < 4; j++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
+                                                   _mm256_set1_epi8((char)(2 << (2 * j))), 1);
+            W[j] = _mm512_mask_add_epi8(W[j], _mm512_test_epi8_mask(H, bit), W[j],
+                                        _mm512_set1_epi8(16));
+        }
+    }
+}
+
+// 256 A + B in each int32 lane (4 products of a 64-weight vector): exact, |.| < 2^23.
+static inline __attribute__((always_inline)) __m512i dot64(__m512i w, const int8_t *a,
+                                                           const int8_t *b)
+{
+    const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
+#ifdef __AVX512VNNI__
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i da = _mm512_dpbusd_epi32(z, w, va), db = _mm512_dpbusd_epi32(z, w, vb);
+#else
+    const __m512i one = _mm512_set1_epi16(1);
+    const __m512i da = _mm512_madd_epi16(_mm512_maddubs_epi16(w, va), one);
+    const __m512i db = _mm512_madd_epi16(_mm512_maddubs_epi16(w, vb), one);
+#endif
+    return _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
+}
+
+static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
+                                                         int64_t xs, const uint8_t *wr,
+                                                         const int fmt, int64_t K, float *out,
+                                                         int64_t ldy)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    __m512 acc[M_MAX][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    __m512i idx[4];  // vector v's lane -> its run: 4v + lane / 4
+    for (int v = 0; v < 4; v++)
+        idx[v] = _mm512_setr_epi32(4 * v, 4 * v, 4 * v, 4 * v, 4 * v + 1, 4 * v + 1, 4 * v + 1,
+                                   4 * v + 1, 4 * v + 2, 4 * v + 2, 4 * v + 2, 4 * v + 2,
+                                   4 * v + 3, 4 * v + 3, 4 * v + 3, 4 * v + 3);
+    for (int64_t s = 0; s < K / QK; s++) {
+        const uint8_t *blk = wr + s * bb;
+        for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + PF + i);
+        __m512i W[4];
+        __m512 sw, ow;
+        unpack512(blk, fmt, W, &sw, &ow);
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
+            const __m512 sh = _mm512_mul_ps(sw, _mm512_loadu_ps(dr));
+            for (int v = 0; v < 4; v++)
+                acc[m][v & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64(W[v], a + 64 * v,
+                                                                         b + 64 * v)),
+                                                _mm512_permutexvar_ps(idx[v], sh), acc[m][v & 1]);
+            acc[m][0] = _mm512_fnmadd_ps(ow, _mm512_loadu_ps(sx), acc[m][0]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+#elif defined(KQ_AVX2)
+// A super-block's integers as eight vectors of 32 in weight order, and its sw, ow as two halves.
+static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, const int fmt,
+                                                            __m256i W[8], __m256 sw[2],
+                                                            __m256 ow[2])
+{
+    const __m256i nib = _mm256_set1_epi8(15);
+    if (fmt == Q6_K) {
+        const __m256 d = _mm256_set1_ps(loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8)));
+        for (int i = 0; i < 2; i++) {
+            sw[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * i)))), d);
+            ow[i] = _mm256_mul_ps(sw[i], _mm256_set1_ps(32.0f));
+        }
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int c = 0; c < 2; c++) {
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+            for (int t = 0; t < 4; t++) {
+                const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
+                const __m256i n = t < 2 ? _mm256_and_si256(L, nib)
+                                        : _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
+                const __m256i hb = _mm256_and_si256(
+                    _mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), three);
+                W[4 * c + t] = _mm256_or_si256(n, _mm256_slli_epi16(hb, 4));
+            }
+        }
+        return;
+    }
+    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
+    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    uint8_t sm[16];
+    k4_scales(blk + 4, sm);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)sm)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)(sm + 8))));
+    for (int i = 0; i < 2; i++) {
+        const __m256i pair = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2,
+                                               4 * i + 2, 4 * i + 3, 4 * i + 3);
+        sw[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pair), _mm256_set1_ps(d));
+        ow[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(mn, pair), _mm256_set1_ps(dmin));
+    }
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    for (int j = 0; j < 4; j++) {
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        W[2 * j] = _mm256_and_si256(L, nib);
+        W[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
+    }
+    if (fmt == Q5_K) {
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16)), one = _mm256_set1_epi8(1);
+        for (int t = 0; t < 8; t++) {
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t)), one);
+            W[t] = _mm256_or_si256(W[t], _mm256_slli_epi16(hb, 4));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) __m256i dot32(__m256i w, const int8_t *a,
+                                                           const int8_t *b)
+{
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i da = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)), one);
+    const __m256i db = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)b)), one);
+    return _mm256_add_epi32(_mm256_slli_epi32(da, 8), db);
+}
+
+static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
+                                                         int64_t xs, const uint8_t *wr,
+                                                         const int fmt, int64_t K, float *out,
+                                                         int64_t ldy)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    __m256 acc[M_MAX][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / QK; s++) {
+        const uint8_t *blk = wr + s * bb;
+        for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + PF + i);
+        __m256i W[8];
+        __m256 sw[2], ow[2];
+        unpack256(blk, fmt, W, sw, ow);
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
+            for (int i = 0; i < 2; i++) {
+                const __m256 sh = _mm256_mul_ps(sw[i], _mm256_loadu_ps(dr + 8 * i));
+                for (int v = 0; v < 4; v++) {
+                    const __m256i idx = _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1,
+                                                          2 * v + 1, 2 * v + 1, 2 * v + 1);
+                    const int u = 4 * i + v;
+                    acc[m][v & 1] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(dot32(W[u], a + 32 * u, b + 32 * u)),
+                        _mm256_permutevar8x32_ps(sh, idx), acc[m][v & 1]);
+                }
+                acc[m][0] = _mm256_fnmadd_ps(ow[i], _mm256_loadu_ps(sx + 8 * i), acc[m][0]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const __m256 t = _mm256_add_ps(acc[m][0], acc[m][1]);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        out[m * ldy] = _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+    }
+}
+
+#else
+// Portable (and NEON's, with sdot on q as signed bytes: every q is below 64).
+static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
+                                                         int64_t xs, const uint8_t *wr,
+                                                         const int fmt, int64_t K, float *out,
+                                                         int64_t ldy)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    float acc[M_MAX][16];
+    for (int m = 0; m < M; m++)
+        for (int h = 0; h < 16; h++) acc[m][h] = 0.0f;
+    for (int64_t s = 0; s < K / QK; s++) {
+        const uint8_t *blk = wr + s * bb;
+        __builtin_prefetch(blk + PF);
+        uint8_t q[QK] __attribute__((aligned(16)));
+        float sw[16], ow[16];
+        block_scales(blk, fmt, sw, ow);
+        block_values(blk, fmt, q);
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
+            for (int h = 0; h < 16; h++) {
+#if defined(KQ_NEON)
+                const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
+                const int32_t ia = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(a + RUN * h)));
+                const int32_t ib = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(b + RUN * h)));
+#else
+                int32_t ia = 0, ib = 0;
+                for (int i = 0; i < RUN; i++) {
+                    ia += q[RUN * h + i] * a[RUN * h + i];
+                    ib += q[RUN * h + i] * b[RUN * h + i];
+                }
+#endif
+                acc[m][h] += (float)(256 * ia + ib) * (sw[h] * dr[h]) - ow[h] * sx[h];
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float t = 0.0f;
+        for (int h = 0; h < 16; h++) t += acc[m][h];
+        out[m * ldy] = t;
+    }
+}
+#endif
+
+// Weight row n for M <= M_MAX quantized rows (M and fmt constants in each case).
+static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int fmt, int64_t K,
+                    int64_t n, const float *bias, float *y, int64_t ldy)
+{
+    const uint8_t *wr = w + n * (K / QK) * loom_kq_block_bytes(fmt);
+#define ROW(m, f) row_kq(xq, m, xs, wr, f, K, y + n, ldy)
+#define CASES(f) switch (M) { \
+    case 1: ROW(1, f); break; case 2: ROW(2, f); break; case 3: ROW(3, f); break; \
+    case 4: ROW(4, f); break; case 5: ROW(5, f); break; case 6: ROW(6, f); break; \
+    case 7: ROW(7, f); break; default: ROW(8, f); break; }
+    if (fmt == Q4_K) {
+        CASES(Q4_K)
+    } else if (fmt == Q5_K) {
+        CASES(Q5_K)
+    } else {
+        CASES(Q6_K)
+    }
+#undef CASES
+#undef ROW
+    if (bias)
+        for (int m = 0; m < M; m++) y[m * ldy + n] += bias[n];
+}
+
+// The calling thread's buffer for M_MAX quantized rows of K (kept, grown as needed).
+static uint8_t *x_buffer(int64_t rows, int64_t K)
+{
+    static __thread uint8_t *buf;
+    static __thread size_t have;
+    const size_t need = (size_t)(rows * x_stride(K));
+    if (have < need) {
+        free(buf);
+        have = 0;
+        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (!buf) return NULL;
+        have = need;
+    }
+    return buf;
+}
+
+// Unit u's rows for all M quantized rows: up to M_MAX rows, a weight row; past that, a block of
+// NB_ROWS weight rows, each chunk of M_MAX x rows past it (the block stays in cache).
+static void unit_rows(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int fmt,
+                      int64_t K, int64_t u, int64_t N, const float *bias, float *y, int64_t ldy)
+{
+    if (M <= M_MAX) {
+        row_any(xq, (int)M, xs, w, fmt, K, u, bias, y, ldy);
+        return;
+    }
+    const int64_t n1 = (u + 1) * NB_ROWS < N ? (u + 1) * NB_ROWS : N;
+    for (int64_t m0 = 0; m0 < M; m0 += M_MAX)
+        for (int64_t n = u * NB_ROWS; n < n1; n++)
+            row_any(xq + m0 * xs, (int)(M - m0 < M_MAX ? M - m0 : M_MAX), xs, w, fmt, K, n, bias,
+                    y + m0 * ldy, ldy);
+}
+
+static int64_t units_of(int64_t M, int64_t N)
+{
+    return M <= M_MAX ? N : (N + NB_ROWS - 1) / NB_ROWS;
+}
+
+// x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (12 Q4_K, 13 Q5_K,
+// 14 Q6_K), rows contiguous; bias: [N] or NULL; y: [M, N] rows ldy floats apart. Returns 0,
+// -1 on bad K or fmt, -2 when the buffer for the quantized x cannot be allocated.
+int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
+                   const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
+{
+    if (loom_kq_check(K, fmt)) return -1;
+    const int64_t xs = x_stride(K);
+    uint8_t *xq = x_buffer(M, K);
+    if (!xq) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M > M_MAX)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, xq + m * xs);
+    const int64_t units = units_of(M, N), least = M <= M_MAX ? 16 : 1;
+    // guided chunks (as linear_q8.c): a thread the OS lends away leaves its rows to the others
+#pragma omp parallel for schedule(guided, least) num_threads(num_threads)
+    for (int64_t u = 0; u < units; u++) unit_rows(xq, M, xs, w, fmt, K, u, N, bias, y, ldy);
+    return 0;
+}
+
+// For loom_linear_kq_team in a thread of a team: reserves the calling thread's buffer for
+// M_MAX quantized rows of up to K_max. 0, or -2 if it cannot be allocated.
+int loom_linear_kq_reserve(int64_t K_max)
+{
+    return x_buffer(M_MAX, K_max) ? 0 : -2;
+}
+
+// loom_linear_kq for M <= 8 rows (K and fmt as loom_kq_check takes: the caller checks) in a
+// thread of a running OpenMP team (as linear_q8.c's loom_linear_q8_team): every thread calls it
+// with the same arguments and `next` zeroed beforehand, after loom_linear_kq_reserve(K) in it;
+// each quantizes x into its own buffer and takes guided chunks of weight rows from *next. The
+// same bits as loom_linear_kq.
+void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                         int64_t *next, int team)
+{
+    const int64_t xs = x_stride(K);
+    uint8_t *xq = x_buffer(M, K);  // reserved: no failure
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, xq + m * xs);
+    for (int64_t u0, u1; loom_take_units(next, N, 16, team, &u0, &u1);)
+        for (int64_t u = u0; u < u1; u++) row_any(xq, (int)M, xs, w, fmt, K, u, bias, y, ldy);
+}
