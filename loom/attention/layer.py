@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.attention.backends import cpu_kernel, torch_ref
+from loom.attention.backends import cpu_kernel, torch_ref, triton_attn
 from loom.attention.forward_context import get_forward_context
 
 
@@ -27,6 +27,11 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
         self.use_kernel: bool | None = None  # the C kernel when it can run here; decided once
+        # The Triton kernels (CUDA's default where Triton is installed); decided once. An FP8
+        # cache's per-KV-head scales [num_kv_heads] are bound with the cache.
+        self.use_triton: bool | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
@@ -34,6 +39,16 @@ class Attention(nn.Module):
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim] to write
         into the cache first, or None when the caller already wrote them."""
         md = get_forward_context().attn_metadata
+        if self.use_triton is None:
+            self.use_triton = q.device.type == "cuda" and triton_attn.supported(
+                q, self.kv_cache, self.num_heads, self.num_kv_heads)
+        if self.use_triton:
+            if k is not None:
+                triton_attn.write_kv(self.kv_cache, k, v, md.slot_mapping, self.k_scale,
+                                     self.v_scale)
+            return triton_attn.paged_attention(
+                q, self.kv_cache, md, self.scale, self.sliding_window, self.softcap,
+                self.k_scale, self.v_scale, md.num_kv_splits)
         if k is not None:
             torch_ref.write_kv(self.kv_cache, k, v, md.slot_mapping)
         if self.use_kernel is None:

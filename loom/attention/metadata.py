@@ -56,6 +56,9 @@ class AttentionMetadata:
     # The per-module path's attention tiles (cpu_kernel.step_tiles), built on first use, keyed by
     # tokens per tile; shared by layers. The C decoder stack cuts its own.
     tiles: dict[int, np.ndarray] = field(default_factory=dict)
+    # Key-range splits of the Triton decode kernel: fixed by a CUDA graph's capture, None =
+    # chosen per step (triton_attn.choose_num_splits).
+    num_kv_splits: int | None = None
 
     # Derived on first use, for the torch reference backend (shared by all layers; the C kernels
     # need none of them).
