@@ -33,7 +33,7 @@ from loom.kernels.dispatch import Variant, machine, variants
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "argmax.c", "linear_q8.c", "linear_amx.c",
-           "linear_bf16.c", "linear_vnni.c", "decoder_q8.c")
+           "linear_bf16.c", "linear_vnni.c", "linear_kquant.c", "decoder_q8.c")
 COMMON = ("-O3", "-fPIC", "-fopenmp", "-Wall", "-Wno-psabi")
 FILE_FLAGS = {
     "paged_attention.c": ("-ffast-math",),
@@ -72,6 +72,8 @@ def _key(v: Variant, cc: str) -> str:
     for s in SOURCES:
         h.update((CSRC / s).read_bytes())
         h.update(" ".join(file_flags(s)).encode())
+    for header in sorted(CSRC.glob("*.h")):  # loom.h (the ABI), half.h
+        h.update(header.read_bytes())
     for part in (" ".join((*COMMON, *v.cflags)), version, v.arch):
         h.update(part.encode())
     return h.hexdigest()[:16]

@@ -2,6 +2,7 @@
 // its compares must see NaN.
 
 #include <stdint.h>
+#include "loom.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

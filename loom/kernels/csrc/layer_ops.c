@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "half.h"
+#include "loom.h"
 
 #define PAR_MIN_TOKENS 16
 
@@ -126,8 +127,6 @@ static inline void f32_to_f16(const float *src, int64_t n, uint16_t *dst)
     for (; i < n; i++) dst[i] = loom_f32_to_f16(src[i]);
 }
 
-// linear_q8.c
-void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 
 // One cache row of an int8 cache (--kv-cache-dtype int8) from kv_heads * D fp32 values: per
 // head, D uint8 values, then D / 32 fp32 scales, then D / 32 fp32 minimums: the weights' grid,

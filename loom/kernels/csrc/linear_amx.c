@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "loom.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define HAVE_AMX 1
@@ -182,11 +184,6 @@ static void block(const uint16_t *slab, const float *sc, const float *mc, const 
             y[(m0 + m) * ldy + n0 + n] = c[n * TILE + m] + (bias ? bias[n0 + n] : 0.0f);
 }
 #endif
-
-int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                         const float *scales, const float *mins, const float *bias, int64_t N,
-                         float *y, int64_t ldy, int bits, int num_threads);
-void *loom_scratch(int which, size_t bytes);
 
 // As loom_linear_q8_f32 (same arguments), which it runs itself for up to
 // loom_linear_q8_direct_rows rows (decode of a few streams: weights converted in registers,

@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "loom.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_BF16 1
@@ -28,11 +29,6 @@
 #define BLOCK_BYTES (128 * 1024)  // converted block (bf16), per thread
 #define X_BYTES (512 * 1024)      // x rows (bf16) a pass: with the block, within L2
 
-int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                         const float *scales, const float *mins, const float *bias, int64_t N,
-                         float *y, int64_t ldy, int bits, int num_threads);
-void *loom_scratch(int which, size_t bytes);
-int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_threads, int64_t *rows);
 
 // 1 if this build has the bf16 kernel (the compiler targets AVX512-BF16), 0 if not.
 int loom_bf16_available(void)

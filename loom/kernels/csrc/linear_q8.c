@@ -24,6 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "loom.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif

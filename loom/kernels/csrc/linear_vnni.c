@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "loom.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1
@@ -37,10 +38,6 @@
 #define PF_S 128      // scales and minimums prefetched ahead
 #define R_OF(bits) ((bits) == 4 ? 2 : 1)  // weight rows at once
 
-int loom_linear_q8_check(int64_t K, int bits);
-void *loom_scratch(int which, size_t bytes);
-int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
-                    int64_t *u1);
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
 
 // 1 if this build has the VNNI kernel (the compiler targets AVX512-VNNI), 0 if not.

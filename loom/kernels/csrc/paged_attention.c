@@ -26,6 +26,7 @@
 #endif
 
 #include "half.h"
+#include "loom.h"
 
 #define KEY_CHUNK 16
 // Runs of keys ahead whose K and V rows are prefetched into L2 (the next run also into L1).
@@ -33,7 +34,7 @@
 // one-token tile computes in less than a memory round trip. 3 runs into L2 measured 0.85-0.90x
 // the attention's time there (int8 cache, 32 streams x 214 keys and 4 x 1000, 30 layers).
 #define PF_RUNS 3
-enum { KV_F32 = 0, KV_F16 = 1, KV_INT8 = 2 };  // what the cache holds (loom/worker/kv_cache.py)
+enum { KV_F32 = LOOM_KV_F32, KV_F16 = LOOM_KV_F16, KV_INT8 = LOOM_KV_INT8 };  // loom.h
 
 // n fp16 values -> fp32 (the cache in fp16: --kv-cache-dtype float16).
 static inline void f16_to_f32(const uint16_t *src, int64_t n, float *dst)

@@ -1,0 +1,169 @@
+// Loom's C kernel ABI: every function the shared object exports and the structs the sources
+// and the Python ctypes bindings (loom/kernels/__init__.py SIGNATURES, loom/models/q8_decoder.py)
+// share. Every csrc/*.c includes it, so a prototype that drifts from its definition is a
+// compile error. Conventions: row-major fp32 activations, int64_t sizes and strides, `nt` /
+// `num_threads` the OpenMP team size; a `*_team` form runs inside a caller's parallel region
+// and takes its work from the shared counter `next` (one counter an op, zeroed by the caller).
+// Return codes: 0 done, negative an error (nothing written unless said otherwise).
+
+#ifndef LOOM_H
+#define LOOM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// What a KV cache holds (loom/worker/kv_cache.py; loom.kernels.KV_TYPES): fp32, fp16, or int8
+// rows of each head's D uint8 values then D / 32 fp32 scales and D / 32 fp32 minimums.
+enum { LOOM_KV_F32 = 0, LOOM_KV_F16 = 1, LOOM_KV_INT8 = 2 };
+
+// ---- paged attention (paged_attention.c) -------------------------------------------------
+
+// Cuts each request's query tokens (query_start_loc [num_reqs + 1]) into runs of at most
+// `tokens`: tiles [n, 3] (request, first token, number of tokens). Returns n, or -1.
+int64_t loom_attention_tiles(const int64_t *query_start_loc, int64_t num_reqs, int64_t tokens,
+                             int64_t *tiles);
+int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
+                               int64_t kv_heads, int64_t head_dim, int kv_type);
+// q[t, head, d] at q + t * q_tok_stride + head * D + d; caches [num_blocks, block_size,
+// kv_heads, D] each; block_tables [num_reqs, max_blocks]; positions [num_tokens]; window 0 for
+// none.
+int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const void *k_cache,
+                             const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
+                             const int64_t *positions, const int64_t *tiles, int64_t num_tiles,
+                             int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                             int64_t block_size, int64_t window, float scale, int num_threads,
+                             int kv_type, float *out);
+void loom_paged_attention_team(const float *q, int64_t q_tok_stride, const void *k_cache,
+                               const void *v_cache, const int64_t *block_tables,
+                               int64_t max_blocks, const int64_t *positions,
+                               const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
+                               int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                               int64_t window, float scale, int kv_type, float *out,
+                               int64_t *next, int team);
+
+// ---- elementwise layer ops (layer_ops.c) -------------------------------------------------
+
+// x = rms_norm(x + residual) * weight, residual = x + residual (residual NULL: norm alone), in
+// place over n rows of d.
+void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64_t n, int64_t d,
+                           float eps, int num_threads);
+// out [n, d] = silu(gate) * up of gate_up [n, 2 d].
+void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
+// Rotates q and k in place in qkv [n, stride] (heads side by side: num_heads q, kv_heads k,
+// kv_heads v, each D wide) by table rows [positions] ([cos, cos, -sin, sin] each D / 2), then
+// writes k and v to the caches at `slots`.
+void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads,
+                            int64_t kv_heads, int64_t D, const float *table,
+                            const int64_t *positions, const int64_t *slots, void *k_cache,
+                            void *v_cache, int num_threads, int kv_type);
+
+// ---- greedy argmax (argmax.c) -------------------------------------------------------------
+
+void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
+                      int num_threads);
+
+// ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
+// W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):
+// w = q * scale + min; `bits` 8 (a byte a weight) or 4 (two a byte, GGUF's nibble order).
+
+extern const int loom_linear_q8_direct_rows;  // the most rows the direct (decode) path takes
+int loom_linear_q8_check(int64_t K, int bits);
+int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int64_t *next, int team);
+// The quantizer: each group of 32 of w [N, K] -> q, scale, min (torch's Q8Groups, same bytes).
+void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
+void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
+                      float *mins, int num_threads);
+
+// AMX tiles (linear_amx.c); 1 if this process can run them.
+int loom_amx_available(void);
+int loom_linear_q8_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+
+// AVX512-BF16 dot products (linear_bf16.c): x rounded to bf16 once (loom_bf16_rows_team into
+// a shared xb [M, K]), each thread's block buffer reserved before a team runs.
+int loom_bf16_available(void);
+int loom_linear_q8_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const float *scales, const float *mins, const float *bias, int64_t N,
+                        float *y, int64_t ldy, int bits, int num_threads);
+int loom_linear_q8_bf16_reserve(int64_t K_max);
+void loom_bf16_rows_team(const float *x, int64_t M, int64_t K, int64_t ldx, uint16_t *xb,
+                         int tid, int team);
+void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *w,
+                              const float *scales, const float *mins, const float *bias,
+                              int64_t N, float *y, int64_t ldy, int bits, int64_t *next,
+                              int team);
+
+// AVX512-VNNI (linear_vnni.c), up to loom_linear_q8_direct_rows rows: scales and minimums as
+// fp16 copies; each thread's x buffer reserved before a team runs.
+int loom_vnni_available(void);
+int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        const uint16_t *scales, const uint16_t *mins, const float *bias,
+                        int64_t N, float *y, int64_t ldy, int bits, int num_threads);
+int loom_linear_q8_vnni_reserve(int64_t K);
+void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
+                              const uint8_t *w, const uint16_t *scales, const uint16_t *mins,
+                              const float *bias, int64_t N, float *y, int64_t ldy, int bits,
+                              int64_t *next, int team);
+
+// Shared between the linear sources (not called from Python).
+int loom_linear_q8_front(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         const float *scales, const float *mins, const float *bias, int64_t N,
+                         float *y, int64_t ldy, int bits, int num_threads);
+void *loom_scratch(int which, size_t bytes);
+int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_threads, int64_t *rows);
+int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
+                    int64_t *u1);
+
+// ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
+
+// One int8 linear: weights, fp32 scales and minimums, and their fp16 copies for the VNNI
+// kernel (NULL where unused).
+typedef struct {
+    const uint8_t *w;
+    const float *s, *m;
+    const uint16_t *s16, *m16;
+    int64_t bits;  // per stored weight: 8 or 4
+} LoomLinearQ8;
+
+// The token embeddings, looked up in the call: table [vocab, H] on the int8 grid.
+typedef struct {
+    LoomLinearQ8 table;
+    int64_t vocab;
+    const int64_t *ids;  // [M]
+} LoomEmbedQ8;
+
+// The output projection of `num_rows` of the M final hidden states, in the same call:
+// logits [num_rows, N] = head(final_hidden[rows]).
+typedef struct {
+    LoomLinearQ8 w;
+    int64_t N, num_rows, kernel;  // kernel: the stack's `kernel` code, for this linear
+    const int64_t *rows;          // [num_rows], each below M
+    float *x;                     // scratch [num_rows, H]: the rows gathered
+    float *logits;
+} LoomHeadQ8;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    const float *qkv_b;  // NULL without bias
+    void *k_cache, *v_cache;
+    LoomLinearQ8 qkv, o, gu, d;
+    int64_t window;  // sliding window, 0 for none
+} LoomLayerQ8;
+
+int loom_llama_forward_q8(
+    const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
+    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
+    const float *rope_table, int64_t rope_rows, const LoomEmbedQ8 *embed, int64_t M,
+    float *hidden, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+    int64_t max_blocks, const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens,
+    float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
+    const LoomHeadQ8 *head, const int64_t *keep, int64_t num_keep, int nt, int kv_type,
+    int kernel);
+
+#endif  // LOOM_H
