@@ -111,8 +111,9 @@ POOLINGS = ("last", "mean")
 
 
 # --kv-cache-dtype: auto is the model's dtype (loom.worker.kv_cache maps the names to torch's;
-# int8 holds each head's K and V rows as 8-bit groups of 32 with an fp32 scale and minimum).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
+# int8 holds each head's K and V rows as 8-bit groups of 32 with an fp32 scale and minimum;
+# fp8, CUDA only, e4m3 values with a scale per KV head).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8", "fp8")
 
 
 @dataclass(frozen=True)

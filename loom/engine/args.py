@@ -55,8 +55,10 @@ class EngineArgs:
               "checkpoints run in --dtype); none: weights expanded to --dtype (the float32 "
               "reference on the CPU); int8 (Loom's kernel: groups of 32 with scale and "
               "minimum, fp32 activations; GGUF 4-bit weights kept exactly, others re-quantized), "
-              "fp16 (fbgemm, fp32 activations; near lossless) or int4 (groups of 32, bf16 "
-              "activations)", KERNELS, choices=("none", "fp16", "int4", "int8"))
+              "fp16 (fbgemm, fp32 activations; near lossless), int4 (groups of 32, bf16 "
+              "activations) or fp8 (GPU: e4m3 weights with a scale per output channel, "
+              "quantized at load; FP8 tensor cores on Ada/Hopper, expanded per call elsewhere)",
+        KERNELS, choices=("none", "fp16", "int4", "int8", "fp8"))
     cpu_kernels: str = flag(
         "auto", "the build of Loom's C kernels on the CPU: auto (the best this CPU runs, said "
                 "in the log at start-up) or one by name: amx, bf16, vnni, avx512, avx2, "
@@ -98,7 +100,8 @@ class EngineArgs:
         "auto", "K/V storage: auto (int8 with int8 weights on the CPU kernels, which meets "
                 "Loom's accuracy bar there; else the model's dtype), float32, float16 (half "
                 "the bytes, like llama.cpp's default) or int8 (groups of 32 with an fp32 scale "
-                "and minimum: 62.5%% of float16's bytes); attention computes in fp32", CACHE,
+                "and minimum: 62.5%% of float16's bytes), or on CUDA fp8 (e4m3, a scale per "
+                "KV head); attention computes in fp32", CACHE,
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = flag(
         True, "reuse the KV cache of shared prompt prefixes", CACHE)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torch import nn
 
+from loom.quant.fp8 import Fp8Linear, fp8_supported
 from loom.quant.fp16 import Fp16Linear, fp16_available
 from loom.quant.int4 import Int4Linear, int4_supported
 from loom.quant.int8 import Int8Linear
@@ -17,6 +18,7 @@ QUANT_METHODS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Li
     "int8": (Int8Linear, lambda linear: True),
     "int4": (Int4Linear, int4_supported),
     "fp16": (Fp16Linear, lambda linear: True),
+    "fp8": (Fp8Linear, fp8_supported),
 }
 HEAD = "lm_head"
 EMBED = "model.embed_tokens"
@@ -59,9 +61,9 @@ def quantize_model_(model: nn.Module, method: str) -> None:
     test_quant.py), and at one stream it is a large share of a step in fp32. fp16 weights with
     fp32 accumulation keep it near exact at a fraction of the fp32 time.
     A head already int8 (loaded from a GGUF block format, exact: loom.loader.model_loader)
-    stays as it is.
+    stays as it is. fp8 (a GPU method) leaves the head in the activations' dtype, as vLLM does.
     """
     head = getattr(model, HEAD, None)
-    if method != "fp16" and isinstance(head, nn.Linear) and fp16_available():
+    if method in ("int8", "int4") and isinstance(head, nn.Linear) and fp16_available():
         replace_module(model, HEAD, Fp16Linear(head))
     quantize_linears_(model, method, skip=() if method == "fp16" else (HEAD,))

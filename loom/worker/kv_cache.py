@@ -23,6 +23,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         raise ConfigError(
             f"unsupported kv_cache_dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
         )
+    if name == "fp8":
+        return torch.float8_e4m3fn
     return model_dtype if name == "auto" else getattr(torch, name)
 
 

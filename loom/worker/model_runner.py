@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from loom.attention.backends.triton_attn import bind_fp8_kv_scales
 from loom.attention.forward_context import set_forward_context
 from loom.attention.metadata import Workspace, build_attention_metadata
 from loom.config import ModelConfig
@@ -60,6 +61,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, dtype, device)
         for attn, cache in zip(model.attention_layers(), self.kv_caches):  # type: ignore[operator]
             attn.kv_cache = cache
+        if dtype == torch.float8_e4m3fn:  # the Triton kernels' FP8 cache (CUDA)
+            bind_fp8_kv_scales(model.attention_layers(), device)  # type: ignore[operator]
         self.sampler = Sampler()
         self.workspace = Workspace()
         self.requests: dict[str, CachedRequestState] = {}

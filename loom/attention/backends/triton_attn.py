@@ -18,10 +18,15 @@ from __future__ import annotations
 import importlib.util
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from loom.attention.metadata import AttentionMetadata
+from loom.config import ConfigError
+
+if TYPE_CHECKING:
+    from loom.attention.layer import Attention
 
 FP8_KV = torch.float8_e4m3fn
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_KV)
@@ -190,9 +195,16 @@ def paged_attention(
     return out
 
 
-def fp8_kv_scales(kv_heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-KV-head (k_scale, v_scale) for an FP8 cache without calibrated scales: 1.0, as vLLM
-    uses when a checkpoint brings none (e4m3 holds +-448, past any K/V activation seen in
-    Llama-family models)."""
-    ones = torch.ones(kv_heads, dtype=torch.float32, device=device)
-    return ones, ones.clone()
+def bind_fp8_kv_scales(layers: list[Attention], device: torch.device) -> None:
+    """Give each attention layer over an FP8 cache its per-KV-head (k_scale, v_scale): 1.0, as
+    vLLM uses when a checkpoint brings no calibrated scales (e4m3 holds +-448, past the K/V
+    activations of Llama-family models). The Triton kernels are the only ones that read an FP8
+    cache: refused elsewhere."""
+    if device.type != "cuda" and not interpreting():
+        raise ConfigError("kv_cache_dtype fp8 runs on CUDA (the Triton kernels), not on "
+                          f"{device.type}")
+    if not available():
+        raise ConfigError("kv_cache_dtype fp8 needs Triton (pip install triton)")
+    for attn in layers:
+        attn.k_scale = torch.ones(attn.num_kv_heads, dtype=torch.float32, device=device)
+        attn.v_scale = torch.ones(attn.num_kv_heads, dtype=torch.float32, device=device)
