@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.config import KV_CACHE_DTYPES
-from loom.engine.arg_utils import CACHE, KERNELS, MODEL, SCHEDULER, SERVER, flag, positive_int
+from loom.engine.arg_utils import (
+    CACHE, KERNELS, MODEL, SCHEDULER, SERVER, flag, positive_float, positive_int,
+)
 
 DISTRIBUTED = "distributed"
 
@@ -70,6 +72,9 @@ class EngineArgs:
                "rows and AVX512-VNNI ones up to 8 where the CPU has them. Costs about half the "
                "speed of prompts and of steps of many streams on such CPUs, and ~7%% of a "
                "one-stream decode; nothing on CPUs without them", KERNELS)
+    enforce_eager: bool = flag(
+        False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (captured at "
+               "start-up per batch-size bucket)", KERNELS)
     num_threads: int | None = flag(
         None, "torch CPU threads (default: one per core). Loom also defaults OpenMP to a short "
               "spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either is set; on "
@@ -95,7 +100,12 @@ class EngineArgs:
         SCHEDULER)
 
     kv_cache_memory: int | None = flag(
-        None, "bytes for the KV cache (default: half the free memory, capped at need)", CACHE)
+        None, "bytes for the KV cache (default: on CUDA --gpu-memory-utilization's rule, "
+              "else half the free memory; capped at need)", CACHE)
+    gpu_memory_utilization: float = flag(
+        0.9, "CUDA: the share of the GPU's memory Loom takes: the weights, the peak of a "
+             "profiled max-size step, and the KV cache in the rest", CACHE,
+        type=positive_float)
     kv_cache_dtype: str = flag(
         "auto", "K/V storage: auto (int8 with int8 weights on the CPU kernels, which meets "
                 "Loom's accuracy bar there; else the model's dtype), float32, float16 (half "

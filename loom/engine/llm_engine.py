@@ -29,6 +29,7 @@ from loom.structured.manager import StructuredOutputManager
 from loom.threads import apply_thread_defaults, set_num_threads
 from loom.tokenizer.detokenizer import IncrementalDetokenizer
 from loom.tokenizer.tokenizer import Tokenizer
+from loom.worker.gpu_memory import profile_kv_cache_memory
 from loom.worker.kv_cache import (
     KVPrefaulter, bytes_per_block, determine_num_blocks, kv_cache_dtype,
 )
@@ -114,10 +115,14 @@ class LLMEngine:
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(device.type),
             max_model_len=max_model_len,
         )
+        kv_cache_memory = args.kv_cache_memory
+        if (device.type == "cuda" and kv_cache_memory is None and self.tensor_parallel is None
+                and args.num_gpu_blocks_override is None):
+            kv_cache_memory = self._profile_gpu_memory(args, loaded)
         cache_config = CacheConfig(
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory=kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
         num_blocks = determine_num_blocks(
@@ -135,6 +140,8 @@ class LLMEngine:
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,
         )
+        if device.type == "cuda" and not args.enforce_eager and self.tensor_parallel is None:
+            self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
         if self.tensor_parallel is not None:  # every step runs on every rank
             self.runner = self.tensor_parallel.drive(
                 self.runner, num_blocks, self.kv_dtype, self.eos_token_ids,
@@ -160,6 +167,16 @@ class LLMEngine:
         queue = self.scheduler.kv_cache_manager.block_pool.free_block_queue
         return self.prefaulter.populate(
             [b.block_id for b in queue.peek(self.prefault_ahead)], max_blocks)
+
+    def _profile_gpu_memory(self, args: EngineArgs, loaded) -> int:
+        """KV-cache bytes from --gpu-memory-utilization and a profiled max-size step."""
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{args.gpu_memory_utilization}")
+        return profile_kv_cache_memory(
+            loaded.model, loaded.config, self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_seqs, args.block_size, self.kv_dtype, loaded.device,
+            args.gpu_memory_utilization)
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size

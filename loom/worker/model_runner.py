@@ -22,6 +22,7 @@ from loom.sample.metadata import SamplingMetadata
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
+from loom.worker.cuda_graph import DecodeGraphs
 from loom.worker.kv_cache import allocate_kv_caches
 from loom.worker.pooler import Pooler
 from loom.worker.spec_verify import verify_draft
@@ -67,6 +68,26 @@ class ModelRunner:
         self.workspace = Workspace()
         self.requests: dict[str, CachedRequestState] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
+        self.graphs: DecodeGraphs | None = None  # CUDA only: capture_cuda_graphs
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every
+        attention layer runs the Triton kernels; a model whose capture fails stays eager (said
+        in the log). Returns whether graphs run."""
+        layers = self.model.attention_layers()  # type: ignore[operator]
+        graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size,
+                              self.model_config.num_key_value_heads, self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception:  # noqa: BLE001 - eager decode still runs; the reason goes to the log
+            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            return False
+        if not all(attn.use_triton for attn in layers):
+            logger.warning("CUDA graphs need the Triton attention kernels; decode runs eagerly")
+            return False
+        self.graphs = graphs
+        return True
 
     def _update_states(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in so.finished_req_ids:
@@ -150,13 +171,15 @@ class ModelRunner:
         all_rows = any(s.sampling_params.prompt_logprobs is not None
                        and c < s.num_prompt_tokens for s, c in zip(states, computed)
                        ) or self.pooler.needs_all_rows(states, computed)
-        with set_forward_context(md):
-            hidden, logits = self.model.forward_logits(  # [num_tokens, hidden], [sampling, vocab]
-                torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device),
-                rows,
-                only_rows=not all_rows,
-            )
+        ids_t = torch.from_numpy(input_ids).to(self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        if (self.graphs is not None and not drafts and not all_rows
+                and len(rows) == md.num_tokens and self.graphs.can_run(len(req_ids), md)):
+            hidden, logits = self.graphs.run(ids_t, pos_t, md)  # a decode-only step
+        else:
+            with set_forward_context(md):
+                hidden, logits = self.model.forward_logits(  # [num_tokens, h], [sampling, V]
+                    ids_t, pos_t, rows, only_rows=not all_rows)
         self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[Logprobs | None] = [None] * len(req_ids)
