@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from loom.attention.backends import triton_attn
 from loom.attention.backends.triton_attn import bind_fp8_kv_scales
 from loom.attention.forward_context import set_forward_context
 from loom.attention.metadata import Workspace, build_attention_metadata
@@ -75,6 +76,10 @@ class ModelRunner:
         attention layer runs the Triton kernels; a model whose capture fails stays eager (said
         in the log). Returns whether graphs run."""
         layers = self.model.attention_layers()  # type: ignore[operator]
+        if not triton_attn.available():
+            logger.warning("CUDA graphs need the Triton attention kernels (pip install triton); "
+                           "decode steps run eagerly")
+            return False
         graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size,
                               self.model_config.num_key_value_heads, self.device)
         try:
