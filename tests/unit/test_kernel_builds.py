@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # The kernels' own tests (attention, the layer ops, the int8 linear and quantizer), run again
 # on each variant this CPU runs but does not choose (the suite runs them on the one it does).
 KERNEL_TESTS = ["tests/unit/test_cpu_layer_ops.py", "tests/unit/test_cpu_attention.py",
-                "tests/model/test_quant.py"]
+                "tests/model/test_quant.py", "tests/model/test_kquant.py"]
 KERNEL_TEST_FILTER = ("not build_is_cached and not smollm2 and not reference and not stack "
                       "and not sampling_rows and not dispatch and not head_reuses "
-                      "and not fp16 and not int4")
+                      "and not fp16 and not int4 and not gemma3")
 
 
 def _built(results: dict[str, Path | build.BuildError]) -> None:
@@ -63,8 +63,9 @@ def test_every_x86_variant_builds_with_clang(tmp_path) -> None:
 
 
 def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
-    """The AArch64 variants with Debian's cross gcc; where qemu-user is there, a small C program
-    linked to each runs its int8 linear, quantizer and silu against plain loops."""
+    """The AArch64 variants with Debian's cross gcc; where qemu-user is there, small C programs
+    linked to each run its int8 linear, quantizer and silu against plain loops, and its K-quant
+    linear (NEON sdot in the neon build) against a float64 product."""
     cc = "aarch64-linux-gnu-gcc"
     if shutil.which(cc) is None:
         pytest.skip("no aarch64-linux-gnu-gcc (make install-test installs it as root)")
@@ -74,12 +75,14 @@ def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     if qemu is None:
         pytest.skip("no qemu-aarch64: built, not run")
     for name, so in results.items():
-        exe = tmp_path / f"check-{name}"
-        subprocess.run([cc, "-O1", str(ROOT / "tests/unit/kernel_check.c"), str(so), "-o",
-                        str(exe), "-lm", f"-Wl,-rpath,{tmp_path}"], check=True)
-        run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)],
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0 and "ok" in run.stdout, (name, run.stdout, run.stderr)
+        for check in ("kernel_check.c", "kquant_check.c"):
+            exe = tmp_path / f"{check.removesuffix('.c')}-{name}"
+            subprocess.run([cc, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o",
+                            str(exe), "-lm", f"-Wl,-rpath,{tmp_path}"], check=True)
+            run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)],
+                                 capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0 and "ok" in run.stdout, (name, check, run.stdout,
+                                                                 run.stderr)
 
 
 @pytest.mark.parametrize("name", [v.name for v in dispatch.VARIANTS

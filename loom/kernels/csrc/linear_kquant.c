@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "half.h"
+#include "loom.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KQ_AVX512 1
@@ -39,9 +40,6 @@
 #define KQ_NEON 1
 #include <arm_neon.h>
 #endif
-
-int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
-                    int64_t *u1);
 
 #define QK 256        // weights a super-block
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
