@@ -79,12 +79,14 @@ class AttentionMetadata:
         return self._tensor(np.arange(self.block_tables.shape[1] * self.block_size))
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return _to_device(a, self.slot_mapping.device)
+        return to_device(a, self.slot_mapping.device)
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """On the host as is; elsewhere staged in pinned memory, so the copy is asynchronous (a copy
+    from pageable memory waits for the device's queue first)."""
     t = torch.from_numpy(a)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def compute_slot_mapping(
@@ -129,12 +131,12 @@ def build_attention_metadata(
     slot_mapping = compute_slot_mapping(table, req_idx, positions, block_size)
     md = AttentionMetadata(
         num_tokens=num_tokens,
-        slot_mapping=_to_device(slot_mapping, device),
-        query_start_loc=_to_device(cu, device),
-        seq_lens=_to_device(computed + query_lens, device),
-        block_tables=_to_device(table, device),
+        slot_mapping=to_device(slot_mapping, device),
+        query_start_loc=to_device(cu, device),
+        seq_lens=to_device(computed + query_lens, device),
+        block_tables=to_device(table, device),
         max_query_len=max_q,
-        positions=_to_device(positions, device),
+        positions=to_device(positions, device),
         workspace=workspace or Workspace(),
         block_size=block_size,
         req_idx=req_idx,

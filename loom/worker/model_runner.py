@@ -14,7 +14,7 @@ from torch import nn
 from loom.attention.backends import triton_attn
 from loom.attention.backends.triton_attn import bind_fp8_kv_scales
 from loom.attention.forward_context import set_forward_context
-from loom.attention.metadata import Workspace, build_attention_metadata
+from loom.attention.metadata import Workspace, build_attention_metadata, to_device
 from loom.config import ModelConfig
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
@@ -176,8 +176,7 @@ class ModelRunner:
         all_rows = any(s.sampling_params.prompt_logprobs is not None
                        and c < s.num_prompt_tokens for s, c in zip(states, computed)
                        ) or self.pooler.needs_all_rows(states, computed)
-        ids_t = torch.from_numpy(input_ids).to(self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
+        ids_t, pos_t = to_device(input_ids, self.device), to_device(positions, self.device)
         if (self.graphs is not None and not drafts and not all_rows
                 and len(rows) == md.num_tokens and self.graphs.can_run(len(req_ids), md)):
             hidden, logits = self.graphs.run(ids_t, pos_t, md)  # a decode-only step
@@ -187,9 +186,9 @@ class ModelRunner:
                     ids_t, pos_t, rows, only_rows=not all_rows)
         self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[Logprobs | None] = [None] * len(req_ids)
+        logprobs: list[list[Logprobs] | None] = [None] * len(req_ids)
         if drafts:
-            logits = self._verify(logits, states, spec, drafts, sampled_lists, failed)
+            logits = self._verify(logits, states, spec, so, sampled_lists, logprobs, failed)
         if sampling:
             if so.grammar_bitmask is not None:
                 self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
@@ -201,22 +200,27 @@ class ModelRunner:
                 states[i].token_ids.append(token)
                 states[i].output_token_ids.append(token)
                 sampled_lists[i] = [token]
-                logprobs[i] = lp
+                logprobs[i] = None if lp is None else [lp]
         # after sampling: an int8 head writes every call's logits into the buffer it reuses
         prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden, failed)
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps, failed)
 
     def _verify(self, logits: torch.Tensor, states: list[CachedRequestState],
-                spec: dict[int, tuple[int, int]], drafts: dict[str, list[int]],
-                sampled_lists: list[list[int]], failed: dict[str, str]) -> torch.Tensor:
+                spec: dict[int, tuple[int, int]], so: SchedulerOutput,
+                sampled_lists: list[list[int]], logprobs: list[list[Logprobs] | None],
+                failed: dict[str, str]) -> torch.Tensor:
         """Verify each draft on its rows of `logits` (spec: request index -> (first row,
         rows)); returns the other sampling requests' rows. The blocks past the tokens now
         computed go, as the scheduler frees them."""
+        masks = so.structured_rows or {}  # req_id -> its first row of so.grammar_bitmask
         for i, (start, num) in spec.items():
             s = states[i]
+            row = masks.get(s.req_id)
+            bitmask = None if row is None else so.grammar_bitmask[row : row + num]
             try:
-                tokens = verify_draft(logits[start : start + num], s, drafts[s.req_id],
-                                      self.eos_token_ids, self.model_config.vocab_size)
+                tokens, logprobs[i] = verify_draft(
+                    logits[start : start + num], s, so.scheduled_spec_decode_tokens[s.req_id],
+                    self.eos_token_ids, self.model_config.vocab_size, bitmask)
             except Exception as e:  # noqa: BLE001 - this request's error alone
                 _fail_alone(failed, s.req_id, "verifying a speculative draft", e)
                 continue

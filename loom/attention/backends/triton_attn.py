@@ -113,6 +113,8 @@ def write_kv(
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel walks head_dim densely
+    v = v if v.stride(-1) == 1 else v.contiguous()
     fp8 = kv_cache.dtype == FP8_KV
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
@@ -148,6 +150,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     num_reqs = md.query_start_loc.shape[0] - 1
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel walks head_dim densely
     fp8 = kv_cache.dtype == FP8_KV
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
