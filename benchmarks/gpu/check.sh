@@ -19,6 +19,13 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export LOOM_CACHE_DIR=${LOOM_CACHE_DIR:-/tmp/loom-cache}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+mkdir -p "$out"
 args=(--out "$out")
 if [ -n "${SMOLLM2_GGUF:-}" ]; then args+=(--smollm2 "$SMOLLM2_GGUF"); fi
+# GPU_TESTS=1: first the pytest GPU tier (tests/gpu: compiled kernels, graphs vs eager, FP8),
+# outside the 8-minute budget
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" \
+    || echo "tests/gpu failed (see $out/gpu_tests.log)"
+fi
 timeout 470 python3 benchmarks/gpu/check.py "${args[@]}" "${@:2}"
