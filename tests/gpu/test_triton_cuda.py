@@ -16,6 +16,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 CUDA = torch.device("cuda")
 
 
+def _tiny_llama(tmp_path):
+    """A tiny random Llama with a word-level tokenizer (no packaged model needed)."""
+    from benchmarks.gpu.shapes import write_tokenizer
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    write_tokenizer(folder, 256)
+    return folder
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -46,9 +56,7 @@ def test_kernel_matches_reference_on_gpu(dtype, window, tol) -> None:
 
 def test_cuda_graph_decode_matches_eager(tmp_path) -> None:
     from loom import LLM
-    from tests.model.test_arch_embeddings import _tiny
-
-    folder = _tiny("llama", tmp_path / "llama")
+    folder = _tiny_llama(tmp_path)
     prompts = [[5, 6, 7, 8] * k for k in (1, 3, 9)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = {}
@@ -73,9 +81,7 @@ def test_fp8_weights_use_scaled_mm() -> None:
 
 def test_fp8_kv_cache_engine(tmp_path) -> None:
     from loom import LLM
-    from tests.model.test_arch_embeddings import _tiny
-
-    folder = _tiny("llama", tmp_path / "llama")
+    folder = _tiny_llama(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = LLM(str(folder), max_model_len=128).generate([[3, 4, 5, 6]], params)
     got = LLM(str(folder), kv_cache_dtype="fp8", max_model_len=128).generate([[3, 4, 5, 6]],
