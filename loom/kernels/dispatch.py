@@ -68,6 +68,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), about="portable AArch64"),
 )
 NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels choices
+# Each build's K-quant linears (csrc/linear_kquant.c, loom.quant.kquant): integer dot products in
+# AVX512-VNNI, AVX-512 BW or AVX2 (vpmaddubsw), NEON sdot, or portable C.
+KQUANT = {"amx": "vnni", "bf16": "vnni", "vnni": "vnni", "avx512": "avx512", "avx2": "avx2",
+          "neon": "neon", "generic": "generic"}
 
 
 class KernelChoiceError(ValueError):
@@ -131,7 +135,13 @@ class KernelChoice:
             v.name for v in variants() if runs_here(v)) + " this CPU runs")
         return (f"{self.variant} build ({variant(self.variant).about}; {why}); int8 linears "
                 f"{self.batch} past 8 rows, {self.decode} up to 8"
-                f"{' (batch-invariant)' if self.batch_invariant else ''}")
+                f"{' (batch-invariant)' if self.batch_invariant else ''}; K-quant linears "
+                f"{self.kquant}")
+
+    @property
+    def kquant(self) -> str:
+        """The K-quant linears' kernel (KQUANT): the same bits at any batch in a build."""
+        return KQUANT[self.variant]
 
     def describe(self) -> str:
         return (f"CPU kernels: {self.summary()}; quantized models' KV cache "

@@ -13,6 +13,7 @@ from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
+from loom.quant.kquant import KBlocks, native
 
 
 class GGUFError(ValueError):
@@ -238,10 +239,12 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf_tensors(
-    reader: GGUFFile, config: ModelConfig, arch: str, q8: bool = False
-) -> Iterator[tuple[str, torch.Tensor | Q8Groups]]:
+    reader: GGUFFile, config: ModelConfig, arch: str, q8: bool = False,
+    kq: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | Q8Groups | KBlocks]]:
     """(Hugging Face name, fp32 tensor) per tensor; with `q8`, 2-D tensors in a 32-wide block
-    format come as Loom's int8 grid instead (the same values, never materialized in fp32)."""
+    format come as Loom's int8 grid instead (the same values, never materialized in fp32), and
+    the K-quant tensors named in `kq` as their blocks (KBlocks, as stored)."""
     permute = arch in _PERMUTED_QK
     for t in reader.tensors:
         if t.name in _ROPE_FACTORS:
@@ -256,7 +259,7 @@ def iter_gguf_tensors(
         name = hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
-        w = _read(t, q8)
+        w = _read(t, q8, name in kq)
         heads = None
         if permute and name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
@@ -264,7 +267,7 @@ def iter_gguf_tensors(
             heads = config.num_key_value_heads
         if heads is not None:
             w = (w.map_rows(lambda a: _unpermute(a, heads))
-                 if isinstance(w, Q8Groups) else _unpermute(w, heads))
+                 if isinstance(w, (Q8Groups, KBlocks)) else _unpermute(w, heads))
         if name.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores the gate's one row as a vector
         if arch in _GEMMAS and name.endswith("norm.weight"):
@@ -272,10 +275,13 @@ def iter_gguf_tensors(
         yield name, w
 
 
-def _read(t: Any, q8: bool = False) -> torch.Tensor | Q8Groups:
+def _read(t: Any, q8: bool = False, kq: bool = False) -> torch.Tensor | Q8Groups | KBlocks:
     """Tensor `t`'s values in fp32; with `q8`, a 2-D tensor in a 32-wide block format as int8
-    groups instead. GGUFError naming the tensor where its type cannot be read."""
+    groups instead; with `kq`, a K-quant tensor's blocks. GGUFError naming the tensor where its
+    type cannot be read."""
     try:
+        if kq:
+            return KBlocks.from_gguf(t.data, t.tensor_type, t.shape)
         w = q8_groups(t.data, t.tensor_type, t.shape) if q8 else None
         return dequantize(t.data, t.tensor_type, t.shape) if w is None else w
     except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
@@ -288,6 +294,14 @@ def q8_tensors(reader: GGUFFile) -> dict[str, int]:
     arch = gguf_architecture(reader)
     return {hf_name(t.name, arch) or t.name: group_bits(t.tensor_type)
             for t in reader.tensors if groupable(t.tensor_type, t.shape)}
+
+
+def kq_tensors(reader: GGUFFile) -> dict[str, str]:
+    """Hugging Face name -> K-quant format name, of the 2-D tensors loom.quant.kquant runs as
+    stored (the token embedding excepted: it is looked up, not multiplied)."""
+    arch = gguf_architecture(reader)
+    return {hf_name(t.name, arch) or t.name: t.tensor_type.name for t in reader.tensors
+            if native(t.tensor_type, t.shape) and t.name != "token_embd.weight"}
 
 
 def gguf_architecture(reader: GGUFFile) -> str:

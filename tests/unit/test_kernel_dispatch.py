@@ -122,32 +122,33 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
         build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
 
 
-def _gguf(*types: str) -> SimpleNamespace:
+def _gguf(*types: str, cols: int = 64) -> SimpleNamespace:
     """A GGUF reader's tensor list: a Q8_0 embedding, F32 norms, linears of `types`."""
     t = [SimpleNamespace(name="token_embd.weight", tensor_type=Q.Q8_0, shape=(256, 64)),
          SimpleNamespace(name="blk.0.attn_norm.weight", tensor_type=Q.F32, shape=(64,))]
-    t += [SimpleNamespace(name=f"blk.0.w{i}.weight", tensor_type=Q[q], shape=(64, 64))
+    t += [SimpleNamespace(name=f"blk.0.w{i}.weight", tensor_type=Q[q], shape=(64, cols))
           for i, q in enumerate(types)]
     return SimpleNamespace(tensors=t)
 
 
 def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(caplog) -> None:
-    """quantization=None: a GGUF file's 32-wide blocks stay as they are (int8 on the CPU in
-    fp32); K-quants (no native kernel yet) keep the reference path, said in one warning; float
-    files and Hugging Face folders run in their dtype."""
+    """quantization=None: a GGUF file's 32-wide blocks and Q4_K / Q5_K / Q6_K stay as they are
+    (on the CPU in fp32); other K-quants (no native kernel yet) keep the reference path, said in
+    one warning; float files and Hugging Face folders run in their dtype."""
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels")
     cpu, f32 = torch.device("cpu"), torch.float32
     assert default_quantization(_gguf("Q4_1", "Q4_1", "Q8_0"), cpu, f32) == "int8"
     assert default_quantization(_gguf("Q4_0", "Q5_0", "Q5_1"), cpu, f32) == "int8"
+    assert default_quantization(_gguf("Q4_K", "Q6_K", "Q5_K", "Q8_0", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("F16", "F32"), cpu, f32) is None
     assert default_quantization(None, cpu, f32) is None
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="loom.loader.model_loader"):
-        assert default_quantization(_gguf("Q4_K", "Q6_K", "Q8_0"), cpu, f32) is None
+        assert default_quantization(_gguf("Q2_K", "Q4_K", "Q8_0", cols=256), cpu, f32) is None
         assert default_quantization(_gguf("Q4_0"), cpu, torch.bfloat16) is None
     first, second = (r.getMessage() for r in caplog.records)
-    assert "Q4_K, Q6_K have no native kernel yet" in first and "--quantization int8" in first
+    assert "Q2_K have no native kernel yet" in first and "--quantization int8" in first
     assert "float32 activations only" in second
 
 

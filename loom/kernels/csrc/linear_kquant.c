@@ -333,7 +333,8 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
         for (int c = 0; c < 2; c++) {
             const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
             for (int t = 0; t < 4; t++) {
-                const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
+                const __m256i L =
+                    _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
                 const __m256i n = t < 2 ? _mm256_and_si256(L, nib)
                                         : _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
                 const __m256i hb = _mm256_and_si256(
@@ -348,7 +349,8 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     uint8_t sm[16];
     k4_scales(blk + 4, sm);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)sm)));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)(sm + 8))));
+    const __m256 mn =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)(sm + 8))));
     for (int i = 0; i < 2; i++) {
         const __m256i pair = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2,
                                                4 * i + 2, 4 * i + 3, 4 * i + 3);
@@ -362,7 +364,8 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
         W[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
     }
     if (fmt == Q5_K) {
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16)), one = _mm256_set1_epi8(1);
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i one = _mm256_set1_epi8(1);
         for (int t = 0; t < 8; t++) {
             const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t)), one);
             W[t] = _mm256_or_si256(W[t], _mm256_slli_epi16(hb, 4));
