@@ -16,7 +16,7 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: Logprobs | None = None
+    new_logprobs: list[Logprobs] | None = None  # one per new token (None: not asked for)
     new_prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: FinishReason | None = None
     # The stop token id that finished the request (None for eos, length or abort).

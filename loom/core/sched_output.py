@@ -74,8 +74,9 @@ class ModelRunnerOutput:
     # One list per request, in req_ids order: the token sampled this step, or [] when the step
     # only computed part of the prompt (chunked prefill).
     sampled_token_ids: list[list[int]]
-    # Per request: logprobs of the sampled token (None unless the request asked for logprobs).
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Per request: logprobs of each sampled token, one per entry of sampled_token_ids[i] (None
+    # unless the request asked for logprobs).
+    logprobs: list[list[Logprobs] | None] = field(default_factory=list)
     # Per request: logprobs for the prompt positions computed this step (None unless asked).
     prompt_logprobs: list[list[Logprobs | None] | None] = field(default_factory=list)
     # Requests that failed alone this step (their inputs broke preparing, sampling or the

@@ -324,6 +324,8 @@ class Scheduler:
             if check_stop(request, self.max_model_len):
                 break
         logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
+        if logprobs is not None:  # a stop mid-step drops the tokens after it
+            logprobs = logprobs[: len(new_token_ids)]
         prompt_logprobs = (
             runner_output.prompt_logprobs[i] if i < len(runner_output.prompt_logprobs) else None
         )
@@ -344,7 +346,7 @@ class Scheduler:
 
     @staticmethod
     def _core_output(
-        request: Request, new_token_ids: list[int], logprobs: Logprobs | None,
+        request: Request, new_token_ids: list[int], logprobs: list[Logprobs] | None,
         prompt_logprobs: list[Logprobs | None] | None, error: str | None = None,
     ) -> EngineCoreOutput:
         return EngineCoreOutput(

@@ -7,8 +7,9 @@ count against the step's token budget). The runner verifies them (loom.worker.sp
 returns the accepted tokens plus one it sampled itself; the scheduler then rolls the rejected
 tokens' KV slots back (num_computed_tokens, and blocks past them freed).
 
-Requests that do not speculate (the runner could not verify them token by token yet): those
-asking for logprobs, with a structured-output grammar, or pooling (embeddings).
+Everything a token passes through applies per draft position: penalties, logprobs and a
+structured-output grammar (a draft is cut before the first token its grammar forbids; the
+engine builds a mask per position). Pooling (embedding) requests do not speculate.
 """
 
 from __future__ import annotations
@@ -151,8 +152,7 @@ class SpecDecodeStats:
 
 def can_speculate(request: Request) -> bool:
     """Whether the runner verifies this request's proposals (see the module docstring)."""
-    params = request.sampling_params
-    return (params.logprobs is None and request.grammar is None and params.pooling is None)
+    return request.sampling_params.pooling is None
 
 
 class Drafter(Protocol):
@@ -226,10 +226,14 @@ class SpecDecoder:
         if k <= 0:
             return []
         if self.drafter is not None:
-            return self._drafts.get(request.request_id, [])[:k]
-        cfg = self.config
-        return ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
-                             cfg.prompt_lookup_max)
+            draft = self._drafts.get(request.request_id, [])[:k]
+        else:
+            cfg = self.config
+            draft = ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
+                                  cfg.prompt_lookup_max)
+        if draft and request.grammar is not None:  # up to the first token it forbids
+            draft = draft[: request.grammar.num_valid(draft)]
+        return draft
 
     def on_verified(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)

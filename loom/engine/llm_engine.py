@@ -377,8 +377,8 @@ class LLMEngine:
         o.token_ids.extend(out.new_token_ids)
         o.delta_token_ids.extend(out.new_token_ids)
         if o.logprobs is not None and out.new_logprobs is not None:
-            o.logprobs.append(out.new_logprobs)
-            o.delta_logprobs.append(out.new_logprobs)
+            o.logprobs.extend(out.new_logprobs)
+            o.delta_logprobs.extend(out.new_logprobs)
         finish, stop_reason = out.finish_reason, out.stop_reason
         stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
         if stop_str is not None and finish is None:

@@ -38,8 +38,12 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
 
 def drop_after_stop(output: CompletionOutput, num_tokens: int) -> None:
     """A stop string completed at the output's `num_tokens`-th token: tokens accepted after it
-    in the same speculative step are dropped (decoding one by one would not have made them)."""
+    in the same speculative step are dropped (decoding one by one would not have made them),
+    with their logprobs."""
     extra = len(output.token_ids) - num_tokens
     if extra > 0:
         del output.token_ids[-extra:]
         del output.delta_token_ids[-min(extra, len(output.delta_token_ids)):]
+        if output.logprobs is not None:
+            del output.logprobs[-extra:]
+            del output.delta_logprobs[-min(extra, len(output.delta_logprobs)):]

@@ -39,6 +39,17 @@ class GrammarMatcher:
         """Advance by one sampled token; False if the grammar does not allow it."""
         return self._m.consume_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from the current state, the grammar allows (the
+        state does not move)."""
+        return self._m.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: "
+                               f"{self.error}")
+
     def is_terminated(self) -> bool:
         """The output is complete: the grammar allows nothing more (except end of sequence)."""
         return self._m.is_stopped()

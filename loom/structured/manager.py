@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.request import CONSTRAINT_FAILED
-from loom.structured.backend import CompiledGrammar, GrammarError, LLGuidanceBackend
+from loom.structured.backend import (
+    CompiledGrammar, GrammarError, GrammarMatcher, LLGuidanceBackend,
+)
 
 if TYPE_CHECKING:
     from loom.core.sched_output import SchedulerOutput
@@ -78,28 +80,52 @@ class StructuredOutputManager:
         """Bitmask rows for the constrained requests that sample this step, or None if none do.
 
         A request samples when this step reaches the end of its known tokens (the runner's
-        rule). Returns (bitmask [rows, words] int32, req_id -> row). A request whose grammar
-        fails here (a limit of the grammar engine) goes into `failed` (req_id -> reason) with
-        an all-zero row, and the others go on.
+        rule). One with a speculative draft of k tokens gets 1 + k consecutive rows: row i is
+        the mask after draft tokens 0..i-1 (the matcher goes through the draft, then rolls it
+        back; the scheduler proposed only tokens the grammar allows). Returns (bitmask
+        [rows, words] int32, req_id -> its first row). A request whose grammar fails here (a
+        limit of the grammar engine) goes into `failed` (req_id -> reason) with all-zero rows,
+        and the others go on.
         """
+        drafts = so.scheduled_spec_decode_tokens
         rows: dict[str, int] = {}
+        num_rows = 0
         for req_id, n in so.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None or request.grammar is None:
                 continue
-            if request.num_computed_tokens + n == request.num_tokens:
-                rows[req_id] = len(rows)
+            k = len(drafts.get(req_id, ()))
+            if request.num_computed_tokens + n - k == request.num_tokens:
+                rows[req_id] = num_rows
+                num_rows += 1 + k
         if not rows:
             return None
-        bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
+        bitmask = torch.empty((num_rows, self.num_words), dtype=torch.int32)
         for req_id, row in rows.items():
-            grammar = requests[req_id].grammar
+            draft = drafts.get(req_id, [])
             try:
-                grammar.fill_bitmask(bitmask, row)
-                error = grammar.error
+                error = _fill_rows(requests[req_id].grammar, draft, bitmask, row)
             except Exception as e:  # noqa: BLE001 - this request's error alone
                 error = f"{type(e).__name__}: {e}"
             if error is not None:
-                bitmask[row] = 0
+                bitmask[row : row + 1 + len(draft)] = 0
                 failed[req_id] = f"{CONSTRAINT_FAILED}: {error}"
         return bitmask, rows
+
+
+def _fill_rows(grammar: GrammarMatcher, draft: list[int], bitmask: torch.Tensor,
+               row: int) -> str | None:
+    """Fill bitmask rows row .. row + len(draft): the masks before each draft token and after
+    the last; the grammar's state is left as it was. Returns the grammar's error, if any."""
+    grammar.fill_bitmask(bitmask, row)
+    accepted = 0
+    for i, token in enumerate(draft):
+        if grammar.error is not None or not grammar.accept_token(token):
+            break
+        accepted += 1
+        grammar.fill_bitmask(bitmask, row + 1 + i)
+    error = grammar.error
+    grammar.rollback(accepted)
+    if error is None and accepted < len(draft):
+        error = f"draft token {draft[accepted]} is not allowed"
+    return error
