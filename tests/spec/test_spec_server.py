@@ -32,9 +32,14 @@ def test_completions_and_metrics(spec_server: ServerProcess) -> None:
     whole = client.completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
     assert whole.choices[0].text == streamed and whole.usage.completion_tokens == 40
-    # logprobs: this request does not speculate, and still gets one entry per token
+    # logprobs: one entry per token, several tokens a streamed chunk after a verify step
     lp = client.completions.create(**kw, logprobs=2)
     assert len(lp.choices[0].logprobs.tokens) == 40 and lp.choices[0].text == streamed
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        **kw, logprobs=2, stream=True) if c.choices and c.choices[0].logprobs]
+    assert sum(len(c.tokens) for c in chunks) == 40 and max(len(c.tokens) for c in chunks) > 1
+    assert [v for c in chunks for v in c.token_logprobs] == pytest.approx(
+        lp.choices[0].logprobs.token_logprobs, abs=1e-5)
     after = spec_server.wait_idle()
     drafts = after["loom:spec_decode_num_draft_tokens_total"]
     accepted = after["loom:spec_decode_num_accepted_tokens_total"]
