@@ -1,19 +1,30 @@
 """Single-stream speed with and without n-gram speculative decoding (docs/speculative.md).
 
-Two workloads, one request at a time, greedy: copy-heavy (rewrite a given function with one
-change; answer by quoting a given passage) and plain chat. For each: tok/s without and with
+Two workloads, one request at a time, greedy, Loom's default kernels (`--batch-invariant` for
+the fp32 ones): copy-heavy (tasks whose answer quotes the prompt: quote a passage, answer by
+quoting it, copy a list, fix the spelling of a text, rewrite a function with one change) and
+plain chat. Both engines live in this one process and run each prompt in turn (base, then
+speculative, the order swapped every repeat), so a shared machine's load falls on both alike;
+per prompt the median of `--repeats` runs counts. For each workload: tok/s without and with
 `--speculative-config`, the speedup, the acceptance rate (overall and per draft position) and
-whether the outputs are identical (they must be, with --batch-invariant kernels).
+whether the outputs are identical (they must be).
 
-    python benchmarks/bench_spec.py                  # the full run
-    python benchmarks/bench_spec.py --smoke          # 1 prompt each, 16 tokens (checks it runs)
+    .venv/bin/python benchmarks/bench_spec.py --out benchmarks/results/spec-<date>-<machine>.json \
+        --plot benchmarks/results/spec-<date>-<machine>.png
+    .venv/bin/python benchmarks/bench_spec.py --smoke          # 1 prompt each, 16 tokens
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import dump, machine  # noqa: E402
 
 FUNCTION = '''def moving_average(values, window):
     """Return the moving averages of `values` over `window` items."""
@@ -35,41 +46,76 @@ PASSAGE = ("The lighthouse stood on the northern cliff for two hundred years. It
            "to light the lamp, and every morning he wrote the weather in a leather book. "
            "When the storm of 1887 broke the glass, he kept the flame alive with his coat.")
 
+PASSAGE_2 = ("The village below the cliff lived on fishing. Every boat carried a lantern "
+             "painted with the family's colours, and on winter nights the harbour looked like "
+             "a field of small stars. The children learned to read the sea before they learned "
+             "to read books, and the old women mended nets on the steps of the church.")
+
 COPY = [
-    f"Rewrite this Python function so that it raises TypeError when window is not an int. "
-    f"Give the whole function.\n\n{FUNCTION}",
-    f"Here is a passage:\n\n{PASSAGE}\n\nQuote, word for word, the sentence about the storm "
-    f"and then the sentence about the keeper.",
-    f"Rename the variable `total` to `running_sum` in this function and give the whole "
-    f"function:\n\n{FUNCTION}",
+    f"Quote the following passage word for word.\n\n{PASSAGE}\n\n{PASSAGE_2}",
+    f"Passage:\n{PASSAGE}\n\nQuestion: What did Elias do every evening and every morning? "
+    "Answer by quoting the passage.",
+    "Copy this list exactly, one item per line:\n- apples: 3 kg\n- bread: 2 loaves\n"
+    "- milk: 1 litre\n- eggs: 12\n- butter: 250 g\n- cheese: 400 g\n- rice: 1 kg\n"
+    "- olive oil: 1 bottle",
+    "Fix the spelling in this text and give it back in full: The quick brown fox jumpd over "
+    "the lazy dog. The dog did not mind, becuase it was sleeping in the warm afternoon sun, "
+    "and the fox ran off into the forest.",
+    f"Here is a Python function:\n\n{FUNCTION}\nRewrite it with one change: rename the "
+    "function to `rolling_mean`. Reply with the whole function only.",
 ]
 CHAT = [
     "Give me three tips for sleeping better.",
     "Why is the sky blue? Answer in a short paragraph.",
     "Write a haiku about autumn.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a small bakery and explain why.",
+    "How do I boil an egg?",
 ]
 
 
-def run(llm, prompts: list[str], max_tokens: int):
+def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float]:
     from loom import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs, tokens, seconds = [], 0, 0.0
-    for prompt in prompts:  # single stream: one request at a time
-        start = time.perf_counter()
-        out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
-        seconds += time.perf_counter() - start
-        tokens += len(out.outputs[0].token_ids)
-        outs.append(list(out.outputs[0].token_ids))
-    return outs, tokens / seconds
+    start = time.perf_counter()
+    out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), time.perf_counter() - start
+
+
+def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int) -> dict:
+    """Per engine: outputs, tokens and the sum over prompts of the median seconds; both engines
+    run each prompt in turn (the order swapped every repeat)."""
+    labels = list(engines)
+    outs: dict[str, list[list[int]]] = {label: [] for label in labels}
+    seconds = {label: 0.0 for label in labels}
+    for prompt in prompts:
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for rep in range(repeats):
+            for label in labels if rep % 2 == 0 else labels[::-1]:
+                tokens, t = run_one(engines[label], prompt, max_tokens)
+                times[label].append(t)
+                if rep == 0:
+                    outs[label].append(tokens)
+        for label in labels:
+            seconds[label] += statistics.median(times[label])
+    return {label: {"outputs": outs[label], "seconds": seconds[label],
+                    "tokens": sum(len(o) for o in outs[label])} for label in labels}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the packaged SmolLM2")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--lookup-max", type=int, default=3, help="prompt_lookup_max")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per prompt and engine (median)")
+    ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens (k + 1 rows a "
+                    "verify step: up to 8 keep the default decode kernel)")
+    ap.add_argument("--lookup-max", type=int, default=5, help="prompt_lookup_max")
+    ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the batch-invariant fp32 kernels instead of Loom's defaults")
+    ap.add_argument("--out", default=None, help="write the results here (JSON)")
+    ap.add_argument("--plot", default=None, help="draw tok/s per workload here (PNG)")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per workload, 16 tokens")
     args = ap.parse_args()
     from loom.engine.llm import LLM
@@ -77,43 +123,78 @@ def main() -> None:
     workloads = {"copy": COPY, "chat": CHAT}
     if args.smoke:
         workloads = {name: prompts[:1] for name, prompts in workloads.items()}
-        args.max_tokens = 16
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
-                       "prompt_lookup_max": args.lookup_max})
-    results: dict[str, dict] = {name: {} for name in workloads}
-    for label, config in (("base", None), ("ngram", spec)):
-        llm = LLM(args.model, batch_invariant=True, speculative_config=config)
-        for name, prompts in workloads.items():
-            run(llm, prompts[:1], 8)  # warm-up
-            before = _stats(llm)
-            outs, tps = run(llm, prompts, args.max_tokens)
-            results[name][label] = (outs, tps, _delta(before, _stats(llm)))
-        del llm
-    for name, r in results.items():
-        (base_out, base_tps, _), (spec_out, spec_tps, st) = r["base"], r["ngram"]
-        rate = st["accepted"] / st["proposed"] if st["proposed"] else 0.0
-        per_pos = [round(a / p, 3) if p else 0.0 for a, p in zip(st["acc_pos"], st["prop_pos"])]
-        print(json.dumps({
-            "workload": name, "base_tok_s": round(base_tps, 2), "ngram_tok_s": round(spec_tps, 2),
-            "speedup": round(spec_tps / base_tps, 3), "acceptance_rate": round(rate, 3),
-            "acceptance_per_position": per_pos, "identical_output": base_out == spec_out,
-        }))
+        args.max_tokens, args.repeats = 16, 1
+    config = {"method": "ngram", "num_speculative_tokens": args.k,
+              "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+    engines = {label: LLM(args.model, batch_invariant=args.batch_invariant,
+                          speculative_config=spec)
+               for label, spec in (("base", None), ("ngram", json.dumps(config)))}
+    for llm in engines.values():
+        run_one(llm, CHAT[0], 8)  # warm-up
+    results: dict[str, dict] = {}
+    for name, prompts in workloads.items():
+        before = _stats(engines["ngram"])
+        r = measure(engines, prompts, args.max_tokens, args.repeats)
+        st = _delta(before, _stats(engines["ngram"]))
+        base_tps = r["base"]["tokens"] / r["base"]["seconds"]
+        spec_tps = r["ngram"]["tokens"] / r["ngram"]["seconds"]
+        results[name] = {
+            "prompts": len(prompts), "tokens": r["base"]["tokens"],
+            "base_tok_s": round(base_tps, 2), "ngram_tok_s": round(spec_tps, 2),
+            "speedup": round(spec_tps / base_tps, 3),
+            "acceptance_rate": round(st["accepted"] / st["proposed"], 3) if st["proposed"] else 0.0,
+            "accepted_per_verify_step": round(st["accepted"] / st["drafts"], 3)
+            if st["drafts"] else 0.0,
+            "acceptance_per_position": [round(a / p, 3)
+                                        for a, p in zip(st["acc_pos"], st["prop_pos"]) if p],
+            "identical_output": r["base"]["outputs"] == r["ngram"]["outputs"],
+        }
+    dump(args.out, {
+        "machine": machine(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "kernels": "batch-invariant" if args.batch_invariant else "default",
+        "speculative_config": config, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "workloads": results,
+    })
+    if args.plot:
+        _plot(results, args.plot, config)
+
+
+def _plot(results: dict[str, dict], path: str, config: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(len(names))
+    base = [results[n]["base_tok_s"] for n in names]
+    spec = [results[n]["ngram_tok_s"] for n in names]
+    ax.bar([x - 0.2 for x in xs], base, 0.4, label="without speculation")
+    ax.bar([x + 0.2 for x in xs], spec, 0.4, label=f"n-gram, k={config['num_speculative_tokens']}")
+    for x, n in zip(xs, names):
+        ax.annotate(f"{results[n]['speedup']:.2f}x, acc {results[n]['acceptance_rate']:.2f}",
+                    (x + 0.2, spec[x]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("tokens/s, one stream")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _stats(llm) -> dict:
-    spec = llm.engine.scheduler.spec
-    if spec is None:
-        return {"proposed": 0, "accepted": 0, "acc_pos": [], "prop_pos": []}
-    s = spec.stats
-    return {"proposed": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-            "acc_pos": list(s.accepted_per_pos), "prop_pos": list(s.proposed_per_pos)}
+    s = llm.engine.scheduler.spec.stats
+    return {"drafts": s.num_drafts, "proposed": s.num_draft_tokens,
+            "accepted": s.num_accepted_tokens, "acc_pos": list(s.accepted_per_pos),
+            "prop_pos": list(s.proposed_per_pos)}
 
 
 def _delta(a: dict, b: dict) -> dict:
     def sub(x: list[int], y: list[int]) -> list[int]:
         return [v - (x[i] if i < len(x) else 0) for i, v in enumerate(y)]
 
-    return {"proposed": b["proposed"] - a["proposed"], "accepted": b["accepted"] - a["accepted"],
+    return {"drafts": b["drafts"] - a["drafts"], "proposed": b["proposed"] - a["proposed"],
+            "accepted": b["accepted"] - a["accepted"],
             "acc_pos": sub(a["acc_pos"], b["acc_pos"]), "prop_pos": sub(a["prop_pos"], b["prop_pos"])}
 
 
