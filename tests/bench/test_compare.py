@@ -57,18 +57,23 @@ def test_peers_not_installed_are_skipped_with_the_reason(tmp_path, monkeypatch) 
         compare_engines.vllm_engine(1, ns)
 
 
-def test_llama_server_builds_get_the_same_flags(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("name,folder,flag", [("llama.cpp", "llama-cpp", "--llama-args"),
+                                               ("ik_llama.cpp", "ik-llama-cpp", "--ik-args")])
+def test_llama_server_builds_get_the_same_flags(tmp_path, monkeypatch, name, folder,
+                                                flag) -> None:
     monkeypatch.setenv("LOOM_PEERS", str(tmp_path))
-    server = tmp_path / "ik-llama-cpp" / "bin" / "llama-server"
+    server = tmp_path / folder / "bin" / "llama-server"
     server.parent.mkdir(parents=True)
     server.write_text("#!/bin/sh\necho 'version: 1 (abc)'\n")
     server.chmod(0o755)
     ns = compare.parse_args(["--model", "x.gguf", "--concurrency", "1,16", "--threads", "2",
-                             "--ik-args=-rtr"])
-    eng = compare_engines.ik_llama_cpp_engine(8000, ns)
-    assert eng.name == "ik_llama.cpp" and "version: 1 (abc)" in eng.version
+                             f"{flag}=-rtr"])
+    eng = compare_engines.MAKERS[name](8000, ns)
+    assert eng.name == name and "version: 1 (abc)" in eng.version
+    tail = ["--no-repack"] if "amx_int8" in compare_engines._cpu_flags() and name == "llama.cpp" \
+        else []
     assert eng.cmd[1:] == ["-m", "x.gguf", "--host", "127.0.0.1", "--port", "8000", "-np", "16",
-                           "-cb", "-t", "2", "-c", str(16 * 512), "-rtr"]
+                           "-cb", "-t", "2", "-c", str(16 * 512), "-rtr", *tail]
 
 
 def _write_gguf(path: Path, untied: bool) -> None:
