@@ -54,11 +54,13 @@ SIGNATURES = {
     ),
     "loom_kq_dequant": (None, [_ptr, _int, _i64, _i64, _i64, _ptr, _i64]),
     "loom_kq_isa": (_int, []),
-    "loom_llama_forward_q8": (
-        _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _i64,
-               _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
-               _ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _int]
+    "loom_decoder_forward_q8": (
+        _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr,
+               _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+               _ptr, _i64, _int, _int, _int]
     ),
+    "loom_qk_norm_f32": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _int]),
+    "loom_gelu_tanh_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),

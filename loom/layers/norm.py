@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import cpu_ops
+from loom.kernels import cpu_kernels, cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -37,3 +37,14 @@ class RMSNorm(nn.Module):
             return x, residual
         residual = residual + x
         return self(residual), residual
+
+
+def qk_norm_(qkv: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, q_norm: RMSNorm,
+             k_norm: RMSNorm) -> None:
+    """In place on the CPU in fp32 (cpu_ops.usable): every q and k head of qkv [num_tokens,
+    (num_heads + 2 kv_heads) head_dim] (contiguous) RMS-normed by q_norm or k_norm, in one C
+    call (norm_act.c, the decoder stack's)."""
+    assert qkv.is_contiguous() and q_norm.eps == k_norm.eps
+    cpu_kernels().loom_qk_norm_f32(
+        qkv.data_ptr(), qkv.shape[1], qkv.shape[0], num_heads, kv_heads, head_dim,
+        q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps, torch.get_num_threads())

@@ -16,13 +16,17 @@ import torch
 
 from loom.config import ModelConfig
 from loom.layers.norm import RMSNorm
-from loom.layers.rotary import Rope, RotaryEmbedding
+from loom.layers.rotary import RotaryEmbedding
 from loom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
     """A Llama layer with two more norms: after attention (post_attention_layernorm, on
     attention's output alone) and around the MLP (pre_ and post_feedforward_layernorm)."""
+
+    mlp_norm_name = "pre_feedforward_layernorm"
+    attn_out_norm_name = "post_attention_layernorm"
+    mlp_out_norm_name = "post_feedforward_layernorm"
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
@@ -31,20 +35,13 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
 
-    def mlp_block(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.pre_feedforward_layernorm.add_norm(
-            self.post_attention_layernorm(x), residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
-
 
 class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.normalizer = config.hidden_size**0.5
+        self.embed_scale = config.hidden_size**0.5
         # Gemma 3's sliding layers rotate with their own base, unscaled; Gemma 2 shares one.
         self.rotary_local = self.rotary_emb
         if config.rope_local_theta is not None:
@@ -55,14 +52,11 @@ class GemmaModel(LlamaModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         # Hugging Face scales by sqrt(hidden) rounded to the weights' dtype.
-        return x * torch.tensor(self.normalizer, dtype=x.dtype)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def ropes(self, positions: torch.Tensor, fused: bool) -> tuple[Rope, Rope]:
+    def rotaries(self) -> tuple[RotaryEmbedding, RotaryEmbedding]:
         """(global, sliding)."""
-        glob = Rope(self.rotary_emb, positions, fused)
-        if self.rotary_local is self.rotary_emb:
-            return glob, glob
-        return glob, Rope(self.rotary_local, positions, fused)
+        return self.rotary_emb, self.rotary_local
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -70,20 +64,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     model_cls = GemmaModel
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)  # [n, vocab]
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def c_stack_refusal(self) -> str | None:
-        return f"architecture {self.config.architecture}"
-
-    def init_buffers(self, device: torch.device) -> None:
-        super().init_buffers(device)
-        if self.model.rotary_local is not self.model.rotary_emb:
-            self.model.rotary_local.build_cache(device)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_fold_norms(weights))

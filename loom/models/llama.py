@@ -1,7 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) on a flattened token batch.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3) on a flattened token
+batch, and the layer every other architecture (gemma.py, moe.py) describes itself by.
 
 Parameter names follow Hugging Face; q/k/v are packed into `qkv_proj` and gate/up into
-`gate_up_proj` at load time.
+`gate_up_proj` at load time. A layer's optional parts (q/k norms, norms on attention's and the
+MLP's outputs, the activation, its rotary table) are what its class declares; the per-module
+forward and the one-call C stack (q8_decoder.py, which reads `LlamaDecoderLayer.stack_parts`)
+run the same description.
 """
 
 from __future__ import annotations
@@ -10,16 +14,16 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.attention.forward_context import get_forward_context
 from loom.attention.layer import Attention
 from loom.config import ModelConfig
+from loom.kernels import cpu_ops
+from loom.layers.activation import act_and_mul, activation_of
 from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
-from loom.layers.norm import RMSNorm
-from loom.kernels import cpu_ops
+from loom.layers.norm import RMSNorm, qk_norm_
 from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from loom.models import q8_decoder
 from loom.models.weight_map import load_packed_weights
@@ -50,7 +54,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if rope.fused and not self.qk_norm:
+        if rope.fused:
+            if self.qk_norm:  # each q and k head normed in place (the C stack's kernel)
+                qk_norm_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm,
+                         self.k_norm)
             # One C call rotates q and k in place and writes k, v to the cache.
             md = get_forward_context().attn_metadata
             cpu_ops.rope_write_kv_(
@@ -82,21 +89,22 @@ class LlamaMLP(nn.Module):
         inter = self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
-        self.gelu = config.hidden_act.startswith("gelu")  # gelu_pytorch_tanh (Gemma)
+        self.activation = activation_of(config.hidden_act)  # loom.layers.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if cpu_ops.usable(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(cpu_ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class LlamaDecoderLayer(nn.Module):
-    rope_index = 0  # which of the model's `ropes` this layer's attention rotates with
+    """input norm -> attention (q/k norms where the config has them) -> [attention-output norm]
+    -> residual add + MLP norm -> MLP -> [MLP-output norm]. Which of the layer's Hugging Face
+    norms plays each role is the class's (`*_norm_name`: None, the part is absent); a subclass
+    describes another architecture's layer by naming its norms (GemmaDecoderLayer)."""
+
+    rope_index = 0  # which of the model's `rotaries` this layer's attention rotates with
+    mlp_norm_name = "post_attention_layernorm"
+    attn_out_norm_name: str | None = None
+    mlp_out_norm_name: str | None = None
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -124,17 +132,43 @@ class LlamaDecoderLayer(nn.Module):
                 return x, residual
         return self.mlp_block(x, residual)
 
+    def _norm(self, name: str | None) -> RMSNorm | None:
+        return None if name is None else getattr(self, name)
+
     def mlp_block(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's output and the residual stream -> (the MLP's output, the residual stream
         before it)."""
-        x, residual = self.post_attention_layernorm.add_norm(x, residual)
-        return self.mlp(x), residual
+        attn_out_norm, mlp_out_norm = map(self._norm, (self.attn_out_norm_name,
+                                                       self.mlp_out_norm_name))
+        if attn_out_norm is not None:
+            x = attn_out_norm(x)
+        x, residual = self._norm(self.mlp_norm_name).add_norm(x, residual)
+        x = self.mlp(x)
+        return (x if mlp_out_norm is None else mlp_out_norm(x)), residual
+
+    def stack_parts(self) -> dict[str, object]:
+        """What this layer is, for the C stack (q8_decoder.LayerQ8): its norms by role (None:
+        absent), linears, attention and activation; mlp None where the MLP is not a dense
+        gated one (the stack then cannot run the model: c_stack_refusal says so)."""
+        a = self.self_attn
+        dense = isinstance(self.mlp, LlamaMLP)
+        return dict(
+            in_norm=self.input_layernorm, mlp_norm=self._norm(self.mlp_norm_name),
+            q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None,
+            attn_out_norm=self._norm(self.attn_out_norm_name),
+            mlp_out_norm=self._norm(self.mlp_out_norm_name),
+            qkv=a.qkv_proj, o=a.o_proj, attn=a.attn, rope_index=self.rope_index,
+            gate_up=self.mlp.gate_up_proj if dense else None,
+            down=self.mlp.down_proj if dense else None,
+            activation=self.mlp.activation if dense else None,
+        )
 
 
 class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    embed_scale = 1.0  # the embeddings' multiplier (GemmaModel's sqrt(hidden))
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -189,7 +223,15 @@ class LlamaModel(nn.Module):
 
     def ropes(self, positions: torch.Tensor, fused: bool) -> tuple[Rope, ...]:
         """The step's rotations, indexed by the layers' `rope_index`."""
-        return (Rope(self.rotary_emb, positions, fused),)
+        made: dict[int, Rope] = {}  # one Rope a table, however many layers share it
+        for r in self.rotaries():
+            if id(r) not in made:
+                made[id(r)] = Rope(r, positions, fused)
+        return tuple(made[id(r)] for r in self.rotaries())
+
+    def rotaries(self) -> tuple[RotaryEmbedding, ...]:
+        """The rotary tables, indexed by the layers' `rope_index`."""
+        return (self.rotary_emb,)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -219,7 +261,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
+        return self.cap_logits(self.lm_head(hidden).float())  # [n, vocab]
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output projection's logits -> the model's (GemmaForCausalLM soft-caps them)."""
+        return logits
 
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: np.ndarray,
@@ -236,6 +282,8 @@ class LlamaForCausalLM(nn.Module):
             logits = None
         else:
             hidden, logits = stack.forward(input_ids, positions, self.lm_head, rows, only_rows)
+            if logits is not None:
+                logits = self.cap_logits(logits)
         if logits is None and len(rows):
             logits = self.compute_logits(
                 hidden if only_rows else hidden[torch.from_numpy(rows).to(hidden.device)])
@@ -244,16 +292,19 @@ class LlamaForCausalLM(nn.Module):
     def c_stack_refusal(self) -> str | None:
         """Why the one-call C decoder stack (int8) cannot run this model, or None if it can: the
         one place that says which models it runs (a refused model never builds it; the loader
-        logs the reason)."""
-        if self.config.qk_norm:
-            return f"{self.config.architecture} with q/k norms"
+        logs the reason). The stack runs what each layer's `stack_parts` describes; what it
+        has no kernel for is named here."""
+        if self.config.attn_logit_softcapping is not None:
+            return (f"{self.config.architecture}'s attention logit soft-capping "
+                    "(the C attention kernel has no cap)")
         return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def init_buffers(self, device: torch.device) -> None:
-        self.model.rotary_emb.build_cache(device)
+        for rotary in dict.fromkeys(self.model.rotaries()):  # each table once
+            rotary.build_cache(device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()

@@ -94,7 +94,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     model_cls = MoeModel
 
     def c_stack_refusal(self) -> str | None:
-        return f"architecture {self.config.architecture} (mixture of experts)"
+        return (f"{self.config.architecture}'s mixture-of-experts blocks (no batched-experts "
+                "C kernel yet)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_stack_experts(weights, self.config))

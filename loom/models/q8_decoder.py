@@ -1,10 +1,13 @@
-"""The whole decoder stack of an int8 Llama-family model in one C call
-(loom/kernels/csrc/decoder_q8.c).
+"""The whole decoder stack of an int8 model in one C call (loom/kernels/csrc/decoder_q8.c).
 
-It runs the kernels the per-module path runs, in the same order, on the same buffers' values:
-the same bits, without Python between ~300 kernel calls a step. It applies when every layer's
-linears are int8 on Loom's kernel, activations are fp32 on the CPU, attention runs on the C
-kernel and the model has no q/k norm; otherwise the model keeps its per-module path. Its
+The C runner walks a description of the layers built here from the model definition itself:
+each layer's `stack_parts` (loom/models/llama.py) says which norms, q/k norms, rotary table,
+attention window and scale and activation it has, and `LayerQ8` carries them (NULL: absent).
+No architecture is named in C: a new one describes its layer in Python (gemma.py) and the stack
+runs it. It runs the kernels the per-module path runs, in the same order, on the same buffers'
+values: the same bits, without Python between ~300 kernel calls a step. It applies when every
+layer's linears are int8 on Loom's kernel, activations are fp32 on the CPU and attention runs on
+the C kernel; the model's c_stack_refusal names what it cannot run. Its
 linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
 fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample
@@ -22,44 +25,64 @@ import torch
 from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
+from loom.layers.activation import ACTIVATIONS
 from loom.quant.int8 import Int8Embedding, Int8Linear
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 
 
-class LinearQ8(ctypes.Structure):  # decoder_q8.c's LoomLinearQ8
+LINEAR_Q8 = 0  # loom.h's LOOM_LINEAR_Q8: a LinearQ8's `kind`
+
+
+class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "s", "m", "s16", "m16")] + [
-        ("bits", ctypes.c_int64)]
+        ("bits", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
     @classmethod
     def of(cls, linear: Int8Linear | Int8Embedding) -> LinearQ8:
         half = getattr(linear, "_half", None)
         half = (None, None) if half is None else (t.data_ptr() for t in half)
         return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
-                   linear.min.data_ptr(), *half, linear.bits)
+                   linear.min.data_ptr(), *half, linear.bits, LINEAR_Q8)
 
 
-class EmbedQ8(ctypes.Structure):  # decoder_q8.c's LoomEmbedQ8
-    _fields_ = [("table", LinearQ8), ("vocab", ctypes.c_int64), ("ids", ctypes.c_void_p)]
+class EmbedQ8(ctypes.Structure):  # loom.h's LoomEmbedQ8
+    _fields_ = [("table", LinearQ8), ("vocab", ctypes.c_int64), ("ids", ctypes.c_void_p),
+                ("scale", ctypes.c_float)]
 
 
-class HeadQ8(ctypes.Structure):  # decoder_q8.c's LoomHeadQ8
+class HeadQ8(ctypes.Structure):  # loom.h's LoomHeadQ8
     _fields_ = [("w", LinearQ8)] + [
         (name, ctypes.c_int64) for name in ("N", "num_rows", "kernel")] + [
         (name, ctypes.c_void_p) for name in ("rows", "x", "logits")]
 
 
-class LayerQ8(ctypes.Structure):  # decoder_q8.c's LoomLayerQ8
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "in_norm", "post_norm", "qkv_b", "k_cache", "v_cache",
-    )] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [("window", ctypes.c_int64)]
+_NORMS = ("in_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
-def _linears(layer: torch.nn.Module) -> tuple[Int8Linear, Int8Linear, Int8Linear, Int8Linear]:
+class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
+    _fields_ = [(name, ctypes.c_void_p) for name in (*_NORMS, "qkv_b", "rope_table")] + [
+        ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
+        ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("act", ctypes.c_int32)]
+
+    @classmethod
+    def of(cls, parts: dict, rotary: torch.nn.Module) -> LayerQ8:
+        """A layer from its `stack_parts` and its rotary table."""
+        attn, table = parts["attn"], rotary.cos_sin_cache
+        norms = [None if parts[n] is None else parts[n].weight.data_ptr() for n in _NORMS]
+        bias = parts["qkv"].bias
+        return cls(
+            *norms, None if bias is None else bias.data_ptr(), table.data_ptr(), table.shape[0],
+            *kv_pointers(attn.kv_cache), *map(LinearQ8.of, _linears(parts)),
+            attn.sliding_window or 0, attn.scale, ACTIVATIONS.index(parts["activation"]),
+        )
+
+
+def _linears(parts: dict) -> tuple[Int8Linear, Int8Linear, Int8Linear, Int8Linear]:
     """A layer's linears in LayerQ8's order: qkv, o, gate_up, down."""
-    a, mlp = layer.self_attn, layer.mlp
-    return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+    return parts["qkv"], parts["o"], parts["gate_up"], parts["down"]
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
@@ -70,11 +93,12 @@ def eligible(model: torch.nn.Module) -> bool:
     """`model` is a LlamaModel whose layers the C stack can run (weights only: the architecture
     is LlamaForCausalLM.c_stack_refusal's, the step's activations and cache are checked per
     call)."""
+    parts = [layer.stack_parts() for layer in model.layers]
     return (
         all(
-            _grouped(layer.self_attn.qkv_proj, bias_ok=True) and _grouped(layer.self_attn.o_proj)
-            and _grouped(layer.mlp.gate_up_proj) and _grouped(layer.mlp.down_proj)
-            for layer in model.layers
+            p["activation"] in ACTIVATIONS and _grouped(p["qkv"], bias_ok=True)
+            and _grouped(p["o"]) and _grouped(p["gate_up"]) and _grouped(p["down"])
+            for p in parts
         )
         and cpu_kernels() is not None
     )
@@ -98,14 +122,14 @@ class Q8Decoder:
         self.hidden = model.norm.weight.shape[0]
         self.inter = model.layers[0].mlp.intermediate_size
         self.eps = model.norm.eps
-        self.scale = attn0.attn.scale
         self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
         embed = model.embed_tokens
         # an empty tensor of the activations' dtype and device (the embeddings')
         self.activation: torch.Tensor
         self.embed: EmbedQ8 | None
         if isinstance(embed, Int8Embedding):  # an int8-grid table is looked up in the call
-            self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings)
+            self.embed = EmbedQ8(LinearQ8.of(embed), embed.num_embeddings, None,
+                                 model.embed_scale)
             self.activation = torch.empty(0)
         else:
             self.embed, self.activation = None, embed.weight[:0]
@@ -129,20 +153,13 @@ class Q8Decoder:
         self.cache = cache
         self.ok = cpu_kernel.supported(
             self.activation, cache, self.num_heads, self.kv_heads, self.head_dim)
-        rows = []
-        for layer in self.model.layers:
-            a = layer.self_attn
-            rows.append(LayerQ8(
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                None if a.qkv_proj.bias is None else a.qkv_proj.bias.data_ptr(),
-                *kv_pointers(a.attn.kv_cache), *map(LinearQ8.of, _linears(layer)),
-                a.attn.sliding_window or 0,
-            ))
-        self.layers = (LayerQ8 * len(rows))(*rows)
+        rotaries = self.model.rotaries()
+        parts = [layer.stack_parts() for layer in self.model.layers]
+        self.layers = (LayerQ8 * len(parts))(
+            *(LayerQ8.of(p, rotaries[p["rope_index"]]) for p in parts))
         # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
         # linears set apart by hand run the fp32 kernel, which every build has
-        codes = {_kernel_code(m) for layer in self.model.layers for m in _linears(layer)}
+        codes = {_kernel_code(m) for p in parts for m in _linears(p)}
         self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["fp32"]
 
     def _scratch(self, m: int) -> list[torch.Tensor]:
@@ -189,7 +206,7 @@ class Q8Decoder:
             self.embed.ids = input_ids.data_ptr()
             embed = ctypes.byref(self.embed)
         else:
-            x, embed = self.model.embed_tokens(input_ids), None
+            x, embed = self.model.embed(input_ids), None
         c_head = None if head is None or rows is None or not len(rows) else self._head(head)
         logits = None
         if c_head is not None:
@@ -198,13 +215,11 @@ class Q8Decoder:
             c_head.num_rows, c_head.rows = len(rows), rows.ctypes.data
             c_head.x, c_head.logits = head_x.data_ptr(), logits.data_ptr()
             c_head = ctypes.byref(c_head)
-        rotary = self.model.rotary_emb
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
-        rc = cpu_kernels().loom_llama_forward_q8(
+        rc = cpu_kernels().loom_decoder_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
             self.hidden, self.inter, self.num_heads, self.kv_heads, self.head_dim,
-            self.cache.shape[2], self.eps, self.scale, rotary.cos_sin_cache.data_ptr(),
-            rotary.cos_sin_cache.shape[0], embed, m, x.data_ptr(), positions.data_ptr(),
+            self.cache.shape[2], self.eps, embed, m, x.data_ptr(), positions.data_ptr(),
             md.slot_mapping.data_ptr(), md.block_tables.data_ptr(), md.block_tables.shape[1],
             md.query_start_loc.data_ptr(), md.query_start_loc.shape[0] - 1, self.tile_tokens,
             buf_h.data_ptr(), buf_qkv.data_ptr(), buf_attn.data_ptr(), buf_gu.data_ptr(),
@@ -212,8 +227,9 @@ class Q8Decoder:
             -1 if keep is None else len(keep), torch.get_num_threads(), kv_type(self.cache),
             self.code,
         )
-        if rc == -4:
-            rotary.check_positions(positions)  # the module path's IndexError (past the end)
+        if rc == -4:  # the module path's IndexError (past the end of a table)
+            for rotary in self.model.rotaries():
+                rotary.check_positions(positions)
         if rc == -5:
             raise IndexError(f"a token id outside the vocabulary ({self.embed.vocab} tokens)")
         if rc != 0:

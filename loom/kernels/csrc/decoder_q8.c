@@ -1,7 +1,9 @@
-// A whole Llama-family decoder stack in one call, for int8 weights on the CPU in fp32: the
-// same kernels, in the same order, as the per-module torch path (loom/models/llama.py), so the
-// bits are the same; what goes is Python's dispatch between ~10 kernels in each of ~30 layers
-// (at one stream, most of a step's time outside the matmuls).
+// A whole decoder stack in one call, for int8 weights on the CPU in fp32. It walks the layers
+// as the Python model definition describes them (loom.h's LoomLayerQ8: which optional norms, q/k
+// norms, rotary table, attention window and scale, activation each layer has), running the same
+// kernels in the same order as the per-module torch path (loom/models/llama.py), so the bits are
+// the same; what goes is Python's dispatch between ~10 kernels in each of ~30 layers (at one
+// stream, most of a step's time outside the matmuls). No architecture is named here.
 
 #include <limits.h>
 #include <stdint.h>
@@ -77,13 +79,12 @@ static void barrier_wait(Barrier *b, int team)
     }
 }
 
-// One step's arguments (loom_llama_forward_q8's), for the layer loop below.
+// One step's arguments (loom_decoder_forward_q8's), for the layer loop below.
 typedef struct {
     const LoomLayerQ8 *layers;
     int64_t num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles;
     int64_t qkv_n, q_n;
-    float eps, scale;
-    const float *rope_table;
+    float eps;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
     uint16_t *buf_xb;  // a team's x rows in bf16 for the bf16 kernel (past 8 rows), shared
     const int64_t *positions, *slots, *block_tables, *tiles;
@@ -123,6 +124,8 @@ static int small_op_rows(const Step *s, const Team *t, int64_t *r0, int64_t *r1)
 }
 
 // y = x W^T (+ bias) for one of a layer's linears.
+// The one call site of every linear of the stack (the head's too): a new weight format is a
+// `kind` (loom.h) and a branch here (and in check_linear).
 static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
                   const float *bias, int64_t N, float *y)
 {
@@ -158,32 +161,41 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
         return loom_paged_attention_f32(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache,
                                         s->block_tables, s->max_blocks, s->positions, s->tiles,
                                         s->num_tiles, s->num_heads, s->kv_heads, s->D,
-                                        s->block_size, L->window, s->scale, s->nt, s->kv_type,
+                                        s->block_size, L->window, L->scale, s->nt, s->kv_type,
                                         s->buf_attn);
     loom_paged_attention_team(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache, s->block_tables,
                               s->max_blocks, s->positions, s->tiles, s->num_tiles, s->num_heads,
-                              s->kv_heads, s->D, s->block_size, L->window, s->scale, s->kv_type,
+                              s->kv_heads, s->D, s->block_size, L->window, L->scale, s->kv_type,
                               s->buf_attn, t->next++, t->team);
     sync_team(t);
     return 0;
 }
 
-// The rest of a layer once attention's output projection is in buf_h: hidden += it, buf_h =
-// the post-attention norm of hidden, then the MLP (its output in buf_h).
+// The rest of a layer once attention's output projection is in buf_h: [buf_h =
+// attn_out_norm(buf_h)], hidden += buf_h, buf_h = mlp_norm(hidden), then the MLP and
+// [mlp_out_norm] (its output in buf_h). A small op's rows are the same thread's from one op to
+// the next, so only the linears' inputs need a barrier before them.
 static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
 {
     const int64_t H = s->H, I = s->I;
     int64_t r0, r1;  // the rows of a small op here
     const int nt = small_op_rows(s, t, &r0, &r1);
     int rc;
+    if (nt && L->attn_out_norm)
+        loom_add_rms_norm_f32(s->buf_h + r0 * H, NULL, L->attn_out_norm, r1 - r0, H, s->eps, nt);
     if (nt)
-        loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->post_norm, r1 - r0, H,
+        loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->mlp_norm, r1 - r0, H,
                               s->eps, nt);
     sync_team(t);
     if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu))) return rc;
-    if (nt) loom_silu_mul_f32(s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, r1 - r0, I, nt);
+    if (nt)
+        (L->act == LOOM_ACT_GELU_TANH ? loom_gelu_tanh_mul_f32 : loom_silu_mul_f32)(
+            s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, r1 - r0, I, nt);
     sync_team(t);
-    return linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h);
+    if ((rc = linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h))) return rc;
+    if (nt && L->mlp_out_norm)
+        loom_add_rms_norm_f32(s->buf_h + r0 * H, NULL, L->mlp_out_norm, r1 - r0, H, s->eps, nt);
+    return 0;
 }
 
 // The last layer's rows that go on past attention (s->keep; the rest feed nothing but their
@@ -224,9 +236,12 @@ static int run_layers(Step *s, Team *t)
         }
         if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
             return rc;
+        if (nt && L->q_norm)
+            loom_qk_norm_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, s->num_heads, s->kv_heads,
+                             s->D, L->q_norm, L->k_norm, s->eps, nt);
         if (nt)
             loom_rope_write_kv_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, s->num_heads,
-                                   s->kv_heads, s->D, s->rope_table, s->positions + r0,
+                                   s->kv_heads, s->D, L->rope_table, s->positions + r0,
                                    s->slots + r0, L->k_cache, L->v_cache, nt, s->kv_type);
         sync_team(t);
         if (last && s->keep && s->num_keep == 0) {  // no row goes on: K and V were all
@@ -241,7 +256,8 @@ static int run_layers(Step *s, Team *t)
     return 0;
 }
 
-// out[t] = the embedding of ids[t], q * scale + min rounded twice as Q8Groups.dequantize does
+// out[t] = the embedding of ids[t], q * scale + min rounded twice as Q8Groups.dequantize does,
+// then times E->scale as the model's `embed` multiplies
 // (torch's mul_ then add_: no fused multiply-add; loom/kernels/build.py compiles this file
 // without contraction). 4-bit rows hold a group's values j and j + 16 in byte j's low and high
 // nibbles.
@@ -260,6 +276,8 @@ static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
                 const float p = (float)v * sc[g];
                 o[g * 32 + j] = p + mn[g];
             }
+        if (E->scale != 1.0f)
+            for (int64_t i = 0; i < H; i++) o[i] *= E->scale;
     }
 }
 
@@ -293,14 +311,17 @@ static int finish(const Step *s, Team *t, const float *final_norm, const LoomHea
 }
 
 // What a team's ops would have refused (they do not check): the error the per-op path returns.
+static int check_linear(const LoomLinearQ8 *W, int64_t K)
+{
+    return W->kind != LOOM_LINEAR_Q8 || loom_linear_q8_check(K, (int)W->bits);
+}
+
 static int check_step(const Step *s)
 {
     for (int64_t l = 0; l < s->num_layers; l++) {
         const LoomLayerQ8 *L = &s->layers[l];
-        if (loom_linear_q8_check(s->H, (int)L->qkv.bits) ||
-            loom_linear_q8_check(s->q_n, (int)L->o.bits) ||
-            loom_linear_q8_check(s->H, (int)L->gu.bits) ||
-            loom_linear_q8_check(s->I, (int)L->d.bits))
+        if (check_linear(&L->qkv, s->H) || check_linear(&L->o, s->q_n) ||
+            check_linear(&L->gu, s->H) || check_linear(&L->d, s->I))
             return -1;
     }
     return loom_paged_attention_check(s->tiles, s->num_tiles, s->num_heads, s->kv_heads, s->D,
@@ -310,9 +331,11 @@ static int check_step(const Step *s)
 // The step's inputs the kernels read unchecked: -4 for a position past the rotary table, -5
 // for a token id outside the embedding table, -6 for kept rows not ascending within the step or
 // a head row outside them (the step's rows without `keep`).
-static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *embed,
-                        const LoomHeadQ8 *head)
+static int check_inputs(const Step *s, const LoomEmbedQ8 *embed, const LoomHeadQ8 *head)
 {
+    int64_t rope_rows = INT64_MAX;  // the shortest of the layers' tables
+    for (int64_t l = 0; l < s->num_layers; l++)
+        if (s->layers[l].rope_rows < rope_rows) rope_rows = s->layers[l].rope_rows;
     for (int64_t t = 0; t < s->M; t++) {
         if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
         if (embed && (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab)) return -5;
@@ -322,18 +345,18 @@ static int check_inputs(const Step *s, int64_t rope_rows, const LoomEmbedQ8 *emb
     const int64_t rows = s->keep ? s->num_keep : s->M;  // what the head's rows index
     for (int64_t r = 0; head && r < head->num_rows; r++)
         if (head->rows[r] < 0 || head->rows[r] >= rows) return -6;
-    if (head && head->num_rows && loom_linear_q8_check(s->H, (int)head->w.bits)) return -1;
+    if (head && head->num_rows && check_linear(&head->w, s->H)) return -1;
     return 0;
 }
 
-// loom_llama_forward_q8 once its tiles are made.
-static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
-                    const float *final_norm, const LoomHeadQ8 *head)
+// loom_decoder_forward_q8 once its tiles are made.
+static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_norm,
+                    const LoomHeadQ8 *head)
 {
     const int64_t M = s.M, H = s.H, I = s.I;
     const int nt = s.nt, kernel = s.kernel;
     int rc;
-    if ((rc = check_inputs(&s, rope_rows, embed, head))) return rc;
+    if ((rc = check_inputs(&s, embed, head))) return rc;
     if (embed) embed_rows(embed, M, H, s.hidden);
     memcpy(s.buf_h, s.hidden, (size_t)(M * H) * sizeof(float));
     loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
@@ -405,15 +428,14 @@ static int run_step(const Step s, int64_t rope_rows, const LoomEmbedQ8 *embed,
 // Past the few rows only the bf16 batch kernel has a team form: with the AVX or AMX batch
 // kernel such steps (prompts, many streams) run op by op. The same kernels on the same values
 // in the same order: the same bits either way.
-int loom_llama_forward_q8(
+int loom_decoder_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
-    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
-    const float *rope_table, int64_t rope_rows, const LoomEmbedQ8 *embed, int64_t M,
-    float *hidden, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-    int64_t max_blocks, const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens,
-    float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
-    const LoomHeadQ8 *head, const int64_t *keep, int64_t num_keep, int nt, int kv_type,
-    int kernel)
+    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps,
+    const LoomEmbedQ8 *embed, int64_t M, float *hidden, const int64_t *positions,
+    const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
+    const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens, float *buf_h,
+    float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act, const LoomHeadQ8 *head,
+    const int64_t *keep, int64_t num_keep, int nt, int kv_type, int kernel)
 {
     if (query_start_loc[num_reqs] != M) return -7;
     int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
@@ -425,12 +447,12 @@ int loom_llama_forward_q8(
     }
     const Step s = {
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
-        (num_heads + 2 * kv_heads) * D, num_heads * D, eps, scale, rope_table,
+        (num_heads + 2 * kv_heads) * D, num_heads * D, eps,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables,
         tiles, keep, num_keep,
         nt, kv_type, kernel,
     };
-    const int rc = run_step(s, rope_rows, embed, final_norm, head);
+    const int rc = run_step(s, embed, final_norm, head);
     free(tiles);
     return rc;
 }

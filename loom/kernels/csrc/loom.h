@@ -57,6 +57,17 @@ void loom_rope_write_kv_f32(float *qkv, int64_t stride, int64_t n, int64_t num_h
                             const int64_t *positions, const int64_t *slots, void *k_cache,
                             void *v_cache, int num_threads, int kv_type);
 
+// ---- elementwise ops of other architectures (norm_act.c) ------------------------------------
+
+// In place: each head of q and k in qkv [n, stride] (num_heads q then kv_heads k heads, each D
+// wide) = rms_norm(head) * q_weight or k_weight [D].
+void loom_qk_norm_f32(float *qkv, int64_t stride, int64_t n, int64_t num_heads, int64_t kv_heads,
+                      int64_t D, const float *q_weight, const float *k_weight, float eps,
+                      int num_threads);
+// out [n, d] = gelu_tanh(gate) * up of gate_up [n, 2 d].
+void loom_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d,
+                            int num_threads);
+
 // ---- greedy argmax (argmax.c) -------------------------------------------------------------
 
 void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
@@ -120,22 +131,51 @@ int64_t loom_weight_blocks(int64_t N, int64_t most, int64_t unit, int num_thread
 int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64_t *u0,
                     int64_t *u1);
 
-// ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
+// ---- K-quant linears (linear_kquant.c): y [M, N] = x [M, K] W^T (+ bias) -------------------
+// W's rows as GGUF stores them: K / 256 super-blocks of `fmt` (ggml's type ids: 12 Q4_K, 13
+// Q5_K, 14 Q6_K), rows contiguous. x is quantized once a call (two int8 digits a run of 16);
+// a row's bits do not depend on the other rows of the call.
 
-// One int8 linear: weights, fp32 scales and minimums, and their fp16 copies for the VNNI
-// kernel (NULL where unused).
+int loom_kq_block_bytes(int fmt);  // 0 for a format it does not run
+int loom_kq_isa(void);             // 4 AVX512-VNNI, 3 AVX-512 BW, 2 AVX2, 1 NEON dotprod, 0 C
+int loom_kq_check(int64_t K, int fmt);
+// Rows [n0, n1) as fp32 at out (ldo floats apart): the `gguf` package's values bit for bit.
+void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n1, float *out,
+                     int64_t ldo);
+// 0; -1 bad K or fmt; -2 no memory for the quantized x.
+int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
+                   const float *bias, int64_t N, float *y, int64_t ldy, int num_threads);
+int loom_linear_kq_reserve(int64_t K_max);  // in each thread of a team, before the team form
+// Up to 8 rows in a thread of a running team (every thread, `next` zeroed): the same bits.
+void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                         int64_t *next, int team);
+
+// ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
+// The stack runs a description of the model that the Python model definition builds
+// (loom/models/q8_decoder.py from each layer's `stack_parts`): per layer, which optional parts
+// it has (NULL: absent) and each part's weights. The C side knows kernels, not architectures.
+
+// What a linear's weights are (the `kind` of LoomLinearQ8); decoder_q8.c's `linear` runs each.
+enum { LOOM_LINEAR_Q8 = 0 };
+
+// One linear's weights: for LOOM_LINEAR_Q8 the int8 grid, fp32 scales and minimums, and their
+// fp16 copies for the VNNI kernel (NULL where unused).
 typedef struct {
     const uint8_t *w;
     const float *s, *m;
     const uint16_t *s16, *m16;
     int64_t bits;  // per stored weight: 8 or 4
+    int64_t kind;  // LOOM_LINEAR_*
 } LoomLinearQ8;
 
-// The token embeddings, looked up in the call: table [vocab, H] on the int8 grid.
+// The token embeddings, looked up in the call: table [vocab, H] on the int8 grid, then times
+// `scale` (1 for none; Gemma's sqrt(H)) as a separate fp32 multiply.
 typedef struct {
     LoomLinearQ8 table;
     int64_t vocab;
     const int64_t *ids;  // [M]
+    float scale;
 } LoomEmbedQ8;
 
 // The output projection of `num_rows` of the M final hidden states, in the same call:
@@ -148,22 +188,35 @@ typedef struct {
     float *logits;
 } LoomHeadQ8;
 
+enum { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1 };  // act(gate) * up
+
+// One decoder layer, in the order it runs:
+//   h = in_norm(hidden (+= last output));  qkv = h Wqkv^T (+ qkv_b);
+//   [q, k heads = q_norm, k_norm (each head)];  rotate q, k by rope_table; write k, v;
+//   a = attention(q; window, scale) Wo^T;  [a = attn_out_norm(a)];
+//   h = mlp_norm(hidden += a);  m = (act(h Wg^T) * h Wu^T) Wd^T;  [m = mlp_out_norm(m)]
+// and m is the next layer's (or the final norm's) `last output`.
 typedef struct {
-    const float *in_norm, *post_norm;
-    const float *qkv_b;  // NULL without bias
+    const float *in_norm, *mlp_norm;            // [H]
+    const float *q_norm, *k_norm;               // [D] each, or both NULL
+    const float *attn_out_norm, *mlp_out_norm;  // [H] or NULL
+    const float *qkv_b;                         // NULL without bias
+    const float *rope_table;  // [rope_rows, 2 D]: rows [cos, cos, -sin, sin] (layer_ops.c)
+    int64_t rope_rows;
     void *k_cache, *v_cache;
     LoomLinearQ8 qkv, o, gu, d;
     int64_t window;  // sliding window, 0 for none
+    float scale;     // of q.k
+    int32_t act;     // LOOM_ACT_*
 } LoomLayerQ8;
 
-int loom_llama_forward_q8(
+int loom_decoder_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
-    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps, float scale,
-    const float *rope_table, int64_t rope_rows, const LoomEmbedQ8 *embed, int64_t M,
-    float *hidden, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-    int64_t max_blocks, const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens,
-    float *buf_h, float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act,
-    const LoomHeadQ8 *head, const int64_t *keep, int64_t num_keep, int nt, int kv_type,
-    int kernel);
+    int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps,
+    const LoomEmbedQ8 *embed, int64_t M, float *hidden, const int64_t *positions,
+    const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
+    const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens, float *buf_h,
+    float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act, const LoomHeadQ8 *head,
+    const int64_t *keep, int64_t num_keep, int nt, int kv_type, int kernel);
 
 #endif  // LOOM_H
