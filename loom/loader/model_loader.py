@@ -22,6 +22,7 @@ from loom.layers.linear import Linear
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import fp16_available
 from loom.quant.gguf_dequant import groupable
+from loom.quant.gptq import Int4Checkpoint
 from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_available
 from loom.quant.kquant import KBlocks, KQuantLinear
 from loom.quant.kquant import native as kquant_native
@@ -271,18 +272,28 @@ def load_model(
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
+    packed = getattr(model, "packed_modules", {})
+    int4 = Int4Checkpoint.from_folder(source.path) if source.kind == "hf" else None
+    if int4 is not None:  # GPTQ / AWQ: their INT4 linears as stored (loom/quant/gptq.py)
+        if quantization is not None:
+            raise ConfigError(f"a {int4.method} checkpoint runs its own INT4 weights, not "
+                              f"--quantization {quantization}")
+        int4.replace_linears(model, packed)
+        quantization = int4.method
     if direct_int8:
         _empty_int8_(model, config, grouped, kq)
     # fp16 packing starts from fp16 weights (the same rounding): half the memory meanwhile.
     _materialize(model, device, torch_dtype,
                  linear_dtype=torch.float16 if quantization == "fp16" else None)
     weights = weight_iter()
+    if int4 is not None:
+        weights = int4.load_stream(model, weights, packed)
     if progress:
         weights = tqdm(weights, desc=f"loading {source.path.name}", unit="tensor", leave=False)
     with torch.no_grad():
         model.load_weights(weights)
     model.init_buffers(device)
-    if quantization is not None:
+    if quantization is not None and int4 is None:
         _quantize(model, quantization, kernels)
     model.eval()
     _log_kquants(model, kernels)

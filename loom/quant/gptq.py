@@ -18,10 +18,13 @@ weight at each call (the reference the kernel is tested against).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.config import ConfigError
 
 GROUP_SIZE = 128
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble j holds column AWQ_ORDER[j] of its eight
@@ -138,3 +141,116 @@ class Int4GptqLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Checkpoint:
+    """A GPTQ or AWQ Hugging Face checkpoint's INT4 linears, loaded into Int4GptqLinear.
+
+    `replace_linears` swaps, on the meta model, every nn.Linear the checkpoint quantizes (a
+    packed module such as qkv_proj when its parts are) for an empty Int4GptqLinear;
+    `load_stream` takes the qweight / qzeros / scales / g_idx tensors out of the weight stream,
+    converts each part, concatenates a packed module's parts along the output and fills the
+    module, and yields every other tensor on to the model's own loader."""
+
+    PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+    def __init__(self, method: str, group_size: int, quantized: set[str],
+                 with_g_idx: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.method = method  # "gptq" or "awq"
+        self.group_size = group_size
+        self.quantized = quantized  # checkpoint module names holding a qweight
+        self.with_g_idx = with_g_idx  # those that also hold a g_idx (GPTQ)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Int4Checkpoint | None:
+        """The folder's INT4 quantization (config.json's quantization_config), or None."""
+        import json
+
+        from safetensors import safe_open
+
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+        if not qc or qc.get("quant_method") not in ("gptq", "awq"):
+            return None
+        method = qc["quant_method"]
+        bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or group != GROUP_SIZE or (method == "awq" and version != "gemm") or (
+                method == "gptq" and qc.get("desc_act")):
+            raise ConfigError(
+                f"{method} checkpoint with bits={bits}, group_size={group}, "
+                f"version={version}, desc_act={qc.get('desc_act')}: Loom runs 4-bit, group "
+                f"{GROUP_SIZE}, AWQ GEMM and GPTQ without act-order")
+        names: set[str] = set()
+        g_idx: set[str] = set()
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                names |= {k[: -len(".qweight")] for k in st.keys() if k.endswith(".qweight")}
+                g_idx |= {k[: -len(".g_idx")] for k in st.keys() if k.endswith(".g_idx")}
+        return cls(method, group, names, g_idx)
+
+    def _target(self, name: str, packed_modules: dict[str, tuple[str, int]]
+                ) -> tuple[str, int]:
+        """checkpoint module -> (Loom module, shard index)."""
+        for frag, (packed, shard) in packed_modules.items():
+            if f".{frag}" in name and name.endswith(frag):
+                return name[: -len(frag)] + packed, shard
+        return name, 0
+
+    def replace_linears(self, model: nn.Module, packed_modules: dict[str, tuple[str, int]]
+                        ) -> None:
+        """On the meta model: the quantized linears become empty Int4GptqLinear."""
+        from loom.quant.base import replace_module
+
+        for name in {self._target(n, packed_modules)[0] for n in self.quantized}:
+            linear = model.get_submodule(name)
+            if not isinstance(linear, nn.Linear):
+                raise ConfigError(f"{self.method} checkpoint quantizes {name}, not a linear")
+            k, n = linear.in_features, linear.out_features
+            groups = k // self.group_size
+            with torch.device("meta"):
+                bias = None if linear.bias is None else torch.empty(n)
+                module = Int4GptqLinear(torch.empty(k // 8, n, dtype=torch.int32),
+                                        torch.empty(groups, n), torch.empty(groups, n), bias)
+            replace_module(model, name, module)
+
+    def load_stream(self, model: nn.Module, weights, packed_modules: dict[str, tuple[str, int]]):
+        """Fill the Int4GptqLinear modules from `weights`; yield the other tensors."""
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        shards: dict[str, dict[int, tuple[torch.Tensor, ...]]] = {}
+        need = {}  # Loom module -> shards it waits for
+        for n in self.quantized:
+            target, shard = self._target(n, packed_modules)
+            need.setdefault(target, set()).add(shard)
+        for name, tensor in weights:
+            module_name, _, part = name.rpartition(".")
+            if module_name not in self.quantized or part not in self.PARTS:
+                yield name, tensor
+                continue
+            got = parts.setdefault(module_name, {})
+            got[part] = tensor
+            wanted = {"qweight", "qzeros", "scales"}
+            if module_name in self.with_g_idx:
+                wanted.add("g_idx")
+            if not wanted <= got.keys():
+                continue
+            target, shard = self._target(module_name, packed_modules)
+            if self.method == "gptq":
+                canon = from_gptq(got["qweight"], got["qzeros"], got["scales"], got.get("g_idx"))
+            else:
+                canon = from_awq(got["qweight"], got["qzeros"], got["scales"])
+            del parts[module_name]
+            shards.setdefault(target, {})[shard] = canon
+            if set(shards[target]) == need[target]:
+                module = model.get_submodule(target)
+                done = shards.pop(target)
+                ordered = [done[s] for s in sorted(need[target])]
+                for buf, pieces in zip(("qweight", "scales", "zeros"), zip(*ordered)):
+                    dst = getattr(module, buf)
+                    src = torch.cat(pieces, dim=1)
+                    if src.shape != dst.shape:
+                        raise ConfigError(f"{target}.{buf}: checkpoint {tuple(src.shape)}, "
+                                          f"model {tuple(dst.shape)}")
+                    dst.copy_(src)
+        if parts or shards:
+            raise ConfigError(f"{self.method} checkpoint: incomplete INT4 tensors for "
+                              f"{sorted(parts) + sorted(shards)}")
