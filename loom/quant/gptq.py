@@ -18,7 +18,9 @@ weight at each call (the reference the kernel is tested against).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -213,11 +215,14 @@ class Int4Checkpoint:
                                         torch.empty(groups, n), torch.empty(groups, n), bias)
             replace_module(model, name, module)
 
-    def load_stream(self, model: nn.Module, weights, packed_modules: dict[str, tuple[str, int]]):
+    def load_stream(
+        self, model: nn.Module, weights: Iterable[tuple[str, Any]],
+        packed_modules: dict[str, tuple[str, int]],
+    ) -> Iterator[tuple[str, Any]]:
         """Fill the Int4GptqLinear modules from `weights`; yield the other tensors."""
         parts: dict[str, dict[str, torch.Tensor]] = {}
         shards: dict[str, dict[int, tuple[torch.Tensor, ...]]] = {}
-        need = {}  # Loom module -> shards it waits for
+        need: dict[str, set[int]] = {}  # Loom module -> shards it waits for
         for n in self.quantized:
             target, shard = self._target(n, packed_modules)
             need.setdefault(target, set()).add(shard)
