@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(a.n * a.k // 256, 144), dtype=np.uint8)
     raw[:, 0:4] = rng.uniform(2e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)

@@ -40,6 +40,9 @@
 #define KQ_NEON 1
 #include <arm_neon.h>
 #endif
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define QK 256        // weights a super-block
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
@@ -71,6 +74,17 @@ int loom_kq_isa(void)
 #endif
 }
 
+// The fp16 at p (little-endian), as fp32: F16C's conversion where the build has it.
+static inline float f16_at(const uint8_t *p)
+{
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    return loom_f16_to_f32(h);
+#endif
+}
+
 // 0 if the kernels take rows of K weights in `fmt`; -1 if not.
 int loom_kq_check(int64_t K, int fmt)
 {
@@ -98,15 +112,15 @@ static inline void k4_scales(const uint8_t *s, uint8_t out[16])
 static inline void block_scales(const uint8_t *blk, int fmt, float sw[16], float ow[16])
 {
     if (fmt == Q6_K) {
-        const float d = loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8));
+        const float d = f16_at(blk + 208);
         for (int h = 0; h < 16; h++) {
             sw[h] = d * (float)(int8_t)blk[192 + h];
             ow[h] = 32.0f * sw[h];
         }
         return;
     }
-    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
-    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    const float d = f16_at(blk);
+    const float dmin = f16_at(blk + 2);
     uint8_t sm[16];
     k4_scales(blk + 4, sm);
     for (int h = 0; h < 16; h++) {
@@ -215,7 +229,7 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
 {
     const __m512i nib = _mm512_set1_epi8(15);
     if (fmt == Q6_K) {
-        const float d = loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8));
+        const float d = f16_at(blk + 208);
         *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                 _mm_loadu_si128((const __m128i *)(blk + 192)))),
                             _mm512_set1_ps(d));
@@ -237,8 +251,8 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         }
         return;
     }
-    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
-    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    const float d = f16_at(blk);
+    const float dmin = f16_at(blk + 2);
     uint8_t sm[16];
     k4_scales(blk + 4, sm);
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((__m128i *)sm)));
@@ -323,7 +337,7 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
 {
     const __m256i nib = _mm256_set1_epi8(15);
     if (fmt == Q6_K) {
-        const __m256 d = _mm256_set1_ps(loom_f16_to_f32((uint16_t)(blk[208] | blk[209] << 8)));
+        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         for (int i = 0; i < 2; i++) {
             sw[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                       _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * i)))), d);
@@ -344,8 +358,8 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
         }
         return;
     }
-    const float d = loom_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
-    const float dmin = loom_f16_to_f32((uint16_t)(blk[2] | blk[3] << 8));
+    const float d = f16_at(blk);
+    const float dmin = f16_at(blk + 2);
     uint8_t sm[16];
     k4_scales(blk + 4, sm);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)sm)));
