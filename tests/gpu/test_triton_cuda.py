@@ -11,8 +11,14 @@ from loom import SamplingParams
 from loom.attention.backends import torch_ref, triton_attn
 from loom.attention.metadata import build_attention_metadata
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or not triton_attn.available(), reason="no GPU or no Triton")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_attn.available(),
+                       reason="no GPU or no Triton"),
+    # tests/gpu_interp turns Triton's interpreter on for its whole pytest session
+    pytest.mark.skipif(triton_attn.interpreting(), reason="Triton's interpreter is on in this "
+                       "session: run tests/gpu on its own to check the compiled kernels"),
+]
 CUDA = torch.device("cuda")
 
 
