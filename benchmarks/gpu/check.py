@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -134,12 +135,13 @@ def smollm2_path(arg: str | None) -> Path | None:
         return None
 
 
-def run_fidelity(args: argparse.Namespace, device: torch.device, work: Path) -> list[dict]:
+def run_fidelity(args: argparse.Namespace, device: torch.device, work: Path,
+                 cases: list[dict]) -> None:
+    """Appends each case to `cases` as it finishes."""
     from tests.tiny_models import make_tiny_model
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (37, 5, 64, 19)]
-    cases = []
     for arch in ("llama", "qwen3"):
         folder = make_tiny_model(arch, work / arch)
         shapes.write_tokenizer(folder, 256)
@@ -158,7 +160,6 @@ def run_fidelity(args: argparse.Namespace, device: torch.device, work: Path) -> 
                  "A short poem about the sea:"]
         cases.append(fidelity_case("smollm2-135m-gguf", gguf.parent, device,
                                    [tok(t)["input_ids"] for t in texts], gguf=gguf.name))
-    return cases
 
 
 # ---------------------------------------------------------------- speed
@@ -274,13 +275,16 @@ def hf_speed(folder: Path, device: torch.device, spec: shapes.SpeedSpec, bandwid
     return result
 
 
-def run_speed(args: argparse.Namespace, device: torch.device, work: Path) -> dict:
+def run_speed(args: argparse.Namespace, device: torch.device, work: Path, report: dict
+              ) -> None:
+    """report["speed"], filled run by run (a run cut short leaves the ones before it)."""
     spec = shapes.SpeedSpec.tiny() if args.tiny else shapes.SpeedSpec.h200()
     bandwidth = copy_bandwidth(device, spec.copy_bytes)
     folder = shapes.random_llama(work / "llama-8b-shape", spec, device)
     out: dict = {"shape": spec.name, "prompt": spec.prompt, "output": spec.output,
                  "streams": list(spec.streams),
                  "copy_bandwidth_gb_s": bandwidth / 1e9, "runs": []}
+    report["speed"] = out
     print(f"[{elapsed():6.1f}s] copy bandwidth {bandwidth / 1e9:.0f} GB/s; checkpoint ready",
           flush=True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -294,7 +298,6 @@ def run_speed(args: argparse.Namespace, device: torch.device, work: Path) -> dic
         out["runs"].append({"engine": "transformers", "skipped": "time budget"})
     else:
         out["runs"].append(hf_speed(folder, device, spec, bandwidth, dtype))
-    return out
 
 
 # ---------------------------------------------------------------- report
@@ -365,19 +368,26 @@ def main() -> int:
         "torch": torch.__version__, "triton": triton_version,
         "transformers": transformers.__version__, "tiny": args.tiny,
     }
-    scratch = shapes.scratch_dir(args.tiny)
-    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        work = Path(tmp)
-        report["fidelity"] = [] if args.skip_fidelity else run_fidelity(args, device, work)
-        if not args.skip_speed:
-            report["speed"] = run_speed(args, device, work)
-    report["seconds"] = elapsed()
-    ok = all(c[d]["logits_ok"] and c[d]["greedy_ok"] is not False
-             for c in report["fidelity"] if "skipped" not in c for d in ("float32", "bfloat16"))
-    report["fidelity_ok"] = ok
-    (out_dir / "check.json").write_text(json.dumps(report, indent=2, default=str))
-    (out_dir / "check.md").write_text(markdown(report))
-    print(markdown(report))
+    # check.sh's timeout sends SIGTERM: leave through `finally`, so what ran is written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    report["fidelity"] = []
+    ok = False
+    try:
+        with tempfile.TemporaryDirectory(dir=shapes.scratch_dir(args.tiny)) as tmp:
+            work = Path(tmp)
+            if not args.skip_fidelity:
+                run_fidelity(args, device, work, report["fidelity"])
+            if not args.skip_speed:
+                run_speed(args, device, work, report)
+        ok = all(c[d]["logits_ok"] and c[d]["greedy_ok"] is not False
+                 for c in report["fidelity"] if "skipped" not in c
+                 for d in ("float32", "bfloat16"))
+    finally:
+        report["seconds"] = elapsed()
+        report["fidelity_ok"] = ok
+        (out_dir / "check.json").write_text(json.dumps(report, indent=2, default=str))
+        (out_dir / "check.md").write_text(markdown(report))
+        print(markdown(report))
     return 0 if ok else 1
 
 
