@@ -1,0 +1,42 @@
+"""One-stream decode of a GGUF model with Loom's defaults against `--quantization none` (the fp32
+expansion K-quant files got by default before), one process, interleaved rounds, medians.
+
+    .venv/bin/python benchmarks/bench_kquant_decode.py MODEL.gguf [--tokens 64 --rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from loom.engine.llm import LLM
+from loom.sampling_params import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    engines = {"default": LLM(a.model), "fp32 (--quantization none)": LLM(a.model,
+                                                                           quantization="none")}
+    params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for name, llm in engines.items():  # warm-up
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
+    for _ in range(a.rounds):
+        for name, llm in engines.items():
+            t = time.perf_counter()
+            out = llm.generate([prompt], params)
+            n = len(out[0].outputs[0].token_ids)
+            rates[name].append(n / (time.perf_counter() - t))
+    for name, r in rates.items():
+        print(f"{name:28s} {statistics.median(r):7.1f} tok/s (median of {a.rounds}; "
+              f"{', '.join(f'{x:.1f}' for x in r)})")
+
+
+if __name__ == "__main__":
+    main()
