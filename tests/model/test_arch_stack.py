@@ -67,6 +67,7 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
     return prompts, {r: torch.cat(v) for r, v in got.items()}, seqs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     """Llama, Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norms), Gemma 3 (q/k norms, four norms
