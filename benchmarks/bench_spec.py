@@ -195,7 +195,8 @@ def _delta(a: dict, b: dict) -> dict:
 
     return {"drafts": b["drafts"] - a["drafts"], "proposed": b["proposed"] - a["proposed"],
             "accepted": b["accepted"] - a["accepted"],
-            "acc_pos": sub(a["acc_pos"], b["acc_pos"]), "prop_pos": sub(a["prop_pos"], b["prop_pos"])}
+            "acc_pos": sub(a["acc_pos"], b["acc_pos"]),
+            "prop_pos": sub(a["prop_pos"], b["prop_pos"])}
 
 
 if __name__ == "__main__":
