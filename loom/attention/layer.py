@@ -16,7 +16,7 @@ class Attention(nn.Module):
     ) -> None:
         """`sliding_window`: a query attends the last that many positions (itself included);
         `scale` multiplies q.k (default head_dim ** -0.5); `softcap` caps the scaled scores as
-        cap * tanh(score / cap) (Gemma 2), on the torch path (the C kernel has no cap)."""
+        cap * tanh(score / cap) (Gemma 2)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -55,8 +55,9 @@ class Attention(nn.Module):
             self.use_kernel = cpu_kernel.supported(
                 q, self.kv_cache, self.num_heads, self.num_kv_heads, self.head_dim
             )
-        if self.use_kernel and self.softcap is None:
-            return cpu_kernel.paged_attention(q, self.kv_cache, md, self.scale, self.sliding_window)
+        if self.use_kernel:
+            return cpu_kernel.paged_attention(q, self.kv_cache, md, self.scale, self.sliding_window,
+                                              self.softcap)
         mask = md.masks.get(self.sliding_window)
         if mask is None:
             mask = md.masks[self.sliding_window] = torch_ref.build_mask(

@@ -31,7 +31,7 @@ SIGNATURES = {
     "loom_paged_attention_f32": (
         _int,
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-         _i64, _i64, _i64, _i64, _i64, _f32, _int, _int, _ptr],
+         _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _ptr],
     ),
     "loom_linear_q8_f32": (
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]

@@ -294,9 +294,6 @@ class LlamaForCausalLM(nn.Module):
         one place that says which models it runs (a refused model never builds it; the loader
         logs the reason). The stack runs what each layer's `stack_parts` describes; what it
         has no kernel for is named here."""
-        if self.config.attn_logit_softcapping is not None:
-            return (f"{self.config.architecture}'s attention logit soft-capping "
-                    "(the C attention kernel has no cap)")
         return None
 
     def attention_layers(self) -> list[Attention]:

@@ -65,7 +65,8 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
     _fields_ = [(name, ctypes.c_void_p) for name in (*_NORMS, "qkv_b", "rope_table")] + [
         ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
-        ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("act", ctypes.c_int32)]
+        ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("act", ctypes.c_int32)]
 
     @classmethod
     def of(cls, parts: dict, rotary: torch.nn.Module) -> LayerQ8:
@@ -76,7 +77,8 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
         return cls(
             *norms, None if bias is None else bias.data_ptr(), table.data_ptr(), table.shape[0],
             *kv_pointers(attn.kv_cache), *map(LinearQ8.of, _linears(parts)),
-            attn.sliding_window or 0, attn.scale, ACTIVATIONS.index(parts["activation"]),
+            attn.sliding_window or 0, attn.scale, attn.softcap or 0.0,
+            ACTIVATIONS.index(parts["activation"]),
         )
 
 

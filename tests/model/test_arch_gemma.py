@@ -111,7 +111,6 @@ def test_real_gemma3_chat_template(gemma3) -> None:
 
 
 @pytest.mark.parametrize("name,why", [
-    ("gemma2", "Gemma2ForCausalLM's attention logit soft-capping"),
     ("qwen2-moe", "Qwen2MoeForCausalLM's mixture-of-experts blocks"),
 ])
 def test_int8_load_names_what_the_c_stack_does_not_run(tmp_path, caplog, name, why) -> None:

@@ -68,11 +68,12 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"])
 def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     """Llama, Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norms), Gemma 3 (q/k norms, four norms
     a layer, GELU-tanh, scaled embeddings, sliding and global layers with their own RoPE
-    bases), Phi-3 (fused checkpoint projections, LongRoPE): the C stack runs each, its logits
+    bases), Gemma 2 (attention and final-logit soft caps), Phi-3 (fused checkpoint
+    projections, LongRoPE): the C stack runs each, its logits
     are transformers' on the same weights, its tokens transformers' greedy ones, and the
     module path gives its bits."""
     from transformers import AutoModelForCausalLM
@@ -122,11 +123,12 @@ def _sampling_rows(loaded) -> list[torch.Tensor]:
     return got
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
 def test_default_kernels_stack_matches_module_path(tmp_path, name) -> None:
     """With this CPU's default kernels (bf16 past 8 rows and VNNI for decode where it has
     them) the stack, prompts and decode in one OpenMP region, gives the module path's bits,
-    in a mixed batch and where only the sampling rows go past the last layer's attention."""
+    in a mixed batch and where only the sampling rows go past the last layer's attention
+    (Gemma 2: the final-logit soft cap on the head the C call runs)."""
     require_cpu_kernels()
     loaded = load_model(resolve_model(str(make_tiny_model(name, tmp_path / name))), "float32",
                         quantization="int8")
@@ -143,3 +145,6 @@ def test_default_kernels_stack_matches_module_path(tmp_path, name) -> None:
         torch.set_num_threads(threads)
     assert all(torch.equal(stack[r], module[r]) for r in stack)
     assert all(a is not None and torch.equal(a, b) for a, b in zip(stack_rows, module_rows))
+    cap = loaded.config.final_logit_softcapping
+    if cap is not None:  # the C call's head logits (forward_logits') are capped
+        assert max(rows.abs().max().item() for rows in stack_rows[::2]) <= cap

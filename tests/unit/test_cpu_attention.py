@@ -1,6 +1,6 @@
 """The C paged-attention kernel against a float64 per-token reference and the torch backend:
 mixed prefill/decode batches, prefix-cached contexts, GQA/MQA/MHA, head sizes, block sizes,
-sliding windows; a request's bits do not depend on its batch."""
+sliding windows, Gemma 2's soft cap; a request's bits do not depend on its batch."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def make_batch(computed, qlens, num_heads, kv_heads, head_dim, block_size, seed=
     return cache, q, md, positions, blocks
 
 
-def reference(cache, q, blocks, computed, qlens, window):
+def reference(cache, q, blocks, computed, qlens, window, softcap=None, scale=None):
     """float64, one token and head at a time, straight from the definition."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     block_size, kv_heads = cache.shape[2], cache.shape[3]
     group = q.shape[1] // kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -50,7 +51,9 @@ def reference(cache, q, blocks, computed, qlens, window):
             pos = c + i
             lo = max(0, pos - window + 1) if window else 0
             for h in range(q.shape[1]):
-                s = keys[lo : pos + 1, h // group] @ q[t, h].double() * q.shape[-1] ** -0.5
+                s = keys[lo : pos + 1, h // group] @ q[t, h].double() * scale
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
                 out[t, h] = torch.softmax(s, 0) @ vals[lo : pos + 1, h // group]
             t += 1
     return out
@@ -132,6 +135,33 @@ def test_int8_cache_of_constants_and_extremes():
     back = torch_ref.dequantize_kv(rows, 64)
     assert torch.equal(back[0], x[0]) and back[1, 0] == -3.0
     assert back[1, 31].item() == pytest.approx(2.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("case,kv", [(1, "float32"), (2, "float16"), (3, "int8"),
+                                      (5, "float32")])
+def test_soft_cap_matches_reference(case, kv):
+    """Gemma 2's attention soft cap (scores s -> cap * tanh(s / cap) before the softmax) in
+    the C kernel: the float64 definition's values and the torch backend's, over each cache
+    type; with the scores well past the cap, so it changes the result. No cap (None) and a cap
+    of 0 are the same call."""
+    computed, qlens, heads, kv_heads, head_dim, block_size, window = CASES[case]
+    cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
+    scale, cap = 0.5, 3.0  # scores of several times the cap
+    if kv == "int8":
+        stored = torch_ref.quantize_kv(cache)
+        values = torch_ref.dequantize_kv(stored, head_dim)
+    else:
+        stored = cache.half() if kv == "float16" else cache
+        values = stored.float()
+    want = reference(values, q, blocks, computed, qlens, window, cap, scale)
+    got = cpu_kernel.paged_attention(q, stored, md, scale, window, cap)
+    assert (got.double() - want).abs().max() < 2e-5
+    ref = torch_ref.paged_attention(q, stored, md, torch_ref.build_mask(md, window, q.dtype),
+                                    scale, cap)
+    assert (ref.double() - want).abs().max() < 2e-5
+    uncapped = cpu_kernel.paged_attention(q, stored, md, scale, window)
+    assert (uncapped.double() - want).abs().max() > 1e-2
+    assert torch.equal(uncapped, cpu_kernel.paged_attention(q, stored, md, scale, window, 0.0))
 
 
 def test_strided_query_view():

@@ -68,8 +68,10 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; `softcap`:
+    the scaled scores capped as softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -82,7 +84,7 @@ def paged_attention(
         md.positions.data_ptr(),
         tiles.ctypes.data, tiles.shape[0],
         num_heads, kv_heads, head_dim, block_size,
-        sliding_window or 0, scale, torch.get_num_threads(), kv_type(kv_cache),
+        sliding_window or 0, scale, softcap or 0.0, torch.get_num_threads(), kv_type(kv_cache),
         out.data_ptr(),
     )
     if rc != 0:

@@ -161,12 +161,12 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
         return loom_paged_attention_f32(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache,
                                         s->block_tables, s->max_blocks, s->positions, s->tiles,
                                         s->num_tiles, s->num_heads, s->kv_heads, s->D,
-                                        s->block_size, L->window, L->scale, s->nt, s->kv_type,
-                                        s->buf_attn);
+                                        s->block_size, L->window, L->scale, L->softcap, s->nt,
+                                        s->kv_type, s->buf_attn);
     loom_paged_attention_team(s->buf_qkv, s->qkv_n, L->k_cache, L->v_cache, s->block_tables,
                               s->max_blocks, s->positions, s->tiles, s->num_tiles, s->num_heads,
-                              s->kv_heads, s->D, s->block_size, L->window, L->scale, s->kv_type,
-                              s->buf_attn, t->next++, t->team);
+                              s->kv_heads, s->D, s->block_size, L->window, L->scale, L->softcap,
+                              s->kv_type, s->buf_attn, t->next++, t->team);
     sync_team(t);
     return 0;
 }

@@ -26,20 +26,20 @@ int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t 
                                int64_t kv_heads, int64_t head_dim, int kv_type);
 // q[t, head, d] at q + t * q_tok_stride + head * D + d; caches [num_blocks, block_size,
 // kv_heads, D] each; block_tables [num_reqs, max_blocks]; positions [num_tokens]; window 0 for
-// none.
+// none; softcap: scores s -> softcap * tanh(s / softcap) before the softmax, 0 for none.
 int loom_paged_attention_f32(const float *q, int64_t q_tok_stride, const void *k_cache,
                              const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
                              const int64_t *positions, const int64_t *tiles, int64_t num_tiles,
                              int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t block_size, int64_t window, float scale, int num_threads,
-                             int kv_type, float *out);
+                             int64_t block_size, int64_t window, float scale, float softcap,
+                             int num_threads, int kv_type, float *out);
 void loom_paged_attention_team(const float *q, int64_t q_tok_stride, const void *k_cache,
                                const void *v_cache, const int64_t *block_tables,
                                int64_t max_blocks, const int64_t *positions,
                                const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                               int64_t window, float scale, int kv_type, float *out,
-                               int64_t *next, int team);
+                               int64_t window, float scale, float softcap, int kv_type,
+                               float *out, int64_t *next, int team);
 
 // ---- elementwise layer ops (layer_ops.c) -------------------------------------------------
 
@@ -193,7 +193,7 @@ enum { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1 };  // act(gate) * up
 // One decoder layer, in the order it runs:
 //   h = in_norm(hidden (+= last output));  qkv = h Wqkv^T (+ qkv_b);
 //   [q, k heads = q_norm, k_norm (each head)];  rotate q, k by rope_table; write k, v;
-//   a = attention(q; window, scale) Wo^T;  [a = attn_out_norm(a)];
+//   a = attention(q; window, scale, softcap) Wo^T;  [a = attn_out_norm(a)];
 //   h = mlp_norm(hidden += a);  m = (act(h Wg^T) * h Wu^T) Wd^T;  [m = mlp_out_norm(m)]
 // and m is the next layer's (or the final norm's) `last output`.
 typedef struct {
@@ -207,6 +207,7 @@ typedef struct {
     LoomLinearQ8 qkv, o, gu, d;
     int64_t window;  // sliding window, 0 for none
     float scale;     // of q.k
+    float softcap;   // of the scaled scores (cap * tanh(s / cap)), 0 for none
     int32_t act;     // LOOM_ACT_*
 } LoomLayerQ8;
 

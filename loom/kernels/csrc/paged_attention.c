@@ -13,7 +13,9 @@
 //
 // A token at absolute position p attends keys max(0, p - window + 1) .. p of its own request,
 // so each token's result depends only on its own query and context: the same bits alone as in
-// any batch.
+// any batch. A soft cap c > 0 (Gemma 2's attn_logit_softcapping) turns each scaled score s into
+// c * tanh(s / c) before the softmax; 0 leaves the scores as they are (the same arithmetic as
+// without the cap).
 //
 // Built with -ffast-math (loom/kernels/build.py): the dot products and expf (glibc's libmvec)
 // vectorize. No infinity is ever produced: a row's running maximum starts from the first key it
@@ -85,7 +87,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_table, const int64_t *positions, int64_t tok0, int64_t ntok,
     int64_t num_heads, int64_t kv_heads, int64_t h0, int64_t h1, int64_t block_size,
-    int64_t window, float scale, float *out,
+    int64_t window, float scale, float softcap, float *out,
     const int D, const int KT)  // KT: the cache's type, KV_F32 / KV_F16 / KV_INT8
 {
     if (ntok < 1) return;
@@ -193,6 +195,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int d = 0; d < D; d++) dot += qi[d] * kr[d];
                     s[j] = dot;
                 }
+                if (softcap > 0.0f)
+                    for (j = 0; j < n; j++) s[j] = tanhf(s[j] / softcap) * softcap;
                 float mx = s[0];
                 for (j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
                 float corr = 1.0f;
@@ -241,14 +245,15 @@ static void attend_one(
     int64_t it, int64_t parts, const float *q, int64_t q_tok_stride, const void *k_cache,
     const void *v_cache, const int64_t *block_tables, int64_t max_blocks,
     const int64_t *positions, const int64_t *tiles, int64_t num_heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t window, float scale, int kv_type, float *out)
+    int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
+    int kv_type, float *out)
 {
     const int64_t *tile = tiles + it / parts * 3, part = it % parts;
     const int64_t *table = block_tables + tile[0] * max_blocks;
     const int64_t h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;
 #define ATTEND(D, KT) attend_tile(q, q_tok_stride, k_cache, v_cache, table, positions, tile[1], \
                                   tile[2], num_heads, kv_heads, h0, h1, block_size, window, \
-                                  scale, out, D, KT)
+                                  scale, softcap, out, D, KT)
 #define TYPES(D) (kv_type == KV_INT8 ? ATTEND(D, KV_INT8) : kv_type == KV_F16 ? ATTEND(D, KV_F16) \
                                                                                : ATTEND(D, KV_F32))
     if (head_dim == 64)
@@ -315,8 +320,8 @@ int loom_paged_attention_f32(
     const int64_t *positions,                  // [num_tokens] absolute position of each token
     const int64_t *tiles, int64_t num_tiles,
     int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t window, float scale, int num_threads, int kv_type,
-    float *out)
+    int64_t window, float scale, float softcap,  // softcap: 0 for none
+    int num_threads, int kv_type, float *out)
 {
     if (loom_paged_attention_check(tiles, num_tiles, num_heads, kv_heads, head_dim, kv_type))
         return -1;
@@ -325,7 +330,7 @@ int loom_paged_attention_f32(
     for (int64_t it = 0; it < num_tiles * parts; it++)
         attend_one(it, parts, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks,
                    positions, tiles, num_heads, kv_heads, head_dim, block_size, window, scale,
-                   kv_type, out);
+                   softcap, kv_type, out);
     return 0;
 }
 
@@ -336,12 +341,12 @@ void loom_paged_attention_team(
     const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *positions,
     const int64_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t window, float scale, int kv_type, float *out,
-    int64_t *next, int team)
+    int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
+    int kv_type, float *out, int64_t *next, int team)
 {
     const int64_t parts = tile_parts(num_tiles, kv_heads, team);
     for (int64_t it; (it = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < num_tiles * parts;)
         attend_one(it, parts, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks,
                    positions, tiles, num_heads, kv_heads, head_dim, block_size, window, scale,
-                   kv_type, out);
+                   softcap, kv_type, out);
 }
