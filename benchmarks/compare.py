@@ -276,7 +276,7 @@ def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
     for e in engines:
         env = " ".join(f"{k}={v}" for k, v in e.env.items())
         lines.append(_short(f"{env + ' ' if env else ''}{shlex.join(e.cmd)}"))
-    data = path.with_suffix(".json").name
+    data = path.name.removesuffix(".md") + ".json"
     lines += ["```", "", f"Every run's figures, per level and round, are in [{data}]({data}).", ""]
     path.write_text("\n".join(lines))
 
@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = ns.label or (Path(ns.model).stem if ns.model else "")
-    stem = out_dir / (f"{started}-{label}" if label else started)
+    stem = f"{started}-{label}" if label else started  # may hold dots: "...-1.7b-shape"
+    md, data, png = (out_dir / f"{stem}{ext}" for ext in (".md", ".json", ".png"))
     wanted = [e.strip() for e in ns.engines.split(",") if e.strip()]
     ports = {name: free_port() for name in wanted}
     engines, skipped = [], []
@@ -384,26 +385,25 @@ def main(argv: list[str] | None = None) -> None:
             log = Path(f"/tmp/loom-compare-{eng.name}-{r}.log")
             results[eng.name] = run_engine(eng, port, plan, source, tokenizer, ns, log)
             # kept after every engine, so an interrupted run leaves what it measured
-            stem.with_suffix(".json").write_text(json.dumps(
+            data.write_text(json.dumps(
                 {"args": vars(ns), "bandwidth_bytes_per_s": bandwidth, "skipped": skipped,
                  "rounds": [*rounds, results]}, indent=1) + "\n")
         rounds.append(results)
     all_cores = next(iter(bandwidth.values()), None)
     summary = {e.name: summarize(rounds, e.name, weight_bytes(e.weights), all_cores)
                for e, _ in engines}
-    stem.with_suffix(".json").write_text(json.dumps(
+    data.write_text(json.dumps(
         {"args": vars(ns), "bandwidth_bytes_per_s": bandwidth, "skipped": skipped,
          "commands": {e.name: {"cmd": e.cmd, "env": e.env} for e, _ in engines},
          "summary": summary, "rounds": rounds}, indent=1) + "\n")
-    png = stem.with_suffix(".png")
     measured = {n: s for n, s in summary.items() if s}
     if measured:
         plot_sweep(measured, png, f"{model_name(ns)}, {ns.input_len}-token prompts, "
                                   f"{ns.output_len} output tokens, median of {ns.rounds} round(s)")
-    write_report(stem.with_suffix(".md"), ns, [e for e, _ in engines], summary, skipped, png,
+    write_report(md, ns, [e for e, _ in engines], summary, skipped, png,
                  rounds, started, time.perf_counter() - t_start, bandwidth)
-    print(f"\nwrote {stem.with_suffix('.md')}, {png.name}, {stem.with_suffix('.json').name}")
-    print(stem.with_suffix(".md").read_text())
+    print(f"\nwrote {md}, {png.name}, {data.name}")
+    print(md.read_text())
 
 
 if __name__ == "__main__":

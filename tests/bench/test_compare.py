@@ -171,3 +171,15 @@ def test_shape_is_smollm2_1_7b_and_its_hf_folder_undoes_the_permutation() -> Non
     w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
     assert np.array_equal(make_shape._unpermute(_permute(w, 2), 2), w)
     assert json.loads(json.dumps(make_shape.CONFIG))["rope_theta"] == 130000.0
+
+
+def test_a_run_with_no_engine_installed_writes_a_report_saying_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_PEERS", str(tmp_path / "peers"))
+    compare.main(["--engines", "llama.cpp,ik_llama.cpp,vllm", "--quick", "--no-bandwidth",
+                  "--wait-quiet", "0", "--label", "m-1.7b-shape", "--out-dir", str(tmp_path)])
+    md = next(tmp_path.glob("*-m-1.7b-shape.md"))  # the label's dot is no suffix
+    text = md.read_text()
+    for name in ("llama.cpp", "ik_llama.cpp", "vllm"):
+        assert f"- {name}: not installed" in text
+    data = json.loads(md.with_name(md.name.removesuffix(".md") + ".json").read_text())
+    assert len(data["skipped"]) == 3 and data["rounds"] == [{}]
