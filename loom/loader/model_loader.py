@@ -161,9 +161,8 @@ def _log_kquants(model: nn.Module, kernels: KernelChoice | None) -> None:
     for m in layers:
         for f in m.formats():
             counts[f] = counts.get(f, 0) + 1
-    logger.info("GGUF K-quants kept as stored in %d linears (parts: %s) on the %s K-quant kernel; "
-                "the one-call C decoder stack runs int8-grid linears only, so this model runs "
-                "layer by layer", len(layers),
+    logger.info("GGUF K-quants kept as stored in %d linears (parts: %s) on the %s K-quant kernel",
+                len(layers),
                 ", ".join(f"{n} {f}" for f, n in sorted(counts.items())),
                 kernels.kquant if kernels is not None else "?")
 

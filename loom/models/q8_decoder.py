@@ -21,30 +21,57 @@ import ctypes
 
 import numpy as np
 import torch
+from torch import nn
 
 from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.layers.activation import ACTIVATIONS
 from loom.quant.int8 import Int8Embedding, Int8Linear
+from loom.quant.kquant import KBlocks, KQuantLinear
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 
 
-LINEAR_Q8 = 0  # loom.h's LOOM_LINEAR_Q8: a LinearQ8's `kind`
+# loom.h's LOOM_LINEAR_*: a LinearQ8's `kind` (the int8 grid, K-quant blocks, a fused linear's
+# parts of different formats)
+LINEAR_Q8, LINEAR_KQ, LINEAR_PARTS = 0, 1, 2
 
 
-class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8
-    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "s", "m", "s16", "m16")] + [
-        ("bits", ctypes.c_int64), ("kind", ctypes.c_int64)]
-
+class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it points to itself)
     @classmethod
-    def of(cls, linear: Int8Linear | Int8Embedding) -> LinearQ8:
+    def of(cls, linear: Int8Linear | Int8Embedding | KQuantLinear) -> LinearQ8:
+        """`linear` as the C stack runs it: an int8-grid one; a KQuantLinear of one K-quant
+        part; else its parts (K-quant blocks or int8 grid), each with its output columns."""
+        if isinstance(linear, KQuantLinear):
+            parts = sorted(linear.parts.items())
+            if len(parts) == 1 and isinstance(parts[0][1][1], KBlocks):
+                return cls.part(parts[0][1][1], 0, linear.out_features)
+            arr = (cls * len(parts))(*(cls.part(p, n0, n) for n0, (n, p) in parts))
+            # the pointer field keeps the array alive (ctypes' _objects), copies of this too
+            return cls(None, None, None, None, None, 0, LINEAR_PARTS,
+                       ctypes.cast(arr, ctypes.POINTER(cls)), len(parts), 0, linear.out_features)
         half = getattr(linear, "_half", None)
         half = (None, None) if half is None else (t.data_ptr() for t in half)
         return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
-                   linear.min.data_ptr(), *half, linear.bits, LINEAR_Q8)
+                   linear.min.data_ptr(), *half, linear.bits, LINEAR_Q8, None, 0, 0,
+                   getattr(linear, "out_features", 0))
+
+    @classmethod
+    def part(cls, p: KBlocks | Int8Linear, n0: int, n: int) -> LinearQ8:
+        """A fused linear's part writing its output columns [n0, n0 + n)."""
+        if isinstance(p, KBlocks):
+            return cls(p.data.data_ptr(), None, None, None, None, p.fmt, LINEAR_KQ, None, 0, n0,
+                       n)
+        q = cls.of(p)
+        q.n0, q.n = n0, n
+        return q
+
+
+LinearQ8._fields_ = [(name, ctypes.c_void_p) for name in ("w", "s", "m", "s16", "m16")] + [
+    ("bits", ctypes.c_int64), ("kind", ctypes.c_int64), ("parts", ctypes.POINTER(LinearQ8))] + [
+    (name, ctypes.c_int64) for name in ("num_parts", "n0", "n")]
 
 
 class EmbedQ8(ctypes.Structure):  # loom.h's LoomEmbedQ8
@@ -82,12 +109,18 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
         )
 
 
-def _linears(parts: dict) -> tuple[Int8Linear, Int8Linear, Int8Linear, Int8Linear]:
+def _linears(parts: dict) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
     """A layer's linears in LayerQ8's order: qkv, o, gate_up, down."""
     return parts["qkv"], parts["o"], parts["gate_up"], parts["down"]
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
+    """Whether the stack runs linear `m`: int8-grid groups, or K-quant blocks (KQuantLinear)
+    whose parts are each K-quant or int8-grid (fp32 parts: no)."""
+    if isinstance(m, KQuantLinear):
+        return (bias_ok or m.bias is None) and all(
+            isinstance(p, KBlocks) or (isinstance(p, Int8Linear) and p.grouped)
+            for _, p in m.parts.values())
     return isinstance(m, Int8Linear) and m.grouped and (bias_ok or m.bias is None)
 
 
@@ -106,7 +139,12 @@ def eligible(model: torch.nn.Module) -> bool:
     )
 
 
-def _kernel_code(linear: Int8Linear) -> int:
+def _kernel_code(linear: nn.Module) -> int | None:
+    """The stack's `kernel` code of an int8-grid linear, or of a KQuantLinear's int8-grid parts
+    (None where it has none: the K-quant kernel is the same whatever the code)."""
+    if isinstance(linear, KQuantLinear):
+        codes = {_kernel_code(p) for _, p in linear.parts.values() if isinstance(p, Int8Linear)}
+        return codes.pop() if len(codes) == 1 else None if not codes else BATCH_CODES["fp32"]
     return BATCH_CODES[linear.batch_kernel] | (DECODE_VNNI if linear.decode_kernel == "vnni" else 0)
 
 
@@ -161,7 +199,7 @@ class Q8Decoder:
             *(LayerQ8.of(p, rotaries[p["rope_index"]]) for p in parts))
         # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
         # linears set apart by hand run the fp32 kernel, which every build has
-        codes = {_kernel_code(m) for p in parts for m in _linears(p)}
+        codes = {_kernel_code(m) for p in parts for m in _linears(p)} - {None}
         self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["fp32"]
 
     def _scratch(self, m: int) -> list[torch.Tensor]:
@@ -177,8 +215,9 @@ class Q8Decoder:
         """`head` as the call runs it (an int8 linear without bias; else None), built once."""
         if head is not self.head_module:
             self.head_module = head
+            code = _kernel_code(head) if _grouped(head) else None
             self.head = HeadQ8(LinearQ8.of(head), head.out_features, 0,
-                               _kernel_code(head)) if _grouped(head) else None
+                               self.code if code is None else code) if _grouped(head) else None
         return self.head
 
     def forward(
@@ -213,7 +252,8 @@ class Q8Decoder:
         logits = None
         if c_head is not None:
             assert rows.dtype == np.int64 and rows.flags.c_contiguous
-            logits = head._output(len(rows))
+            logits = (head._output(len(rows)) if isinstance(head, Int8Linear)
+                      else torch.empty((len(rows), head.out_features)))
             c_head.num_rows, c_head.rows = len(rows), rows.ctypes.data
             c_head.x, c_head.logits = head_x.data_ptr(), logits.data_ptr()
             c_head = ctypes.byref(c_head)

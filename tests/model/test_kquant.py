@@ -230,3 +230,41 @@ def test_gemma3_default_kernels_agree_with_reference(gemma3_default) -> None:
     print(f"Gemma 3 270M Q4_K_M default kernels {loaded.kernels}: top-1 {agree} / {total}")
     assert total > 800
     assert agree >= 0.99 * total, (agree, total)
+
+
+@pytest.mark.slow
+def test_gemma3_runs_on_the_c_stack_by_default(gemma3_default) -> None:
+    """The default load runs on the one-call C stack (its Q4_K / Q6_K o and down projections
+    as K-quant linears in the call), and its greedy tokens and logits are the module path's,
+    prompts and decode, with the default kernels."""
+    from loom.models.q8_decoder import Q8Decoder
+    from tests.paged_batch import PagedBatch
+
+    _, loaded, _ = gemma3_default
+    model = loaded.model.model
+    prompts = {"a": [2, 818, 5279, 529, 7001, 563], "b": [2, 2094, 9208, 236769, 236749, 1473],
+               "c": [2, 4521, 3658, 496, 990]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # decode in one OpenMP region needs a team, even on one core
+
+    def greedy() -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+        batch, seqs, got = PagedBatch(loaded), {r: list(p) for r, p in prompts.items()}, []
+        out = batch.step(prompts)
+        for _ in range(6):
+            got += [out[r] for r in sorted(out)]
+            for r in seqs:
+                seqs[r].append(int(out[r][-1].argmax()))
+            out = batch.step({r: s[-1:] for r, s in seqs.items()})
+        return seqs, got
+
+    try:
+        model.stack = None  # decided again on the first step
+        stack_seqs, stack_logits = greedy()
+        assert isinstance(model.stack, Q8Decoder), "the C stack did not run"
+        model.stack = False  # the per-module path, same weights and kernels
+        module_seqs, module_logits = greedy()
+    finally:
+        torch.set_num_threads(threads)
+        model.stack = None
+    assert stack_seqs == module_seqs
+    assert all(torch.equal(a, b) for a, b in zip(stack_logits, module_logits))

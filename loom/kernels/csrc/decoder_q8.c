@@ -123,35 +123,62 @@ static int small_op_rows(const Step *s, const Team *t, int64_t *r0, int64_t *r1)
     return *r1 > *r0;
 }
 
-// y = x W^T (+ bias) for one of a layer's linears.
-// The one call site of every linear of the stack (the head's too): a new weight format is a
-// `kind` (loom.h) and a branch here (and in check_linear).
-static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
-                  const float *bias, int64_t N, float *y)
+// y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8 or KQ).
+static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
+                      const float *bias, int64_t N, float *y, int64_t ldy)
 {
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
+    if (W->kind == LOOM_LINEAR_KQ) {  // in a team at most 8 rows (run_step's `many` is off)
+        if (!t) return loom_linear_kq(x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
+        loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
+        sync_team(t);
+        return 0;
+    }
     if (!t) {
         if (vnni)
-            return loom_linear_q8_vnni(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, N, bits,
-                                       s->nt);
+            return loom_linear_q8_vnni(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, ldy,
+                                       bits, s->nt);
         return (batch == 1   ? loom_linear_q8_amx
                 : batch == 2 ? loom_linear_q8_bf16
                              : loom_linear_q8_f32)(x, s->M, K, K, W->w, W->s, W->m, bias, N, y,
-                                                   N, bits, s->nt);
+                                                   ldy, bits, s->nt);
     }
     if (vnni) {
-        loom_linear_q8_vnni_team(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, N, bits,
+        loom_linear_q8_vnni_team(x, s->M, K, K, W->w, W->s16, W->m16, bias, N, y, ldy, bits,
                                  t->next++, t->team);
     } else if (s->M > loom_linear_q8_direct_rows) {  // the bf16 kernel (run_step's condition)
         loom_bf16_rows_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
         sync_team(t);
-        loom_linear_q8_bf16_team(s->buf_xb, s->M, K, W->w, W->s, W->m, bias, N, y, N, bits,
+        loom_linear_q8_bf16_team(s->buf_xb, s->M, K, W->w, W->s, W->m, bias, N, y, ldy, bits,
                                  t->next++, t->team);
     } else
-        loom_linear_q8_team(x, s->M, K, K, W->w, W->s, W->m, bias, N, y, N, bits, t->next++,
+        loom_linear_q8_team(x, s->M, K, K, W->w, W->s, W->m, bias, N, y, ldy, bits, t->next++,
                             t->team);
     sync_team(t);
+    return 0;
+}
+
+// y = x W^T (+ bias) for one of a layer's linears.
+// The one call site of every linear of the stack (the head's too): a new weight format is a
+// `kind` (loom.h) and a branch in linear_one (and in check_linear).
+static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
+                  const float *bias, int64_t N, float *y)
+{
+    if (W->kind != LOOM_LINEAR_PARTS) return linear_one(s, t, x, K, W, bias, N, y, N);
+    for (int64_t i = 0; i < W->num_parts; i++) {  // KQuantLinear.forward's order
+        const LoomLinearQ8 *P = &W->parts[i];
+        const int kq = P->kind == LOOM_LINEAR_KQ;
+        int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N);
+        if (rc) return rc;
+        if (bias && !kq) {  // the Q8 part's product, then its bias (torch's `part + bias`)
+            int64_t r0, r1;
+            if (small_op_rows(s, t, &r0, &r1))
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t n = 0; n < P->n; n++) y[r * N + P->n0 + n] += bias[P->n0 + n];
+            sync_team(t);
+        }
+    }
     return 0;
 }
 
@@ -311,9 +338,34 @@ static int finish(const Step *s, Team *t, const float *final_norm, const LoomHea
 }
 
 // What a team's ops would have refused (they do not check): the error the per-op path returns.
+static int check_one(const LoomLinearQ8 *W, int64_t K)
+{
+    if (W->kind == LOOM_LINEAR_KQ) return loom_kq_check(K, (int)W->bits);
+    return W->kind != LOOM_LINEAR_Q8 || loom_linear_q8_check(K, (int)W->bits);
+}
+
 static int check_linear(const LoomLinearQ8 *W, int64_t K)
 {
-    return W->kind != LOOM_LINEAR_Q8 || loom_linear_q8_check(K, (int)W->bits);
+    if (W->kind != LOOM_LINEAR_PARTS) return check_one(W, K);
+    if (W->num_parts < 1 || !W->parts) return -1;
+    for (int64_t i = 0; i < W->num_parts; i++)
+        if (W->parts[i].kind == LOOM_LINEAR_PARTS || check_one(&W->parts[i], K)) return -1;
+    return 0;
+}
+
+// The work counters (Team.next) a linear takes: one a part.
+static int64_t linear_ops(const LoomLinearQ8 *W)
+{
+    return W->kind == LOOM_LINEAR_PARTS ? W->num_parts : 1;
+}
+
+// Whether a linear runs the K-quant kernel (which has no team form past 8 rows).
+static int has_kq(const LoomLinearQ8 *W)
+{
+    if (W->kind == LOOM_LINEAR_KQ) return 1;
+    for (int64_t i = 0; W->kind == LOOM_LINEAR_PARTS && i < W->num_parts; i++)
+        if (W->parts[i].kind == LOOM_LINEAR_KQ) return 1;
+    return 0;
 }
 
 static int check_step(const Step *s)
@@ -362,12 +414,25 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
     const int few = loom_linear_q8_direct_rows;
     const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
-    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too
-    const int many =
-        M > few && bf16 && (!head || head->num_rows <= few || (head->kernel & 3) == 2);
+    int64_t ops = 0;  // the team's work counters: one an op (a linear's: one a part)
+    int kq = head && has_kq(&head->w);
+    for (int64_t l = 0; l < s.num_layers; l++) {
+        const LoomLinearQ8 *W[4] = {&s.layers[l].qkv, &s.layers[l].o, &s.layers[l].gu,
+                                    &s.layers[l].d};
+        ops += 1;  // attention
+        for (int i = 0; i < 4; i++) {
+            ops += linear_ops(W[i]);
+            kq |= has_kq(W[i]);
+        }
+    }
+    ops += head ? linear_ops(&head->w) : 1;
+    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too (and no
+    // K-quant one: its team form takes up to 8 rows)
+    const int many = M > few && bf16 && !kq &&
+                     (!head || head->num_rows <= few || (head->kernel & 3) == 2);
     if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
-        int64_t *next = calloc((size_t)s.num_layers * 5 + 1, sizeof(int64_t));  // one an op
+        int64_t *next = calloc((size_t)ops, sizeof(int64_t));
         const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
         Step shared = s;
         if (many) shared.buf_xb = aligned_alloc(64, (size_t)(M * k_max) * sizeof(uint16_t));
@@ -377,7 +442,7 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             return -2;
         }
         Barrier bar = {0, 0, 0};
-        int no_vnni = 0, no_bf16 = 0;
+        int no_vnni = 0, no_mem = 0;  // a thread could not reserve its buffers
         const int vnni = (kernel & 4) || (head && (head->kernel & 4));
 #pragma omp parallel num_threads(nt)
         {
@@ -385,24 +450,26 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             if (vnni && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
                 __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
             if (many && loom_linear_q8_bf16_reserve(k_max))  // each thread's block buffer
-                __atomic_store_n(&no_bf16, 1, __ATOMIC_RELAXED);
+                __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
+            if (kq && loom_linear_kq_reserve(k_max))  // each thread's quantized x buffer
+                __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
             Step own = shared;
             LoomHeadQ8 own_head = head ? *head : (LoomHeadQ8){0};
-            if (vnni || many) {  // all threads or none
+            if (vnni || many || kq) {  // all threads or none
                 barrier_wait(&bar, t.team);
                 if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {  // the AVX kernel
                     own.kernel &= 3;
                     own_head.kernel &= 3;
                 }
             }
-            if (!__atomic_load_n(&no_bf16, __ATOMIC_RELAXED)) {
+            if (!__atomic_load_n(&no_mem, __ATOMIC_RELAXED)) {
                 run_layers(&own, &t);
                 finish(&own, &t, final_norm, head ? &own_head : NULL);
             }
         }
         free(next);
         free(shared.buf_xb);
-        return no_bf16 ? -2 : 0;
+        return no_mem ? -2 : 0;
     }
     Step own = s;
     if ((rc = run_layers(&own, NULL))) return rc;

@@ -549,6 +549,7 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
     if (loom_kq_check(K, fmt)) return -1;
+    if (M <= 0) return 0;  // (row_any takes 1 to 8 rows)
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);
     if (!xq) return -2;
@@ -577,6 +578,7 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                          int64_t *next, int team)
 {
+    if (M <= 0) return;
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);  // reserved: no failure
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, xq + m * xs);

@@ -157,16 +157,25 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 // it has (NULL: absent) and each part's weights. The C side knows kernels, not architectures.
 
 // What a linear's weights are (the `kind` of LoomLinearQ8); decoder_q8.c's `linear` runs each.
-enum { LOOM_LINEAR_Q8 = 0 };
+// LOOM_LINEAR_PARTS: a fused linear (qkv, gate_up) whose checkpoint tensors keep different
+// formats (a Q4_K_M file's Q4_K q and k beside a Q6_K v): its parts run one after the other,
+// each into its own output columns, as loom/quant/kquant.py's KQuantLinear runs them.
+enum { LOOM_LINEAR_Q8 = 0, LOOM_LINEAR_KQ = 1, LOOM_LINEAR_PARTS = 2 };
 
 // One linear's weights: for LOOM_LINEAR_Q8 the int8 grid, fp32 scales and minimums, and their
-// fp16 copies for the VNNI kernel (NULL where unused).
-typedef struct {
+// fp16 copies for the VNNI kernel (NULL where unused); for LOOM_LINEAR_KQ the K-quant
+// super-blocks as stored (w) and their format in `bits`; for LOOM_LINEAR_PARTS `parts`.
+typedef struct LoomLinearQ8 {
     const uint8_t *w;
     const float *s, *m;
     const uint16_t *s16, *m16;
-    int64_t bits;  // per stored weight: 8 or 4
+    int64_t bits;  // per stored weight: 8 or 4 (Q8); the ggml format 12, 13, 14 (KQ)
     int64_t kind;  // LOOM_LINEAR_*
+    // LOOM_LINEAR_PARTS: num_parts parts (each LOOM_LINEAR_Q8 or LOOM_LINEAR_KQ), part i writing
+    // output columns [parts[i].n0, parts[i].n0 + parts[i].n) (a bias: the KQ kernel adds its
+    // columns' share, a Q8 part's is added after its product, as KQuantLinear.forward does)
+    const struct LoomLinearQ8 *parts;
+    int64_t num_parts, n0, n;
 } LoomLinearQ8;
 
 // The token embeddings, looked up in the call: table [vocab, H] on the int8 grid, then times
