@@ -45,6 +45,20 @@ for asset in public/index.html.gz public_llamacpp/index_llamacpp.html.gz \
              public_llamacpp/loading.html; do
     test -e "$SRC/examples/server/$asset" || : > "$SRC/examples/server/$asset"
 done
+# The sdist (0.1.5) lacks the script that writes common/build-info.cpp (it reads git, which an
+# sdist has not): one that fills the template with "unknown".
+GEN="$SRC/common/cmake/build-info-gen-cpp.cmake"
+if [ ! -f "$GEN" ]; then
+    mkdir -p "$(dirname "$GEN")"
+    cat > "$GEN" <<'CMAKE'
+set(BUILD_NUMBER 0)
+set(BUILD_COMMIT "unknown")
+set(BUILD_COMPILER "${CMAKE_C_COMPILER_ID} ${CMAKE_C_COMPILER_VERSION}")
+set(BUILD_TARGET "unknown")
+configure_file("${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in"
+               "${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp")
+CMAKE
+fi
 
 BUILD="$DEST/build"
 nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
