@@ -1,9 +1,10 @@
-// A whole decoder stack in one call, for int8 weights on the CPU in fp32. It walks the layers
-// as the Python model definition describes them (loom.h's LoomLayerQ8: which optional norms, q/k
-// norms, rotary table, attention window and scale, activation each layer has), running the same
-// kernels in the same order as the per-module torch path (loom/models/llama.py), so the bits are
-// the same; what goes is Python's dispatch between ~10 kernels in each of ~30 layers (at one
-// stream, most of a step's time outside the matmuls). No architecture is named here.
+// A whole decoder stack in one call, for int8-grid or K-quant weights on the CPU in fp32. It
+// walks the layers as the Python model definition describes them (loom.h's LoomLayerQ8: which
+// optional norms, q/k norms, rotary table, attention window and scale, activation each layer
+// has), running the same kernels in the same order as the per-module torch path
+// (loom/models/llama.py), so the bits are the same; what goes is Python's dispatch between ~10
+// kernels in each of ~30 layers (at one stream, most of a step's time outside the matmuls). No
+// architecture is named here.
 
 #include <limits.h>
 #include <stdint.h>
