@@ -309,7 +309,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slot-context", type=int, default=512,
                    help="the llama.cpp builds' context per slot")
     p.add_argument("--llama-args", default="", help="extra llama.cpp `llama-server` flags")
-    p.add_argument("--ik-args", default="", help="extra ik_llama.cpp `llama-server` flags")
+    p.add_argument("--ik-args", default="-fa off",
+                   help="extra ik_llama.cpp `llama-server` flags (default '-fa off': its flash "
+                        "attention, on by default, stops on GGML_ASSERT(S > 0) in "
+                        "iqk_fa_templates.h on the first prompt here, AVX-512, sdist 0.1.5)")
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM's")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's KV-cache space")
     p.add_argument("--vllm-dtype", default=None,
