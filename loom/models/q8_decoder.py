@@ -46,7 +46,7 @@ class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it
         """`linear` as the C stack runs it: an int8-grid one; a KQuantLinear of one K-quant
         part; else its parts (K-quant blocks or int8 grid), each with its output columns."""
         if isinstance(linear, KQuantLinear):
-            parts = sorted(linear.parts.items())
+            parts = list(linear.parts.items())  # in row order
             if len(parts) == 1 and isinstance(parts[0][1][1], KBlocks):
                 return cls.part(parts[0][1][1], 0, linear.out_features)
             arr = (cls * len(parts))(*(cls.part(p, n0, n) for n0, (n, p) in parts))

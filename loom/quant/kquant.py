@@ -92,7 +92,8 @@ class KQuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # row start -> (rows, the part: KBlocks, an Int8Linear or fp32 weights [rows, in])
+        # row start -> (rows, the part: KBlocks, an Int8Linear or fp32 weights [rows, in]), in
+        # row order (load_rows keeps it sorted: forward walks it every call)
         self.parts: dict[int, tuple[int, KBlocks | Int8Linear | torch.Tensor]] = {}
         # what loom.models.weight_map counts rows by (a layer filled by load_rows)
         self.weight_int8 = torch.empty((out_features, 0), dtype=torch.uint8)
@@ -112,14 +113,14 @@ class KQuantLinear(nn.Module):
             self.add_module(f"part{start}", part)  # the loader sets its kernels
         else:
             part = w.float().contiguous()
-        self.parts[start] = (n, part)
+        self.parts = dict(sorted({**self.parts, start: (n, part)}.items()))
         return n
 
     def formats(self) -> list[str]:
         """Each part's format, in row order (e.g. ['Q4_K', 'Q4_K', 'Q6_K'])."""
         return [p.qtype.name if isinstance(p, KBlocks) else
                 f"int8 grid ({p.bits}-bit)" if isinstance(p, Int8Linear) else "fp32"
-                for _, (_, p) in sorted(self.parts.items())]
+                for _, p in self.parts.values()]
 
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory."""
@@ -140,7 +141,7 @@ class KQuantLinear(nn.Module):
             xf = xf.contiguous()
         m, n = xf.shape[0], self.out_features
         out = torch.empty((m, n), dtype=torch.float32)  # [num_tokens, out]
-        for start, (rows, p) in sorted(self.parts.items()):
+        for start, (rows, p) in self.parts.items():
             if isinstance(p, KBlocks):
                 bias = 0 if self.bias is None else self.bias.data_ptr() + 4 * start
                 rc = cpu_kernels().loom_linear_kq(
