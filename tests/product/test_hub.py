@@ -137,6 +137,9 @@ def test_pull_shows_progress_and_resumes(hub) -> None:
 def test_a_killed_pull_resumes(hub) -> None:
     """Ctrl-C in the middle of a file; the next pull asks only for the rest."""
     fake, env = hub
+    # the server stalls the first GET until released: huggingface_hub's own read timeout (10 s)
+    # would otherwise end the stall itself on a slow machine, resume, and finish before Ctrl-C
+    env = {**env, "HF_HUB_DOWNLOAD_TIMEOUT": "600"}
     proc = subprocess.Popen([sys.executable, "-m", "loom.entrypoints.cli", "pull",
                              f"{STALL_REPO}:Q4_1"], env=env, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
