@@ -133,7 +133,7 @@ def write_gguf(
         if gemma and name.endswith("norm.weight"):
             a = a + 1
         qt = next((t for key, t in (overrides or {}).items() if f".{key}." in gname), qtype)
-        if a.ndim == 2 and qt != GGMLQuantizationType.F32:
+        if a.ndim >= 2 and qt != GGMLQuantizationType.F32:  # experts: [experts, rows, cols]
             w.add_tensor(gname, quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, a)

@@ -249,12 +249,9 @@ def iter_gguf_tensors(
     for t in reader.tensors:
         if t.name in _ROPE_FACTORS:
             continue
-        m = _LAYER_RE.match(t.name)
-        if m and m.group(2) in _EXPERTS:  # one float tensor per expert (moe.py stacks them)
-            w = _read(t)
-            prefix = f"model.layers.{m.group(1)}.mlp.experts"
-            for e in range(w.shape[0]):
-                yield f"{prefix}.{e}.{_EXPERTS[m.group(2)]}.weight", w[e]
+        names = _expert_names(t)
+        if names:  # one tensor an expert, in the format the others of its kind get
+            yield from zip(names, _read_experts(t, q8, names[0] in kq))
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -275,15 +272,43 @@ def iter_gguf_tensors(
         yield name, w
 
 
-def _read(t: Any, q8: bool = False, kq: bool = False) -> torch.Tensor | Q8Groups | KBlocks:
-    """Tensor `t`'s values in fp32; with `q8`, a 2-D tensor in a 32-wide block format as int8
-    groups instead; with `kq`, a K-quant tensor's blocks. GGUFError naming the tensor where its
-    type cannot be read."""
+def _expert_names(t: Any) -> list[str]:
+    """The Hugging Face names of a [num_experts, rows, cols] expert tensor's experts ([] for
+    any other tensor)."""
+    m = _LAYER_RE.match(t.name)
+    if not (m and m.group(2) in _EXPERTS):
+        return []
+    prefix = f"model.layers.{m.group(1)}.mlp.experts"
+    return [f"{prefix}.{e}.{_EXPERTS[m.group(2)]}.weight" for e in range(t.shape[0])]
+
+
+def _expert_shape(t: Any) -> tuple[int, ...]:
+    """An expert tensor's experts' rows one under the other: [num_experts * rows, cols]."""
+    return (t.shape[0] * t.shape[1], t.shape[2])
+
+
+def _read_experts(t: Any, q8: bool, kq: bool) -> list[torch.Tensor | Q8Groups | KBlocks]:
+    """An expert tensor's experts, each [rows, cols] as `_read` gives a 2-D tensor (int8
+    groups, K-quant blocks or fp32): views of the whole, no copy."""
+    w = _read(t, q8, kq, _expert_shape(t))
+    rows = t.shape[1]
+    parts = [slice(e * rows, (e + 1) * rows) for e in range(t.shape[0])]
+    if isinstance(w, (Q8Groups, KBlocks)):
+        return [w.map_rows(lambda a, r=r: a[r]) for r in parts]
+    return [w[r] for r in parts]
+
+
+def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | None = None
+          ) -> torch.Tensor | Q8Groups | KBlocks:
+    """Tensor `t`'s values in fp32 (in `shape`, default its own); with `q8`, a 2-D tensor in a
+    32-wide block format as int8 groups instead; with `kq`, a K-quant tensor's blocks.
+    GGUFError naming the tensor where its type cannot be read."""
+    shape = tuple(t.shape) if shape is None else shape
     try:
         if kq:
-            return KBlocks.from_gguf(t.data, t.tensor_type, t.shape)
-        w = q8_groups(t.data, t.tensor_type, t.shape) if q8 else None
-        return dequantize(t.data, t.tensor_type, t.shape) if w is None else w
+            return KBlocks.from_gguf(t.data, t.tensor_type, shape)
+        w = q8_groups(t.data, t.tensor_type, shape) if q8 else None
+        return dequantize(t.data, t.tensor_type, shape) if w is None else w
     except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
         raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {t.shape}): {e}") from None
 
@@ -291,17 +316,28 @@ def _read(t: Any, q8: bool = False, kq: bool = False) -> torch.Tensor | Q8Groups
 def q8_tensors(reader: GGUFFile) -> dict[str, int]:
     """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True)` yields as
     int8 groups."""
-    arch = gguf_architecture(reader)
-    return {hf_name(t.name, arch) or t.name: group_bits(t.tensor_type)
-            for t in reader.tensors if groupable(t.tensor_type, t.shape)}
+    return {name: group_bits(qtype) for name, qtype, shape in _matrices(reader)
+            if groupable(qtype, shape)}
 
 
 def kq_tensors(reader: GGUFFile) -> dict[str, str]:
     """Hugging Face name -> K-quant format name, of the 2-D tensors loom.quant.kquant runs as
     stored (the token embedding excepted: it is looked up, not multiplied)."""
+    return {name: qtype.name for name, qtype, shape in _matrices(reader)
+            if native(qtype, shape) and name != _GLOBAL_NAMES["token_embd.weight"]}
+
+
+def _matrices(reader: GGUFFile) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
+    """(Hugging Face name, type, shape) of every tensor, an expert tensor's experts each as a
+    matrix of its own (their rows one under the other: what `_read_experts` reads)."""
     arch = gguf_architecture(reader)
-    return {hf_name(t.name, arch) or t.name: t.tensor_type.name for t in reader.tensors
-            if native(t.tensor_type, t.shape) and t.name != "token_embd.weight"}
+    for t in reader.tensors:
+        names = _expert_names(t)
+        if names:
+            shape = _expert_shape(t)
+            yield from ((name, t.tensor_type, shape) for name in names)
+        else:
+            yield hf_name(t.name, arch) or t.name, t.tensor_type, tuple(t.shape)
 
 
 def gguf_architecture(reader: GGUFFile) -> str:

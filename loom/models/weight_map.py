@@ -14,15 +14,16 @@ class WeightLoadError(ValueError):
     """Checkpoint tensors do not match the model: names the missing, unexpected or misshapen ones."""
 
 
-def _shard_slice(param_name: str, shard: int, model: nn.Module) -> slice:
-    """Row range of shard `shard` inside a packed parameter (qkv_proj or gate_up_proj)."""
+def _shard_slice(param_name: str, shard: int, model: nn.Module, rows: int) -> slice:
+    """Row range of shard `shard` inside a packed parameter of `rows` rows (qkv_proj, or
+    gate_up_proj: two halves, whatever its MLP's width: an expert's, a shared expert's)."""
     config = model.config  # type: ignore[attr-defined]
     if "qkv_proj" in param_name:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         starts, sizes = [0, q, q + kv], [q, kv, kv]
     else:
-        i = config.intermediate_size
+        i = rows // 2
         starts, sizes = [0, i], [i, i]
     return slice(starts[shard], starts[shard] + sizes[shard])
 
@@ -55,7 +56,7 @@ def load_packed_weights(
         for frag, (packed, shard) in packed_modules.items():
             if f".{frag}." in name:
                 target = name.replace(f".{frag}.", f".{packed}.")
-                rows = _shard_slice(target, shard, model)
+                rows = _shard_slice(target, shard, model, rows_of.get(target, 0))
                 break
         if target in takers:
             try:

@@ -1,0 +1,145 @@
+"""GGUF mixtures of experts keep their experts quantized: a tiny GGUF per family whose
+[experts, rows, cols] expert tensors are in Q4_0 / Q4_1 / Q5_0 / Q8_0 (Loom's int8 grid) or
+Q4_K / Q5_K / Q6_K (K-quant blocks as stored) loads each expert as a Loom linear in that form,
+never in fp32, and in one mixed paged batch gives transformers' logits (on the same weights,
+dequantized) to tolerance and its greedy tokens, and Loom's fp32 reference's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize as gguf_quantize
+from safetensors.torch import load_file, save_file
+
+from loom.loader import gguf as gguf_loader
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import resolve_model
+from loom.models.moe import SparseMoeBlock
+from loom.quant.int8 import Int8Linear, Q8Groups, quantize_groups
+from loom.quant.kquant import KQuantLinear
+from tests import gguf_files
+from tests.cpu_kernels import require_cpu_kernels
+from tests.model.test_arch_stack import _mixed_batch
+from tests.model.test_kquant import random_blocks
+from tests.paged_batch import BLOCK, rel_err
+from tests.tiny_models import make_tiny_model
+
+KQ = (T.Q4_K, T.Q5_K, T.Q6_K)
+# name -> (GGUF architecture, shape overrides, the experts' types (gate, up, down), every other
+# matrix's type); widths of K-quant experts are multiples of 256
+CASES = {
+    "qwen3-moe": ("qwen3moe", {}, (T.Q4_0, T.Q4_0, T.Q8_0), T.Q8_0),
+    "mixtral": ("llama", {}, (T.Q4_1, T.Q5_0, T.Q8_0), T.Q8_0),
+    "qwen2-moe": ("qwen2moe", dict(hidden_size=256, intermediate_size=256, head_dim=64,
+                                   moe_intermediate_size=256,
+                                   shared_expert_intermediate_size=256),
+                  (T.Q4_K, T.Q5_K, T.Q6_K), T.Q8_0),
+}
+
+
+def _quantize(a: np.ndarray, qt: T) -> np.ndarray:
+    """gguf's quantizer; K-quants as valid blocks of random bytes (the `gguf` package has none:
+    the reference reads the same blocks back)."""
+    if qt not in KQ:
+        return gguf_quantize(a, qt)
+    rows = int(np.prod(a.shape[:-1]))
+    rng = np.random.default_rng(rows * 7 + a.shape[-1] + int(qt))
+    data = random_blocks(qt, rows, a.shape[-1], rng).data.numpy()
+    return data.reshape(*a.shape[:-1], -1)
+
+
+def moe_gguf(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """(the tiny GGUF, its Hugging Face folder). The shared expert's gate (a vector GGUF keeps
+    in F32, which Loom puts on its int8 grid) is on that grid already."""
+    arch, shape, (gate, up, down), base = CASES[name]
+    folder = make_tiny_model(name, tmp_path / name, **shape)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for key, w in tensors.items():
+        if key.endswith("shared_expert_gate.weight"):
+            tensors[key] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_files, "quantize", _quantize)
+        out = gguf_files.write_gguf(folder, tmp_path / f"{name}.gguf", arch, base, overrides={
+            "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down,
+            **({"ffn_gate_shexp": T.Q4_K, "ffn_up_shexp": T.Q4_K} if gate in KQ else {})})
+    return out, folder
+
+
+def transformers_on_gguf(path: Path, folder: Path, tmp_path: Path):  # -> a transformers model
+    """transformers' model of `folder`'s config on the GGUF file's weights, dequantized (by
+    the fp32 path of Loom's GGUF reader: the `gguf` package's values), under the checkpoint's
+    own names."""
+    from transformers import AutoModelForCausalLM
+
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.model_config_from_gguf(reader, path)
+    arch = gguf_loader.gguf_architecture(reader)
+    mixtral = config.architecture == "MixtralForCausalLM"
+    state = {}
+    for name, w in gguf_loader.iter_gguf_tensors(reader, config, arch):
+        if mixtral:
+            for ours, theirs in (("mlp.gate.", "block_sparse_moe.gate."),
+                                 ("mlp.experts.", "block_sparse_moe.experts."),
+                                 ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                if ".experts." in name or ours == "mlp.gate.":
+                    name = name.replace(ours, theirs)
+        state[name] = w.contiguous()
+    ref_folder = tmp_path / "reference"
+    ref_folder.mkdir()
+    (ref_folder / "config.json").write_text((folder / "config.json").read_text())
+    save_file(state, str(ref_folder / "model.safetensors"), metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    ref.generation_config.eos_token_id = None
+    return ref
+
+
+def _run(loaded) -> tuple[dict, dict, dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return _mixed_batch(loaded, loaded.config.vocab_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_quantized_experts_match_transformers(tmp_path, name) -> None:
+    require_cpu_kernels()
+    path, folder = moe_gguf(tmp_path, name)
+    loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
+    block = next(m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock))
+    gate, up, down = CASES[name][2]
+    for expert in block.experts:  # each expert in its file's form, nothing in fp32
+        gu, d = expert.gate_up_proj, expert.down_proj
+        if gate in KQ:
+            assert isinstance(gu, KQuantLinear) and gu.formats() == [gate.name, up.name]
+            assert isinstance(d, KQuantLinear) and d.formats() == [down.name]
+        else:
+            assert isinstance(gu, Int8Linear) and gu.grouped
+            assert gu.bits == (4 if gate == up == T.Q4_0 else 8)
+            assert isinstance(d, Int8Linear) and d.grouped
+    assert not [n for n, p in loaded.model.named_parameters()
+                if ".experts." in n and p.dtype.is_floating_point and p.dim() > 1]
+    prompts, logits, seqs = _run(loaded)
+    reference = load_model(resolve_model(str(path)), "float32", quantization="none")
+    _, ref_logits, ref_seqs = _run(reference)
+    assert seqs == ref_seqs
+    hf = transformers_on_gguf(path, folder, tmp_path)
+    for rid, seq in seqs.items():
+        assert rel_err(logits[rid], ref_logits[rid]) < 1e-3, rid
+        start = BLOCK if rid == "c" else 0
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0, start: start + logits[rid].shape[0]]
+        assert rel_err(logits[rid], want) < 1e-3, rid
+        assert rel_err(ref_logits[rid], want) < 1e-4, rid
+        gen = hf.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(seq) - len(prompts[rid]),
+                          do_sample=False, pad_token_id=0)[0, len(prompts[rid]):].tolist()
+        assert seq[len(prompts[rid]):] == gen, rid
