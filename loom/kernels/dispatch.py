@@ -72,6 +72,12 @@ NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels 
 # AVX512-VNNI, AVX-512 BW or AVX2 (vpmaddubsw), NEON sdot, or portable C.
 KQUANT = {"amx": "vnni", "bf16": "vnni", "vnni": "vnni", "avx512": "avx512", "avx2": "avx2",
           "neon": "neon", "generic": "generic"}
+# ... and past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows dequantized once a call
+# against all rows, in AVX512-BF16 dot products ("bf16") or fp32 (AVX2 + FMA in the x86 builds
+# without BF16, portable C in "generic"); "int": the integer kernel above at every size (NEON:
+# its sdot kernel; --batch-invariant: the same bits whatever the batch).
+KQUANT_BATCH = {"amx": "bf16", "bf16": "bf16", "vnni": "fp32", "avx512": "fp32", "avx2": "fp32",
+                "neon": "int", "generic": "fp32"}
 
 
 class KernelChoiceError(ValueError):
@@ -136,12 +142,20 @@ class KernelChoice:
         return (f"{self.variant} build ({variant(self.variant).about}; {why}); int8 linears "
                 f"{self.batch} past 8 rows, {self.decode} up to 8"
                 f"{' (batch-invariant)' if self.batch_invariant else ''}; K-quant linears "
-                f"{self.kquant}")
+                f"{self.kquant} up to 8 rows, "
+                f"{self.kquant if self.kquant_batch == 'int' else self.kquant_batch} past 8")
 
     @property
     def kquant(self) -> str:
-        """The K-quant linears' kernel (KQUANT): the same bits at any batch in a build."""
+        """The K-quant linears' kernel up to 8 rows (KQUANT), and past 8 where kquant_batch is
+        "int": the same bits at any batch in a build."""
         return KQUANT[self.variant]
+
+    @property
+    def kquant_batch(self) -> str:
+        """The K-quant linears' kernel past 8 rows (KQUANT_BATCH): "bf16", "fp32", or "int"
+        (the kernel of up to 8 rows; batch-invariant)."""
+        return "int" if self.batch_invariant else KQUANT_BATCH[self.variant]
 
     def describe(self) -> str:
         return (f"CPU kernels: {self.summary()}; quantized models' KV cache "

@@ -225,6 +225,8 @@ def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None)
             module.batch_kernel = kernels.batch
             if kernels.decode == "vnni":
                 module.use_vnni()
+        if isinstance(module, KQuantLinear) and kernels is not None:
+            module.batch_kernel = kernels.kquant_batch
     head = getattr(model, HEAD, None)
     if isinstance(head, Int8Linear) and head.grouped:
         head.reuse_output = True  # logits live until the next step (the runner's use)

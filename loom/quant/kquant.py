@@ -6,7 +6,9 @@ block bytes]); `KQuantLinear` holds a linear layer's weights so, one part per ch
 Q6_K, and Q5_0 / Q8_0 where a width is not a multiple of 256), and multiplies on
 `csrc/linear_kquant.c`: x quantized once a call in two int8 digits a run of 16 values, integer
 dot products against the blocks, fp32 scales (the kernel's accuracy and speed:
-docs/kquants.md). Parts on Loom's int8 grid run as `Int8Linear`s, float parts in fp32.
+docs/kquants.md); past 8 rows `csrc/linear_kq_gemm.c` by default (panels of weight rows
+dequantized once a call, bf16 or fp32 products). Parts on Loom's int8 grid run as
+`Int8Linear`s, float parts in fp32.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def bytes_per_weight(qtype: GGMLQuantizationType) -> float:
 class KQuantLinear(nn.Module):
     """A linear layer over K-quant blocks, filled part by part at load (`load_rows`: each
     checkpoint tensor keeps its own format; int8-grid parts become `Int8Linear`s, float parts
-    fp32). Products run on linear_kquant.c for any number of rows (see the module doc)."""
+    fp32). Products run on linear_kquant.c, past 8 rows on `batch_kernel`'s (see the module
+    doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -97,6 +100,9 @@ class KQuantLinear(nn.Module):
         self.parts: dict[int, tuple[int, KBlocks | Int8Linear | torch.Tensor]] = {}
         # what loom.models.weight_map counts rows by (a layer filled by load_rows)
         self.weight_int8 = torch.empty((out_features, 0), dtype=torch.uint8)
+        # the kernel past 8 rows (loom.kernels.dispatch.KQUANT_BATCH; the loader sets it): "int"
+        # linear_kquant.c's at every size (batch-invariant), "bf16" / "fp32" linear_kq_gemm.c's
+        self.batch_kernel = "int"
 
     def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups | KBlocks) -> int:
         """Take rows `rows` (all when None) from checkpoint tensor `w` in its own format."""
@@ -144,7 +150,9 @@ class KQuantLinear(nn.Module):
         for start, (rows, p) in self.parts.items():
             if isinstance(p, KBlocks):
                 bias = 0 if self.bias is None else self.bias.data_ptr() + 4 * start
-                rc = cpu_kernels().loom_linear_kq(
+                lib = cpu_kernels()
+                rc = (lib.loom_linear_kq if self.batch_kernel == "int" else
+                      lib.loom_linear_kq_gemm)(
                     xf.data_ptr(), m, self.in_features, self.in_features, p.data.data_ptr(),
                     p.fmt, bias or None, rows, out.data_ptr() + 4 * start, n,
                     torch.get_num_threads())

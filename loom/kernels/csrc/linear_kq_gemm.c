@@ -1,0 +1,450 @@
+// K-quant linears past 8 rows (prompts, steps of many streams): y[M, N] = x[M, K] W^T + bias, W
+// as GGUF stores it (Q4_K, Q5_K, Q6_K super-blocks, linear_kquant.c's layouts). The integer
+// kernel of linear_kquant.c unpacks each weight once per 8 rows and is then bound by
+// instructions; here each thread dequantizes a panel of weight rows (up to KC columns of them)
+// once, to bf16 where the build has AVX512-BF16 (vdpbf16ps: 32 products a vector) or to fp32
+// (AVX2 + FMA, or portable C), into a buffer of its own that stays in L2, and runs every x row
+// past it.
+//
+// Precision: the fp32 panels hold the `gguf` package's dequantized weights exactly and x as
+// given (an fp32 product, summed in the order below). The bf16 panels round each dequantized
+// weight and each x to bf16 (8 significant bits), as linear_bf16.c does for the int8 grid, and
+// sum the products in fp32.
+// Order: each output is the sum over K chunks of KC (in order) of a chunk's tile sum, then the
+// bias: the same whatever M, so a row's bits do not depend on the other rows of its call
+// (they differ from linear_kquant.c's, whose kernel up to 8 rows this file calls as it is).
+//
+// Built without fast math (loom/kernels/build.py).
+
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "half.h"
+#include "loom.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KG_BF16 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KG_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define QK 256           // weights a super-block
+#define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
+#define PANEL_BYTES (128 * 1024)  // a thread's dequantized panel: with x's rows, within L2
+enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#if defined(KG_BF16)
+typedef uint16_t panel_t;  // bf16
+#define KC 2048            // K columns a panel
+#define TN 4               // panel rows a tile
+#define TM 4               // x rows a tile
+#elif defined(KG_AVX2)
+typedef float panel_t;
+#define KC 1024
+#define TN 3
+#define TM 4
+#else
+typedef float panel_t;
+#define KC 1024
+#define TN 4
+#define TM 1
+#endif
+
+// Which kernel this build runs past 8 rows: 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32.
+int loom_kq_gemm_isa(void)
+{
+#if defined(KG_BF16)
+    return 2;
+#elif defined(KG_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// ---- dequantizing a panel ------------------------------------------------------------------
+
+#if defined(KG_BF16) || defined(KG_AVX2)
+static inline float f16_at(const uint8_t *p)
+{
+    return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8));
+}
+
+// Q4_K's / Q5_K's sub-block scales s[j] = d sc[j] and minimums m[j] = dmin mn[j] (j < 8) from
+// 12 bytes of 6-bit sc[8], mn[8]: bytes 0-3 sc 0-3 (low 6 bits), 4-7 mn 0-3, 8-11 the low 4
+// bits of sc 4-7 (low nibbles) and mn 4-7 (high); the top 2 bits of sc / mn 4-7 in the top bits
+// of bytes 0-3 / 4-7. Word operations, then 8 lanes at a time.
+static inline void k45_scales(const uint8_t *blk, float s[8], float m[8])
+{
+    uint32_t w0, w1, w2;
+    memcpy(&w0, blk + 4, 4);
+    memcpy(&w1, blk + 8, 4);
+    memcpy(&w2, blk + 12, 4);
+    const uint32_t v[4] = {w0 & 0x3f3f3f3fu, (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u),
+                           w1 & 0x3f3f3f3fu, ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)};
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)v))),
+                                      _mm256_set1_ps(f16_at(blk))));
+    _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(v + 2)))),
+                                      _mm256_set1_ps(f16_at(blk + 2))));
+}
+
+// A super-block's scale sw[h] and offset ow[h] for each run h of 16 weights: w = sw q - ow.
+static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow[16])
+{
+    if (fmt == Q6_K) {
+        const float d = f16_at(blk + 208);
+        for (int h = 0; h < 16; h++) {
+            sw[h] = d * (float)(int8_t)blk[192 + h];
+            ow[h] = 32.0f * sw[h];
+        }
+        return;
+    }
+    float s[8], m[8];
+    k45_scales(blk, s, m);
+    for (int j = 0; j < 8; j++) {
+        sw[2 * j] = sw[2 * j + 1] = s[j];
+        ow[2 * j] = ow[2 * j + 1] = m[j];
+    }
+}
+
+// A super-block's 256 unsigned integers in weight order into q (AVX2, 32 a vector).
+static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
+{
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (fmt == Q6_K) {  // per half c: nibbles of ql[64c ..], bits 4-5 from qh[32c + l] >> 2t
+        for (int c = 0; c < 2; c++) {
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+            const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+            const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+            const __m256i nib[4] = {_mm256_and_si256(L0, low4), _mm256_and_si256(L1, low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
+                                    _mm256_and_si256(_mm256_srli_epi16(L1, 4), low4)};
+            for (int t = 0; t < 4; t++) {
+                const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)),
+                                                    _mm256_set1_epi8(3));
+                _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t),
+                                    _mm256_or_si256(nib[t], _mm256_slli_epi16(hb, 4)));
+            }
+        }
+        return;
+    }
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));  // Q5_K's fifth bits
+    for (int t = 0; t < 8; t++) {  // weights 32t ..: nibbles of qs[32 (t / 2) ..], bit t of qh
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t / 2)));
+        __m256i v = _mm256_and_si256(t & 1 ? _mm256_srli_epi16(L, 4) : L, low4);
+        if (fmt == Q5_K) {
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t)),
+                                                _mm256_set1_epi8(1));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(hb, 4));
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * t), v);
+    }
+}
+
+#if defined(KG_BF16)
+// A Q4_K / Q5_K super-block as 256 bf16 at out: a sub-block of 32 weights (one scale and
+// minimum) is a table of its 16 (Q4_K) or 32 (Q5_K) values sw q - ow (one rounding, then bf16)
+// that its integers look up (vpermw).
+static inline void k45_bf16(const uint8_t *blk, int fmt, uint16_t *out)
+{
+    float s[8], m[8];
+    k45_scales(blk, s, m);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    const __m512i low4 = _mm512_set1_epi16(15), bit4 = _mm512_set1_epi16(16);
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    // Q5_K's fifth bits: bit j of byte l is weight 32 j + l's; a 16-bit lane l holds byte l
+    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+    for (int c = 0; c < 4; c++) {  // bytes 32c ..: weights 64c + l (low nibbles), 64c + 32 + l
+        const __m512i L = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        for (int j = 2 * c; j < 2 * c + 2; j++) {
+            __m512i idx = _mm512_and_si512(j & 1 ? _mm512_srli_epi16(L, 4) : L, low4);
+            const __m512 sj = _mm512_set1_ps(s[j]), mj = _mm512_set1_ps(m[j]);
+            const __m512 lo = _mm512_fmsub_ps(iota, sj, mj);
+            __m512i table;
+            if (fmt == Q5_K) {
+                const __m512i hb = j <= 4 ? _mm512_sll_epi16(H, _mm_cvtsi32_si128(4 - j))
+                                          : _mm512_srl_epi16(H, _mm_cvtsi32_si128(j - 4));
+                idx = _mm512_or_si512(idx, _mm512_and_si512(hb, bit4));
+                table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(iota16, sj, mj), lo);
+            } else {
+                table = (__m512i)_mm512_cvtne2ps_pbh(lo, lo);
+            }
+            _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(idx, table));
+        }
+    }
+}
+#endif
+
+// Columns [k0, k0 + kc) of weight row n as panel values at out: sw q - ow in one rounding (the
+// `gguf` package's fp32 values), then bf16 (nearest even) in the bf16 build.
+static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
+                      panel_t *out)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
+    for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK) {
+#if defined(KG_BF16)
+        if (fmt != Q6_K) {
+            k45_bf16(blk, fmt, out);
+            continue;
+        }
+#endif
+        float sw[16], ow[16];
+        uint8_t q[QK] __attribute__((aligned(32)));
+        sb_scales(blk, fmt, sw, ow);
+        sb_values(blk, fmt, q);
+#if defined(KG_BF16)
+        for (int h = 0; h < 16; h += 2) {
+            const __m512 a = _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(q + 16 * h)))),
+                _mm512_set1_ps(sw[h]), _mm512_set1_ps(ow[h]));
+            const __m512 b = _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_load_si128((const __m128i *)(q + 16 * h + 16)))),
+                _mm512_set1_ps(sw[h + 1]), _mm512_set1_ps(ow[h + 1]));
+            _mm512_storeu_si512(out + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+#else
+        for (int i = 0; i < QK; i += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
+            _mm256_storeu_ps(out + i, _mm256_fmsub_ps(v, _mm256_set1_ps(sw[i / 16]),
+                                                      _mm256_set1_ps(ow[i / 16])));
+        }
+#endif
+    }
+}
+#else
+// Portable: linear_kquant.c's dequantizer (the same fp32 values).
+static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
+                      panel_t *out)
+{
+    const int64_t nsb = K / QK;
+    loom_kq_dequant(w + (n * nsb + k0 / QK) * loom_kq_block_bytes(fmt), fmt, kc, 0, 1, out, kc);
+}
+#endif
+
+// ---- tiles: TM x rows (R of them real) against TN panel rows over kc columns -----------------
+// out[TN r + j] = x row r . panel row j (rows past R: not written).
+
+#if defined(KG_BF16)
+#define PIN(v) __asm__("" : "+v"(v))
+
+// 16 vectors -> lane i the sum of v[i]'s lanes, in a fixed tree: neighbours within 128-bit
+// lanes, then pairs, then across the four 128-bit lanes.
+static inline __attribute__((always_inline)) __m512 lanes_sum16(const __m512 v[16])
+{
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(
+            (__m512)_mm512_unpacklo_pd((__m512d)a[2 * i], (__m512d)a[2 * i + 1]),
+            (__m512)_mm512_unpackhi_pd((__m512d)a[2 * i], (__m512d)a[2 * i + 1]));
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                    _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                    _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
+                                                       const int R, const panel_t *p,
+                                                       int64_t kc, float out[TM * TN])
+{
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 32) {
+        __m512bh wv[TN];
+        for (int j = 0; j < TN; j++) {
+            wv[j] = (__m512bh)_mm512_loadu_si512(p + j * kc + k);
+            PIN(wv[j]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + k);
+            PIN(xv);
+            for (int j = 0; j < TN; j++)
+                acc[TN * r + j] = _mm512_dpbf16_ps(acc[TN * r + j], wv[j], xv);
+        }
+    }
+    _mm512_storeu_ps(out, lanes_sum16(acc));
+}
+
+#elif defined(KG_AVX2)
+// Four vectors' sums as one 128-bit vector.
+static inline __attribute__((always_inline)) __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
+                                                       const int R, const panel_t *p,
+                                                       int64_t kc, float out[TM * TN])
+{
+    __m256 acc[TM * TN];
+    for (int i = 0; i < TM * TN; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 8) {
+        __m256 wv[TN];
+        for (int j = 0; j < TN; j++) wv[j] = _mm256_loadu_ps(p + j * kc + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            for (int j = 0; j < TN; j++)
+                acc[TN * r + j] = _mm256_fmadd_ps(wv[j], xv, acc[TN * r + j]);
+        }
+    }
+    for (int i = 0; i < TM * TN; i += 4)
+        _mm_storeu_ps(out + i, sum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+}
+
+#else
+// Portable: 8 running sums a dot product (vectorizable lane-wise without reassociation).
+static void tile(const panel_t *x, int64_t ldx, const int R, const panel_t *p, int64_t kc,
+                 float out[TM * TN])
+{
+    (void)ldx;
+    (void)R;
+    for (int j = 0; j < TN; j++) {
+        float acc[8] = {0};
+        for (int64_t k = 0; k < kc; k += 8)
+            for (int l = 0; l < 8; l++) acc[l] += x[k + l] * p[j * kc + k + l];
+        out[j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+#endif
+
+// ---- a call ----------------------------------------------------------------------------------
+
+// The calling thread's panel buffer (TN rows of padding past `rows`), kept and grown.
+static panel_t *panel_buffer(int64_t rows, int64_t kc)
+{
+    static __thread panel_t *buf;
+    static __thread size_t have;
+    const size_t need = (size_t)((rows + TN) * kc) * sizeof(panel_t);
+    if (have < need) {
+        free(buf);
+        have = 0;
+        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (!buf) return NULL;
+        have = need;
+    }
+    return buf;
+}
+
+// The shared copy of x the tiles read: bf16 rows of K (bf16 build; kept, grown; the calling
+// thread's), or x itself.
+static panel_t *x_rows(int64_t M, int64_t K)
+{
+#if defined(KG_BF16)
+    static __thread panel_t *buf;
+    static __thread size_t have;
+    const size_t need = (size_t)(M * K) * sizeof(panel_t);
+    if (have < need) {
+        free(buf);
+        have = 0;
+        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (!buf) return NULL;
+        have = need;
+    }
+    return buf;
+#else
+    (void)M;
+    (void)K;
+    return NULL;
+#endif
+}
+
+// Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' copy, ldp apart): y's
+// columns n0 .. n0 + nb - 1, chunk by chunk of KC columns, then the bias.
+static void panel_rows(const panel_t *xp, int64_t ldp, int64_t M, int64_t K, const uint8_t *w,
+                       int fmt, const float *bias, int64_t n0, int64_t nb, float *y,
+                       int64_t ldy, panel_t *pb)
+{
+    const int64_t nbp = (nb + TN - 1) / TN * TN;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int64_t r = 0; r < nb; r++) panel_row(w, fmt, K, n0 + r, k0, kc, pb + r * kc);
+        memset(pb + nb * kc, 0, (size_t)((nbp - nb) * kc) * sizeof(panel_t));
+        for (int64_t m = 0; m < M; m += TM) {
+            const int mr = M - m < TM ? (int)(M - m) : TM;
+            for (int64_t r = 0; r < nbp; r += TN) {
+                float t[TM * TN];
+                const panel_t *xr = xp + m * ldp + k0, *pr = pb + r * kc;
+                switch (mr) {  // R a constant in each
+                case 1: tile(xr, ldp, 1, pr, kc, t); break;
+#if TM == 4
+                case 2: tile(xr, ldp, 2, pr, kc, t); break;
+                case 3: tile(xr, ldp, 3, pr, kc, t); break;
+                default: tile(xr, ldp, 4, pr, kc, t); break;
+#endif
+                }
+                const int64_t cols = nb - r < TN ? nb - r : TN;
+                for (int64_t i = 0; i < mr; i++)
+                    for (int64_t j = 0; j < cols; j++) {
+                        float *o = y + (m + i) * ldy + n0 + r + j;
+                        *o = k0 ? *o + t[TN * i + j] : t[TN * i + j];
+                    }
+            }
+        }
+    }
+    if (bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < nb; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+}
+
+// As loom_linear_kq (same arguments, which it runs for up to 8 rows): past 8 rows, panels of
+// dequantized weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt;
+// -2 when a buffer cannot be allocated.
+int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                        int num_threads)
+{
+    if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
+    if (loom_kq_check(K, fmt)) return -1;
+    const int64_t kc = K < KC ? K : KC;
+    int64_t nb_rows;
+    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / (int64_t)sizeof(panel_t) / kc, TN,
+                                              num_threads, &nb_rows);
+    panel_t *xp = x_rows(M, K);
+#if defined(KG_BF16)
+    if (!xp) return -2;
+    const panel_t *xs = xp;
+    const int64_t ldp = K;
+#else
+    const panel_t *xs = x;
+    const int64_t ldp = ldx;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#if defined(KG_BF16)  // x to bf16 (nearest even), a share of the rows a thread
+        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        for (int64_t m = M * tid / team; m < M * (tid + 1) / team; m++)
+            for (int64_t k = 0; k < K; k += 32)
+                _mm512_storeu_si512(xp + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(
+                                                        _mm512_loadu_ps(x + m * ldx + k + 16),
+                                                        _mm512_loadu_ps(x + m * ldx + k)));
+#pragma omp barrier
+#endif
+        panel_t *pb = panel_buffer(nb_rows, kc);
+        if (!pb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+            if (pb) panel_rows(xs, ldp, M, K, w, fmt, bias, n0, nb, y, ldy, pb);
+        }
+    }
+    (void)xp;
+    return failed ? -2 : 0;
+}
