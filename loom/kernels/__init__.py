@@ -54,15 +54,14 @@ SIGNATURES = {
     ),
     "loom_kq_dequant": (None, [_ptr, _int, _i64, _i64, _i64, _ptr, _i64]),
     "loom_kq_isa": (_int, []),
-    "loom_linear_kq_gemm": (
-        _int, [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _i64, _int]
-    ),
-    "loom_kq_gemm_isa": (_int, []),
     "loom_decoder_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr,
                _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                _ptr, _i64, _int, _int, _int]
     ),
+    "loom_moe_route_f32": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr]),
+    "loom_moe_combine_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]),
+    "loom_moe_scratch_bytes": (_i64, [_i64, _i64, _i64, _i64, _i64]),
     "loom_qk_norm_f32": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _int]),
     "loom_gelu_tanh_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -56,7 +57,10 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(self.gate(x))  # [num_tokens, top_k]
+        logits = self.gate(x)  # [num_tokens, num_experts]
+        if cpu_ops.usable(logits) and x.is_contiguous():
+            return self._forward_c(x, logits)
+        weights, experts = self.route(logits)  # [num_tokens, top_k]
         flat = experts.reshape(-1)  # [num_tokens * top_k] (token, slot) pairs
         order = torch.argsort(flat, stable=True)  # grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -69,11 +73,48 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+    def _forward_c(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """forward with the C stack's route and weighted sum (decoder_q8.c), so the module
+        path and the stack give the same bits: x [num_tokens, hidden] fp32 on the CPU."""
+        lib, (m, hidden), k = cpu_kernels(), x.shape, self.top_k
+        logits = logits.contiguous()  # overwritten by the probabilities
+        counts = torch.empty(len(self.experts), dtype=torch.int64)
+        pair_token = torch.empty(m * k, dtype=torch.int64)  # grouped by expert
+        pair_weight = torch.empty(m * k)
+        token_pairs = torch.empty((m, k), dtype=torch.int64)  # each token's pairs
+        rc = lib.loom_moe_route_f32(logits.data_ptr(), m, len(self.experts), k,
+                                    int(self.norm_topk_prob), counts.data_ptr(),
+                                    pair_token.data_ptr(), pair_weight.data_ptr(),
+                                    token_pairs.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"mixture-of-experts route failed ({rc})")
+        y = self.run_experts(x[pair_token], counts.tolist())  # [pairs, hidden]
+        shared = gate = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x).contiguous()  # [num_tokens, hidden]
+            gate = self.shared_expert_gate(x).contiguous()  # [num_tokens, 1]
+        out = torch.empty_like(x)
+        lib.loom_moe_combine_f32(y.data_ptr(), pair_weight.data_ptr(), token_pairs.data_ptr(),
+                                 m, k, hidden, None if shared is None else shared.data_ptr(),
+                                 None if gate is None else gate.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
+        return out
+
+
 class MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
         if config.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(config)
+
+    def stack_parts(self) -> dict[str, object]:
+        """LlamaDecoderLayer's, with `moe` the layer's SparseMoeBlock (None: a dense MLP) and
+        its experts' activation."""
+        parts = super().stack_parts()
+        parts["moe"] = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            parts["moe"], parts["activation"] = self.mlp, self.mlp.experts[0].activation
+        return parts
 
 
 class MoeModel(LlamaModel):
@@ -84,10 +125,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE, Qwen3-MoE and Mixtral (registered under each name)."""
 
     model_cls = MoeModel
-
-    def c_stack_refusal(self) -> str | None:
-        return (f"{self.config.architecture}'s mixture-of-experts blocks (no batched-experts "
-                "C kernel yet)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_expert_names(weights))

@@ -33,7 +33,6 @@ from loom.quant.kquant import KBlocks, KQuantLinear
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
-KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq_gemm.c)
 
 
 # loom.h's LOOM_LINEAR_*: a LinearQ8's `kind` (the int8 grid, K-quant blocks, a fused linear's
@@ -90,12 +89,43 @@ class HeadQ8(ctypes.Structure):  # loom.h's LoomHeadQ8
 _NORMS = ("in_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
+class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
+    _fields_ = [("router", LinearQ8), ("gu", ctypes.POINTER(LinearQ8)),
+                ("d", ctypes.POINTER(LinearQ8))] + [
+        (name, ctypes.c_int64) for name in ("num_experts", "top_k", "norm_topk", "inter")] + [
+        (name, LinearQ8) for name in ("shared_gu", "shared_d", "shared_gate")] + [
+        ("shared_inter", ctypes.c_int64), ("buf", ctypes.c_void_p), ("max_rows", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, block: nn.Module) -> MoeQ8:
+        """A SparseMoeBlock (loom/models/moe.py) as the stack runs it; its scratch is set per
+        step (Q8Decoder._moe_scratch)."""
+        def linears(name: str) -> ctypes.Array:
+            return (LinearQ8 * len(block.experts))(
+                *(LinearQ8.of(getattr(e, name)) for e in block.experts))
+
+        shared = block.shared_expert
+        none = LinearQ8()
+        return cls(  # the arrays stay alive in the pointer fields (ctypes' _objects)
+            LinearQ8.of(block.gate), linears("gate_up_proj"), linears("down_proj"),
+            len(block.experts), block.top_k, int(block.norm_topk_prob),
+            block.experts[0].intermediate_size,
+            *((none, none, none) if shared is None else (
+                LinearQ8.of(shared.gate_up_proj), LinearQ8.of(shared.down_proj),
+                LinearQ8.of(block.shared_expert_gate))),
+            0 if shared is None else shared.intermediate_size, None, 0)
+
+    def widest(self) -> int:
+        """The wider of its experts' and its shared expert's MLPs."""
+        return max(self.inter, self.shared_inter)
+
+
 class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
     _fields_ = [(name, ctypes.c_void_p) for name in (*_NORMS, "qkv_b", "rope_table")] + [
         ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
         ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("act", ctypes.c_int32)]
+        ("act", ctypes.c_int32), ("moe", ctypes.POINTER(MoeQ8))]
 
     @classmethod
     def of(cls, parts: dict, rotary: torch.nn.Module) -> LayerQ8:
@@ -103,17 +133,28 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
         attn, table = parts["attn"], rotary.cos_sin_cache
         norms = [None if parts[n] is None else parts[n].weight.data_ptr() for n in _NORMS]
         bias = parts["qkv"].bias
+        moe = parts.get("moe")
+        dense = [LinearQ8() if m is None else LinearQ8.of(m)
+                 for m in (parts["gate_up"], parts["down"])]
         return cls(
             *norms, None if bias is None else bias.data_ptr(), table.data_ptr(), table.shape[0],
-            *kv_pointers(attn.kv_cache), *map(LinearQ8.of, _linears(parts)),
-            attn.sliding_window or 0, attn.scale, attn.softcap or 0.0,
+            *kv_pointers(attn.kv_cache), LinearQ8.of(parts["qkv"]), LinearQ8.of(parts["o"]),
+            *dense, attn.sliding_window or 0, attn.scale, attn.softcap or 0.0,
             ACTIVATIONS.index(parts["activation"]),
+            None if moe is None else ctypes.pointer(MoeQ8.of(moe)),
         )
 
 
-def _linears(parts: dict) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    """A layer's linears in LayerQ8's order: qkv, o, gate_up, down."""
-    return parts["qkv"], parts["o"], parts["gate_up"], parts["down"]
+def _linears(parts: dict) -> list[nn.Module]:
+    """A layer's linears: qkv, o, then the dense MLP's gate_up and down, or its mixture of
+    experts' router, experts' and shared expert's (and its gate)."""
+    moe = parts.get("moe")
+    if moe is None:
+        return [parts["qkv"], parts["o"], parts["gate_up"], parts["down"]]
+    shared = [] if moe.shared_expert is None else [
+        moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj, moe.shared_expert_gate]
+    return [parts["qkv"], parts["o"], moe.gate,
+            *(m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)), *shared]
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
@@ -134,7 +175,7 @@ def eligible(model: torch.nn.Module) -> bool:
     return (
         all(
             p["activation"] in ACTIVATIONS and _grouped(p["qkv"], bias_ok=True)
-            and _grouped(p["o"]) and _grouped(p["gate_up"]) and _grouped(p["down"])
+            and all(_grouped(m) for m in _linears(p)[1:])
             for p in parts
         )
         and cpu_kernels() is not None
@@ -162,7 +203,9 @@ class Q8Decoder:
         self.num_heads, self.kv_heads = attn0.num_heads, attn0.num_kv_heads
         self.head_dim = attn0.head_dim
         self.hidden = model.norm.weight.shape[0]
-        self.inter = model.layers[0].mlp.intermediate_size
+        # the dense MLPs' width (0 where every layer's MLP is a mixture of experts)
+        self.inter = max((getattr(layer.mlp, "intermediate_size", 0) for layer in model.layers),
+                         default=0)
         self.eps = model.norm.eps
         self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
         embed = model.embed_tokens
@@ -180,6 +223,8 @@ class Q8Decoder:
         self.ok = False  # whether the kernels take that cache
         self.code = 0  # decoder_q8.c's `kernel`, set with the layers
         self.scratch: list[torch.Tensor] = []  # the stack's activations, grown, never shrunk
+        self.moes: list[MoeQ8] = []
+        self.moe_buf: torch.Tensor | None = None
         self.head_module: torch.nn.Module | None = None  # the output projection `head` runs
         self.head: HeadQ8 | None = None
 
@@ -199,14 +244,23 @@ class Q8Decoder:
         parts = [layer.stack_parts() for layer in self.model.layers]
         self.layers = (LayerQ8 * len(parts))(
             *(LayerQ8.of(p, rotaries[p["rope_index"]]) for p in parts))
+        # the mixtures of experts' descriptions (views of the layers'), their scratch unset
+        self.moes = [layer.moe.contents for layer in self.layers if layer.moe]
         # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
         # linears set apart by hand run the fp32 kernel, which every build has
         codes = {_kernel_code(m) for p in parts for m in _linears(p)} - {None}
         self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["fp32"]
-        # the loader gives every K-quant linear one kernel past 8 rows too
-        kq = {m.batch_kernel != "int" for p in parts for m in _linears(p)
-              if isinstance(m, KQuantLinear)}
-        self.code |= KQ_GEMM if kq == {True} else 0
+
+    def _moe_scratch(self, m: int) -> None:
+        """Every mixture of experts' scratch (one buffer: the layers run one at a time) for
+        steps of up to m tokens, grown, never shrunk."""
+        if not self.moes or self.moes[0].max_rows >= m:
+            return
+        size = cpu_kernels().loom_moe_scratch_bytes
+        self.moe_buf = torch.empty(max(size(m, self.hidden, x.num_experts, x.top_k, x.widest())
+                                       for x in self.moes), dtype=torch.uint8)
+        for x in self.moes:
+            x.buf, x.max_rows = self.moe_buf.data_ptr(), m
 
     def _scratch(self, m: int) -> list[torch.Tensor]:
         h, i = self.hidden, self.inter
@@ -223,8 +277,7 @@ class Q8Decoder:
             self.head_module = head
             code = _kernel_code(head) if _grouped(head) else None
             self.head = HeadQ8(LinearQ8.of(head), head.out_features, 0,
-                               self.code if code is None else code | self.code & KQ_GEMM
-                               ) if _grouped(head) else None
+                               self.code if code is None else code) if _grouped(head) else None
         return self.head
 
     def forward(
@@ -248,6 +301,7 @@ class Q8Decoder:
         md = get_forward_context().attn_metadata
         m = input_ids.shape[0]
         buf_qkv, buf_attn, buf_gu, buf_act, head_x, x = self._scratch(m)
+        self._moe_scratch(m)
         buf_h = torch.empty((m, self.hidden))  # returned: the caller's until it lets go
         if self.embed is not None:  # looked up into x, the residual stream
             assert input_ids.dtype == torch.int64 and input_ids.is_contiguous()

@@ -7,6 +7,7 @@
 // architecture is named here.
 
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,10 +93,8 @@ typedef struct {
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
-                              // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
-                              // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
+                              // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
 } Step;
-#define KQ_GEMM 8  // q8_decoder.py's
 
 // A thread of the one region a step runs in (NULL: op by op, each op its own region). `next`
 // walks the step's work counters, one an op, the same way in every thread.
@@ -133,9 +132,7 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
     if (W->kind == LOOM_LINEAR_KQ) {  // in a team at most 8 rows (run_step's `many` is off)
-        if (!t)  // past 8 rows on linear_kq_gemm.c's kernel with KQ_GEMM
-            return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
-                x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
+        if (!t) return loom_linear_kq(x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
         sync_team(t);
         return 0;
@@ -203,6 +200,184 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
     return 0;
 }
 
+// ---- mixtures of experts: the router's choice, the experts over their tokens' rows, the
+// weighted sum (loom.h's LoomMoeQ8). The route and the sum are the module path's too
+// (loom/models/moe.py calls the exported forms), so both give the same bits.
+
+int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int norm_topk,
+                       int64_t *counts, int64_t *pair_token, float *pair_weight,
+                       int64_t *token_pairs)
+{
+    if (top_k < 1 || top_k > E) return -1;
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t t = 0; t < M; t++) {  // softmax in place, the top_k into token_pairs' row
+        float *p = logits + t * E;
+        int64_t *chosen = token_pairs + t * top_k;
+        float mx = p[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        for (int64_t j = 0; j < top_k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= chosen[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            int64_t i = j;  // kept in ascending expert order
+            for (; i > 0 && chosen[i - 1] > best; i--) chosen[i] = chosen[i - 1];
+            chosen[i] = best;
+            counts[best]++;
+        }
+    }
+    for (int64_t e = 0, start = 0; e < E; e++) {  // counts -> each expert's first position
+        const int64_t n = counts[e];
+        counts[e] = start;
+        start += n;
+    }
+    for (int64_t t = 0; t < M; t++) {  // each pair to its expert's next position
+        const float *p = logits + t * E;
+        int64_t *chosen = token_pairs + t * top_k;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < top_k; j++) sum += p[chosen[j]];
+        for (int64_t j = 0; j < top_k; j++) {
+            const int64_t pos = counts[chosen[j]]++;
+            pair_token[pos] = t;
+            pair_weight[pos] = norm_topk ? p[chosen[j]] / sum : p[chosen[j]];
+            chosen[j] = pos;
+        }
+    }
+    for (int64_t e = E - 1; e > 0; e--) counts[e] -= counts[e - 1];  // ends -> counts
+    return 0;
+}
+
+static void moe_combine_rows(const float *y, const float *pair_weight,
+                             const int64_t *token_pairs, int64_t top_k, int64_t H,
+                             const float *shared, const float *shared_gate, float *out,
+                             int64_t r0, int64_t r1)
+{
+    for (int64_t t = r0; t < r1; t++) {
+        float *o = out + t * H;
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+        for (int64_t j = 0; j < top_k; j++) {
+            const int64_t p = token_pairs[t * top_k + j];
+            const float w = pair_weight[p], *yp = y + p * H;
+            for (int64_t h = 0; h < H; h++) o[h] += w * yp[h];
+        }
+        if (!shared) continue;
+        const float g = shared_gate ? 1.0f / (1.0f + expf(-shared_gate[t])) : 1.0f;
+        for (int64_t h = 0; h < H; h++) o[h] += g * shared[t * H + h];
+    }
+}
+
+void loom_moe_combine_f32(const float *y, const float *pair_weight, const int64_t *token_pairs,
+                          int64_t M, int64_t top_k, int64_t H, const float *shared,
+                          const float *shared_gate, float *out, int num_threads)
+{
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        moe_combine_rows(y, pair_weight, token_pairs, top_k, H, shared, shared_gate, out,
+                         M * i / n, M * (i + 1) / n);
+    }
+}
+
+// The scratch's parts, in order: int64 counts [E], pair_token [P], token_pairs [P]; fp32
+// pair_weight [P], logits [M, E], rows [P, H], y [P, H], gu [M, 2 I], act [M, I], shared
+// [M, H], gate [M] (P = M top_k pairs; I the wider of the expert's and the shared one's).
+typedef struct {
+    int64_t *counts, *pair_token, *token_pairs;
+    float *pair_weight, *logits, *rows, *y, *gu, *act, *shared, *gate;
+} MoeBufs;
+
+static int64_t moe_bufs(void *buf, int64_t M, int64_t H, int64_t E, int64_t k, int64_t I,
+                        MoeBufs *b)
+{
+    const int64_t P = M * k;
+    int64_t *i64 = buf;
+    float *f = (float *)(i64 + E + 2 * P);
+    if (b) *b = (MoeBufs){i64, i64 + E, i64 + E + P, f, f + P, f + P + M * E,
+                          f + P + M * E + P * H, f + P + M * E + 2 * P * H,
+                          f + P + M * E + 2 * P * H + 2 * M * I,
+                          f + P + M * E + 2 * P * H + 3 * M * I,
+                          f + P + M * E + 2 * P * H + 3 * M * I + M * H};
+    return (E + 2 * P) * (int64_t)sizeof(int64_t) +
+           (P + M * E + 2 * P * H + 3 * M * I + M * H + M) * (int64_t)sizeof(float);
+}
+
+int64_t loom_moe_scratch_bytes(int64_t M, int64_t H, int64_t E, int64_t top_k, int64_t inter)
+{
+    return moe_bufs(NULL, M, H, E, top_k, inter, NULL);
+}
+
+static int64_t moe_inter(const LoomMoeQ8 *X)
+{
+    return X->inter > X->shared_inter ? X->inter : X->shared_inter;
+}
+
+// act(gate) * up of gu [rows, 2 I] into act [rows, I]: a small op over s->M rows.
+static void gated(const Step *s, Team *t, int act, const float *gu, float *out, int64_t I)
+{
+    int64_t r0, r1;
+    const int nt = small_op_rows(s, t, &r0, &r1);
+    if (nt)
+        (act == LOOM_ACT_GELU_TANH ? loom_gelu_tanh_mul_f32 : loom_silu_mul_f32)(
+            gu + r0 * 2 * I, out + r0 * I, r1 - r0, I, nt);
+    sync_team(t);
+}
+
+// A gated MLP over s->M rows of x: y = (act(x Wg^T) * x Wu^T) Wd^T (LlamaMLP.forward).
+static int gated_mlp(const Step *s, Team *t, int act, const float *x, int64_t H, int64_t I,
+                     const LoomLinearQ8 *gu, const LoomLinearQ8 *d, float *buf_gu,
+                     float *buf_act, float *y)
+{
+    int rc;
+    if ((rc = linear(s, t, x, H, gu, NULL, 2 * I, buf_gu))) return rc;
+    gated(s, t, act, buf_gu, buf_act, I);
+    return linear(s, t, buf_act, I, d, NULL, H, y);
+}
+
+// buf_h [M, H] (the MLP norm's output) -> buf_h = the layer's mixture of experts
+// (SparseMoeBlock.forward's order of kernels, on the same rows).
+static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
+{
+    const LoomMoeQ8 *X = L->moe;
+    const int64_t M = s->M, H = s->H, E = X->num_experts, k = X->top_k, P = M * k;
+    MoeBufs b;
+    moe_bufs(X->buf, M, H, E, k, moe_inter(X), &b);
+    int rc;
+    if ((rc = linear(s, t, s->buf_h, H, &X->router, NULL, E, b.logits))) return rc;
+    if (!t || t->tid == 0)
+        loom_moe_route_f32(b.logits, M, E, k, (int)X->norm_topk, b.counts, b.pair_token,
+                           b.pair_weight, b.token_pairs);
+    sync_team(t);
+    const int64_t p0 = t ? P * t->tid / t->team : 0, p1 = t ? P * (t->tid + 1) / t->team : P;
+    for (int64_t p = p0; p < p1; p++)  // each pair's row, grouped by expert
+        memcpy(b.rows + p * H, s->buf_h + b.pair_token[p] * H, (size_t)H * sizeof(float));
+    sync_team(t);
+    Step es = *s;  // an expert's rows as a step of their own (its linears' kernels by count)
+    for (int64_t e = 0, start = 0; e < E; e++) {
+        if (!(es.M = b.counts[e])) continue;
+        if ((rc = gated_mlp(&es, t, L->act, b.rows + start * H, H, X->inter, &X->gu[e],
+                            &X->d[e], b.gu, b.act, b.y + start * H)))
+            return rc;
+        start += es.M;
+    }
+    if (X->shared_inter) {
+        if ((rc = gated_mlp(s, t, L->act, s->buf_h, H, X->shared_inter, &X->shared_gu,
+                            &X->shared_d, b.gu, b.act, b.shared)) ||
+            (rc = linear(s, t, s->buf_h, H, &X->shared_gate, NULL, 1, b.gate)))
+            return rc;
+    }
+    int64_t r0, r1;
+    if (small_op_rows(s, t, &r0, &r1))
+        moe_combine_rows(b.y, b.pair_weight, b.token_pairs, k, H,
+                         X->shared_inter ? b.shared : NULL, X->shared_inter ? b.gate : NULL,
+                         s->buf_h, r0, r1);
+    sync_team(t);
+    return 0;
+}
+
 // The rest of a layer once attention's output projection is in buf_h: [buf_h =
 // attn_out_norm(buf_h)], hidden += buf_h, buf_h = mlp_norm(hidden), then the MLP and
 // [mlp_out_norm] (its output in buf_h). A small op's rows are the same thread's from one op to
@@ -219,12 +394,10 @@ static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
         loom_add_rms_norm_f32(s->buf_h + r0 * H, s->hidden + r0 * H, L->mlp_norm, r1 - r0, H,
                               s->eps, nt);
     sync_team(t);
-    if ((rc = linear(s, t, s->buf_h, H, &L->gu, NULL, 2 * I, s->buf_gu))) return rc;
-    if (nt)
-        (L->act == LOOM_ACT_GELU_TANH ? loom_gelu_tanh_mul_f32 : loom_silu_mul_f32)(
-            s->buf_gu + r0 * 2 * I, s->buf_act + r0 * I, r1 - r0, I, nt);
-    sync_team(t);
-    if ((rc = linear(s, t, s->buf_act, I, &L->d, NULL, H, s->buf_h))) return rc;
+    if ((rc = L->moe ? moe(s, t, L)
+                     : gated_mlp(s, t, L->act, s->buf_h, H, I, &L->gu, &L->d, s->buf_gu,
+                                 s->buf_act, s->buf_h)))
+        return rc;
     if (nt && L->mlp_out_norm)
         loom_add_rms_norm_f32(s->buf_h + r0 * H, NULL, L->mlp_out_norm, r1 - r0, H, s->eps, nt);
     return 0;
@@ -373,14 +546,39 @@ static int has_kq(const LoomLinearQ8 *W)
     return 0;
 }
 
+// A layer's linears one by one (i below layer_linears(L)), each with its K: qkv, o, then the
+// dense MLP's gate_up and down, or the router, each expert's pair and the shared expert's
+// three (gate_up, down, its gate).
+static int64_t layer_linears(const LoomLayerQ8 *L)
+{
+    return L->moe ? 3 + 2 * L->moe->num_experts + (L->moe->shared_inter ? 3 : 0) : 4;
+}
+
+static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int64_t i,
+                                        int64_t *K)
+{
+    const LoomMoeQ8 *X = L->moe;
+    *K = i == 1 ? s->q_n : s->H;
+    if (i < 2) return i == 0 ? &L->qkv : &L->o;
+    if (!X) {
+        if (i == 3) *K = s->I;
+        return i == 2 ? &L->gu : &L->d;
+    }
+    if (i == 2) return &X->router;
+    if ((i -= 3) < 2 * X->num_experts) {
+        if (i % 2) *K = X->inter;
+        return i % 2 ? &X->d[i / 2] : &X->gu[i / 2];
+    }
+    i -= 2 * X->num_experts;
+    if (i == 1) *K = X->shared_inter;
+    return i == 0 ? &X->shared_gu : i == 1 ? &X->shared_d : &X->shared_gate;
+}
+
 static int check_step(const Step *s)
 {
-    for (int64_t l = 0; l < s->num_layers; l++) {
-        const LoomLayerQ8 *L = &s->layers[l];
-        if (check_linear(&L->qkv, s->H) || check_linear(&L->o, s->q_n) ||
-            check_linear(&L->gu, s->H) || check_linear(&L->d, s->I))
-            return -1;
-    }
+    for (int64_t l = 0; l < s->num_layers; l++)
+        for (int64_t i = 0, K; i < layer_linears(&s->layers[l]); i++)
+            if (check_linear(layer_linear(s, &s->layers[l], i, &K), K)) return -1;
     return loom_paged_attention_check(s->tiles, s->num_tiles, s->num_heads, s->kv_heads, s->D,
                                       s->kv_type);
 }
@@ -391,8 +589,12 @@ static int check_step(const Step *s)
 static int check_inputs(const Step *s, const LoomEmbedQ8 *embed, const LoomHeadQ8 *head)
 {
     int64_t rope_rows = INT64_MAX;  // the shortest of the layers' tables
-    for (int64_t l = 0; l < s->num_layers; l++)
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const LoomMoeQ8 *X = s->layers[l].moe;
         if (s->layers[l].rope_rows < rope_rows) rope_rows = s->layers[l].rope_rows;
+        if (X && (!X->buf || s->M > X->max_rows || X->top_k < 1 || X->top_k > X->num_experts))
+            return -1;  // its scratch too small, or a bad top_k
+    }
     for (int64_t t = 0; t < s->M; t++) {
         if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
         if (embed && (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab)) return -5;
@@ -421,13 +623,14 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
     int64_t ops = 0;  // the team's work counters: one an op (a linear's: one a part)
     int kq = head && has_kq(&head->w);
+    int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
     for (int64_t l = 0; l < s.num_layers; l++) {
-        const LoomLinearQ8 *W[4] = {&s.layers[l].qkv, &s.layers[l].o, &s.layers[l].gu,
-                                    &s.layers[l].d};
         ops += 1;  // attention
-        for (int i = 0; i < 4; i++) {
-            ops += linear_ops(W[i]);
-            kq |= has_kq(W[i]);
+        for (int64_t i = 0, K; i < layer_linears(&s.layers[l]); i++) {
+            const LoomLinearQ8 *W = layer_linear(&s, &s.layers[l], i, &K);
+            ops += linear_ops(W);
+            kq |= has_kq(W);
+            k_max = K > k_max ? K : k_max;
         }
     }
     ops += head ? linear_ops(&head->w) : 1;
@@ -438,7 +641,6 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)ops, sizeof(int64_t));
-        const int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
         Step shared = s;
         if (many) shared.buf_xb = aligned_alloc(64, (size_t)(M * k_max) * sizeof(uint16_t));
         if (!next || (many && !shared.buf_xb)) {
@@ -463,8 +665,8 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             if (vnni || many || kq) {  // all threads or none
                 barrier_wait(&bar, t.team);
                 if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {  // the AVX kernel
-                    own.kernel &= ~4;
-                    own_head.kernel &= ~4;
+                    own.kernel &= 3;
+                    own_head.kernel &= 3;
                 }
             }
             if (!__atomic_load_n(&no_mem, __ATOMIC_RELAXED)) {

@@ -151,14 +151,6 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                          int64_t *next, int team);
 
-// Past 8 rows (linear_kq_gemm.c): panels of weight rows dequantized once a call (bf16 with
-// AVX512-BF16, else fp32) against all rows; loom_linear_kq's arguments and returns, which it
-// runs up to 8 rows. A row's bits do not depend on its batch, but differ from loom_linear_kq's.
-int loom_kq_gemm_isa(void);  // 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32
-int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                        int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
-                        int num_threads);
-
 // ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
 // The stack runs a description of the model that the Python model definition builds
 // (loom/models/q8_decoder.py from each layer's `stack_parts`): per layer, which optional parts
@@ -207,6 +199,23 @@ typedef struct {
 
 enum { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1 };  // act(gate) * up
 
+// A mixture-of-experts MLP (loom/models/moe.py's SparseMoeBlock), in place of a layer's dense
+// one: r = softmax(h Wr^T); each token's top_k experts by r (ties: the lower index), their
+// weights renormalised to sum 1 where norm_topk; the (token, expert) pairs sorted by expert
+// (loom_moe_route_f32); each active expert's gated MLP (the layer's act) over its tokens' rows,
+// one product pair an expert; then loom_moe_combine_f32: each token's weighted sum over its
+// experts in ascending order, plus sigmoid(h Wsg^T) * the shared expert's MLP where shared_inter.
+typedef struct LoomMoeQ8 {
+    LoomLinearQ8 router;                     // [num_experts, H]
+    const LoomLinearQ8 *gu, *d;              // [num_experts] each: [2 inter, H], [H, inter]
+    int64_t num_experts, top_k, norm_topk, inter;
+    LoomLinearQ8 shared_gu, shared_d, shared_gate;  // [2 shared_inter, H], [H, ..], [1, H]
+    int64_t shared_inter;                    // 0: no shared expert
+    // scratch for up to max_rows tokens, loom_moe_scratch_bytes(max_rows, ...) bytes, 64-aligned
+    void *buf;
+    int64_t max_rows;
+} LoomMoeQ8;
+
 // One decoder layer, in the order it runs:
 //   h = in_norm(hidden (+= last output));  qkv = h Wqkv^T (+ qkv_b);
 //   [q, k heads = q_norm, k_norm (each head)];  rotate q, k by rope_table; write k, v;
@@ -226,7 +235,26 @@ typedef struct {
     float scale;     // of q.k
     float softcap;   // of the scaled scores (cap * tanh(s / cap)), 0 for none
     int32_t act;     // LOOM_ACT_*
+    const LoomMoeQ8 *moe;  // NULL: the dense MLP (gu, d); else this instead
 } LoomLayerQ8;
+
+// Router logits [M, E] (overwritten by the softmax's probabilities) -> each token's top_k
+// experts and weights as the (token, expert) pairs sorted by expert, tokens ascending within
+// one: counts [E], pair_token [M top_k], pair_weight [M top_k], and token_pairs [M, top_k]
+// (each token's pairs' positions, ascending: its experts in ascending order). Returns 0; -1
+// for top_k outside 1..E.
+int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int norm_topk,
+                       int64_t *counts, int64_t *pair_token, float *pair_weight,
+                       int64_t *token_pairs);
+// out [M, H] = for each token the sum over its pairs p (token_pairs' order) of pair_weight[p]
+// * y[p] (y [M top_k, H], a product then a sum each, from 0), then + sigmoid(shared_gate[t])
+// (1 where shared_gate is NULL) * shared[t] where shared [M, H] is given.
+void loom_moe_combine_f32(const float *y, const float *pair_weight, const int64_t *token_pairs,
+                          int64_t M, int64_t top_k, int64_t H, const float *shared,
+                          const float *shared_gate, float *out, int num_threads);
+// The bytes of a LoomMoeQ8's scratch for M tokens (inter: the larger of its experts' and its
+// shared expert's widths).
+int64_t loom_moe_scratch_bytes(int64_t M, int64_t H, int64_t E, int64_t top_k, int64_t inter);
 
 int loom_decoder_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
