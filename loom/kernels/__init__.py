@@ -54,6 +54,10 @@ SIGNATURES = {
     ),
     "loom_kq_dequant": (None, [_ptr, _int, _i64, _i64, _i64, _ptr, _i64]),
     "loom_kq_isa": (_int, []),
+    "loom_linear_kq_gemm": (
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _i64, _int]
+    ),
+    "loom_kq_gemm_isa": (_int, []),
     "loom_decoder_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr,
                _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,

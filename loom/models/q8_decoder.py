@@ -33,6 +33,7 @@ from loom.quant.kquant import KBlocks, KQuantLinear
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
+KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq_gemm.c)
 
 
 # loom.h's LOOM_LINEAR_*: a LinearQ8's `kind` (the int8 grid, K-quant blocks, a fused linear's
@@ -250,6 +251,10 @@ class Q8Decoder:
         # linears set apart by hand run the fp32 kernel, which every build has
         codes = {_kernel_code(m) for p in parts for m in _linears(p)} - {None}
         self.code = codes.pop() if len(codes) == 1 else BATCH_CODES["fp32"]
+        # the loader gives every K-quant linear one kernel past 8 rows too
+        kq = {m.batch_kernel != "int" for p in parts for m in _linears(p)
+              if isinstance(m, KQuantLinear)}
+        self.code |= KQ_GEMM if kq == {True} else 0
 
     def _moe_scratch(self, m: int) -> None:
         """Every mixture of experts' scratch (one buffer: the layers run one at a time) for
@@ -277,7 +282,8 @@ class Q8Decoder:
             self.head_module = head
             code = _kernel_code(head) if _grouped(head) else None
             self.head = HeadQ8(LinearQ8.of(head), head.out_features, 0,
-                               self.code if code is None else code) if _grouped(head) else None
+                               self.code if code is None else code | self.code & KQ_GEMM
+                               ) if _grouped(head) else None
         return self.head
 
     def forward(

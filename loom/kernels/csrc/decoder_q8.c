@@ -93,8 +93,10 @@ typedef struct {
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
-                              // + 4: up to 8 rows on VNNI (decode_kernel), else AVX
+                              // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
+                              // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
 } Step;
+#define KQ_GEMM 8  // q8_decoder.py's
 
 // A thread of the one region a step runs in (NULL: op by op, each op its own region). `next`
 // walks the step's work counters, one an op, the same way in every thread.
@@ -132,7 +134,9 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
     if (W->kind == LOOM_LINEAR_KQ) {  // in a team at most 8 rows (run_step's `many` is off)
-        if (!t) return loom_linear_kq(x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
+        if (!t)  // past 8 rows on linear_kq_gemm.c's kernel with KQ_GEMM
+            return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
+                x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
         sync_team(t);
         return 0;
@@ -665,8 +669,8 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             if (vnni || many || kq) {  // all threads or none
                 barrier_wait(&bar, t.team);
                 if (__atomic_load_n(&no_vnni, __ATOMIC_RELAXED)) {  // the AVX kernel
-                    own.kernel &= 3;
-                    own_head.kernel &= 3;
+                    own.kernel &= ~4;
+                    own_head.kernel &= ~4;
                 }
             }
             if (!__atomic_load_n(&no_mem, __ATOMIC_RELAXED)) {

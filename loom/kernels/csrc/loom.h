@@ -151,6 +151,14 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                          int64_t *next, int team);
 
+// Past 8 rows (linear_kq_gemm.c): panels of weight rows dequantized once a call (bf16 with
+// AVX512-BF16, else fp32) against all rows; loom_linear_kq's arguments and returns, which it
+// runs up to 8 rows. A row's bits do not depend on its batch, but differ from loom_linear_kq's.
+int loom_kq_gemm_isa(void);  // 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32
+int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                        int num_threads);
+
 // ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
 // The stack runs a description of the model that the Python model definition builds
 // (loom/models/q8_decoder.py from each layer's `stack_parts`): per layer, which optional parts
