@@ -150,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def stack_parts(self) -> dict[str, object]:
         """What this layer is, for the C stack (q8_decoder.LayerQ8): its norms by role (None:
-        absent), linears, attention and activation; mlp None where the MLP is not a dense
-        gated one (the stack then cannot run the model: c_stack_refusal says so)."""
+        absent), linears, attention and activation; gate_up and down None where the MLP is not
+        a dense gated one (MoeDecoderLayer then names its mixture of experts, `moe`)."""
         a = self.self_attn
         dense = isinstance(self.mlp, LlamaMLP)
         return dict(

@@ -5,9 +5,11 @@ checkpoint says so) and one gated MLP an expert (`experts[e]`: a LlamaMLP, so ea
 gate/up and down projections are Loom linears: fp32, Loom's int8 grid, or GGUF K-quant blocks as
 the file stores them); Qwen2-MoE adds a shared expert behind a sigmoid gate. The batch's (token,
 expert) pairs are sorted by expert, so each active expert runs one product pair over its group
-of tokens: the Python loop is over active experts, never over tokens. Checkpoints store each
-expert apart (Mixtral as w1/w3/w2 under block_sparse_moe; Hugging Face 5 may store them stacked:
-split at load).
+of tokens: the Python loop is over active experts, never over tokens. On the CPU in fp32 the
+route and the weighted sum are the C stack's own kernels (decoder_q8.c), and the stack runs the
+whole block in its call (MoeDecoderLayer.stack_parts' `moe`): both give the same bits.
+Checkpoints store each expert apart (Mixtral as w1/w3/w2 under block_sparse_moe; Hugging Face 5
+may store them stacked: split at load).
 """
 
 from __future__ import annotations

@@ -30,6 +30,26 @@ def test_batched_equals_alone(tmp_path, name) -> None:
     assert rel_err(logits["a"], alone_logits["a"]) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_batched_equals_alone_on_the_c_stack(tmp_path, name) -> None:
+    """int8 on the one-call C stack with the batch-invariant kernels: a request's logits alone
+    and in a batch whose other tokens route to other experts are the same bits."""
+    from loom.models.q8_decoder import Q8Decoder
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    loaded = load_model(resolve_model(str(make_tiny_model(name, tmp_path / name))),
+                        dtype="float32", quantization="int8", batch_invariant=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = {r: torch.randint(0, 256, (n,), generator=g).tolist()
+               for r, n in (("a", 13), ("b", 30), ("c", 5))}
+    alone_seq, alone_logits = greedy(loaded, {"a": prompts["a"]}, 8)
+    seqs, logits = greedy(loaded, prompts, 8)
+    assert isinstance(loaded.model.model.stack, Q8Decoder) and loaded.model.model.stack.moes
+    assert seqs["a"] == alone_seq["a"]
+    assert torch.equal(logits["a"], alone_logits["a"])
+
+
 def test_missing_expert_is_refused(tmp_path) -> None:
     folder = make_tiny_model("mixtral", tmp_path / "m")
     tensors = load_file(str(folder / "model.safetensors"))
