@@ -19,8 +19,7 @@ from loom.loader.resolve import resolve_model
 from loom.models.q8_decoder import Q8Decoder
 from loom.quant.int8 import Q8Groups, quantize_groups
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_arch_stack import _mixed_batch, _sampling_rows
-from tests.paged_batch import BLOCK, rel_err
+from tests.model.test_arch_stack import _mixed_batch, _sampling_rows, match_transformers
 from tests.tiny_models import make_tiny_model
 
 # the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have
@@ -76,16 +75,7 @@ def test_moe_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
                         batch_invariant=True)
     stack, module, stack_rows, module_rows = stack_and_module(loaded)
     _same_bits(stack, module, stack_rows, module_rows)
-    prompts, logits, seqs = stack
-    for rid, seq in seqs.items():
-        start = BLOCK if rid == "c" else 0
-        with torch.no_grad():
-            want = ref(torch.tensor([seq])).logits[0, start: start + logits[rid].shape[0]]
-        assert rel_err(logits[rid], want) < 1e-4, (name, rid)
-        ours = seq[len(prompts[rid]):]
-        gen = ref.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(ours),
-                           do_sample=False, pad_token_id=0)[0, len(prompts[rid]):].tolist()
-        assert ours == gen, (name, rid)
+    match_transformers(ref, *stack, 1e-4)
 
 
 @pytest.mark.slow
