@@ -96,15 +96,23 @@ int loom_kq_check(int64_t K, int fmt)
 // Q4_K's and Q5_K's 12 bytes -> sc[0..7] then m[0..7], 6 bits each: bytes 0..3 hold sc 0..3
 // (low 6 bits) and the top 2 bits of sc 4..7; bytes 4..7 the same for the minimums; bytes 8..11
 // the low 4 bits of sc 4..7 (low nibbles) and of m 4..7 (high nibbles).
+static inline void k4_words(const uint8_t *s, uint64_t *sc, uint64_t *mn)
+{
+    uint64_t q;  // sc 0..3, m 0..3 and their top bits' neighbours
+    uint32_t w;  // low nibbles of sc 4..7, high nibbles of m 4..7
+    memcpy(&q, s, 8);
+    memcpy(&w, s + 8, 4);
+    const uint64_t top = (q >> 2) & 0x3030303030303030u;  // bits 6-7 of bytes 0..7, at 4-5
+    *sc = (q & 0x3f3f3f3fu) | (uint64_t)((w & 0x0f0f0f0fu) | (uint32_t)top) << 32;
+    *mn = ((q >> 32) & 0x3f3f3f3fu) | (uint64_t)(((w >> 4) & 0x0f0f0f0fu) | (top >> 32)) << 32;
+}
+
 static inline void k4_scales(const uint8_t *s, uint8_t out[16])
 {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, s, 4);
-    memcpy(&w1, s + 4, 4);
-    memcpy(&w2, s + 8, 4);
-    const uint32_t v[4] = {w0 & 0x3f3f3f3fu, (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u),
-                           w1 & 0x3f3f3f3fu, ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)};
-    memcpy(out, v, 16);
+    uint64_t sc, mn;
+    k4_words(s, &sc, &mn);
+    memcpy(out, &sc, 8);
+    memcpy(out + 8, &mn, 8);
 }
 
 // A super-block's weight scale sw[h] and offset ow[h] for each run h of 16 (portable): the
@@ -176,46 +184,99 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 }
 
 // ---- quantized x ---------------------------------------------------------------------------
-// One row of K: int8 a[K], int8 b[K], then fp32 dr[K / 16] (each run's d / 256) and fp32
-// sx[K / 16] (each run's sum of x~ = d (a + b / 256)). stride: bytes a row (a multiple of 64).
+// One row of K: int8 a[K], int8 b[K] (the digits, in the kernel's order of runs: run_of), then
+// fp32 dr[K / 16] (each run's d / 256, a super-block's 16 in dr_slot order) and fp32 sm[K / 16],
+// a super-block's terms of the minimums: Q6_K 32 sx[h] for its runs h (sx: a run's sum of x~ =
+// d (a + b / 256)); Q4_K / Q5_K sx over each sub-block j of 32, at 2j + 1 with AVX-512 (0
+// between), else at 8 + j (0 before).
+// stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
 
-// Run h's digits from t = x * 127 / max|x| (|t| <= 127): a = t to nearest even, b = (t - a) 256
-// (t - a exact) to nearest even, 128 -> 127. The same values in every build.
-static void quantize_row(const float *x, int64_t K, uint8_t *buf)
+// The natural run the kernel's run r of a super-block holds. AVX-512, Q4_K / Q5_K: a 64-byte
+// load's low nibbles are weights 128c + 0..31 and 128c + 64..95, its high ones 128c + 32..63 and
+// 128c + 96..127, so x's blocks of 32 go in the order 0 2 1 3 4 6 5 7 (no shuffles of weights).
+static inline int run_of(int fmt, int r)
+{
+#if defined(KQ_AVX512)
+    const int j = r / 2;
+    return fmt == Q6_K ? r : 2 * ((j & 4) | (j & 1) << 1 | (j >> 1 & 1)) + (r & 1);
+#else
+    (void)fmt;
+    return r;
+#endif
+}
+
+// One run's digits from t = x * 127 / max|x| (|t| <= 127): a = t to nearest even, b = (t - a)
+// 256 (t - a exact) to nearest even, 128 -> 127. The same values in every build. Returns the
+// run's sum of 256 a + b (exact); *dr = d / 256.
+static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float *dr)
+{
+#if defined(KQ_AVX512)
+    const __m512 v = _mm512_loadu_ps(xr);
+    const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+    const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f));
+    const __m512i ai = _mm512_cvtps_epi32(t);
+    const __m512i bi = _mm512_cvtps_epi32(
+        _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(ai)), _mm512_set1_ps(256.0f)));
+    const __m512i bc = _mm512_min_epi32(bi, _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(ai));
+    _mm_storeu_si128((__m128i *)b, _mm512_cvtepi32_epi8(bc));
+    const int32_t tot = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ai, 8), bc));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < RUN; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t tot = 0;
+    for (int i = 0; i < RUN; i++) {
+        const float t = xr[i] * inv, ai = rintf(t);
+        float bf = rintf((t - ai) * 256.0f);
+        bf = bf > 127.0f ? 127.0f : bf;
+        a[i] = (int8_t)ai;
+        b[i] = (int8_t)bf;
+        tot += 256 * (int32_t)ai + (int32_t)bf;
+    }
+#endif
+    *dr = amax / 127.0f / 256.0f;
+    return tot;
+}
+
+// Where run r's d / 256 goes among a super-block's 16: AVX-512 keeps them transposed (slot
+// 4 (r % 4) + r / 4), so the scales of vector v's runs 4v .. 4v + 3 are element v of each
+// 128-bit lane (an in-lane shuffle, not a permute across lanes).
+static inline int dr_slot(int r)
+{
+#if defined(KQ_AVX512)
+    return 4 * (r % 4) + r / 4;
+#else
+    return r;
+#endif
+}
+
+static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf)
 {
     int8_t *a = (int8_t *)buf, *b = a + K;
-    float *dr = (float *)(buf + 2 * K), *sx = dr + K / RUN;
-    for (int64_t h = 0; h < K / RUN; h++) {
-        const float *xr = x + h * RUN;
-#if defined(KQ_AVX512)
-        const __m512 v = _mm512_loadu_ps(xr);
-        const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-        const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f));
-        const __m512i ai = _mm512_cvtps_epi32(t);
-        const __m512i bi = _mm512_cvtps_epi32(
-            _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(ai)), _mm512_set1_ps(256.0f)));
-        const __m512i bc = _mm512_min_epi32(bi, _mm512_set1_epi32(127));
-        _mm_storeu_si128((__m128i *)(a + h * RUN), _mm512_cvtepi32_epi8(ai));
-        _mm_storeu_si128((__m128i *)(b + h * RUN), _mm512_cvtepi32_epi8(bc));
-        const int32_t tot = _mm512_reduce_add_epi32(
-            _mm512_add_epi32(_mm512_slli_epi32(ai, 8), bc));
-#else
-        float amax = 0.0f;
-        for (int i = 0; i < RUN; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t tot = 0;
-        for (int i = 0; i < RUN; i++) {
-            const float t = xr[i] * inv, ai = rintf(t);
-            float bf = rintf((t - ai) * 256.0f);
-            bf = bf > 127.0f ? 127.0f : bf;
-            a[h * RUN + i] = (int8_t)ai;
-            b[h * RUN + i] = (int8_t)bf;
-            tot += 256 * (int32_t)ai + (int32_t)bf;
+    float *dr = (float *)(buf + 2 * K), *sm = dr + K / RUN;
+    for (int64_t s = 0; s < K / QK; s++) {
+        float sx[16];  // natural order
+        for (int r = 0; r < 16; r++) {
+            const int h = run_of(fmt, r);
+            const int64_t at = s * QK + r * RUN;
+            float *d = dr + s * 16 + dr_slot(r);
+            sx[h] = (float)quantize_run(x + s * QK + h * RUN, a + at, b + at, d) * *d;
         }
+        float *o = sm + s * 16;
+        for (int h = 0; h < 16; h++) o[h] = 0.0f;
+        for (int h = 0; h < 16; h++) {
+            if (fmt == Q6_K) {
+                o[h] = 32.0f * sx[h];
+            } else if (h % 2 == 0) {  // a block of 32's sum: AVX-512 at 2j + 1, else at 8 + j
+#if defined(KQ_AVX512)
+                o[h + 1] = sx[h] + sx[h + 1];
+#else
+                o[8 + h / 2] = sx[h] + sx[h + 1];
 #endif
-        dr[h] = amax / 127.0f / 256.0f;
-        sx[h] = (float)tot * dr[h];
+            }
+        }
     }
 }
 
@@ -223,7 +284,8 @@ static void quantize_row(const float *x, int64_t K, uint8_t *buf)
 // out[m * ldy] = sum over super-blocks of sum_h sw[h] dr[h] (256 A_h + B_h) - ow[h] sx[h].
 
 #if defined(KQ_AVX512)
-// A super-block's integers as four vectors of 64 in weight order, and its sw, ow.
+// A super-block's integers as four vectors of 64 in x's order (run_of), its weight scales sw in
+// that order of runs, and ow, its minimums' terms against x's sm (natural order).
 static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, const int fmt,
                                                             __m512i W[4], __m512 *sw, __m512 *ow)
 {
@@ -233,7 +295,9 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                 _mm_loadu_si128((const __m128i *)(blk + 192)))),
                             _mm512_set1_ps(d));
-        *ow = _mm512_mul_ps(*sw, _mm512_set1_ps(32.0f));
+        *ow = *sw;  // x's sm: 32 sx a run, natural order
+        *sw = _mm512_permutexvar_ps(  // slot 4q + v: run 4v + q
+            _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), *sw);
         // bits 4-5 from qh: the first 32 bytes of a vector take qh's bits 0-1 (low nibbles) or
         // 4-5 (high), the second 32 bits 2-3 or 6-7; shifts by 16-bit lanes stay within bytes
         const __m512i m_lo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
@@ -251,29 +315,38 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         }
         return;
     }
-    const float d = f16_at(blk);
-    const float dmin = f16_at(blk + 2);
-    uint8_t sm[16];
-    k4_scales(blk + 4, sm);
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((__m128i *)sm)));
-    const __m512i pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    *sw = _mm512_mul_ps(_mm512_permutexvar_ps(pair, f), _mm512_set1_ps(d));
-    *ow = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(8)), f),
-                        _mm512_set1_ps(dmin));
+    // the block's first 16 bytes: fp16 d, dmin, then the 12 bytes of scales (k4_scales) at 4..15
+    const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+    const __m512 dd = _mm512_castpd_ps(_mm512_broadcastsd_pd(  // d, dmin, d, dmin, ...
+        _mm_castps_pd(_mm_cvtph_ps(raw))));
+    // x1: sc 0..3, m 0..3 (bytes 4..11, low 6 bits), sc 4..7's low bits (bytes 12..15, low
+    // nibbles); x2: sc 4..7's and m 4..7's top bits at 4-5 (bytes 4..11), m 4..7's low bits
+    const __m128i x1 = _mm_and_si128(raw, _mm_setr_epi32(0, 0x3f3f3f3f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i x2 = _mm_and_si128(_mm_srlv_epi16(raw, _mm_setr_epi16(0, 0, 2, 2, 2, 2, 4, 4)),
+                                     _mm_setr_epi32(0, 0x30303030, 0x30303030, 0x0f0f0f0f));
+    const __m128i scm = _mm_ternarylogic_epi32(  // sc[j] at 2j, m[j] at 2j + 1
+        _mm_shuffle_epi8(x1, _mm_setr_epi8(4, 8, 5, 9, 6, 10, 7, 11, 12, -1, 13, -1, 14, -1, 15, -1)),
+        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 4, 12, 5, 13, 6, 14, 7, 15)),
+        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, 8, -1, 9, -1, 10, -1, 11)),
+        0xFE);
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)), dd);
+    // slot 4q + v: run 4v + q of x's order, block 0 2 1 3 4 6 5 7 [(4v + q) / 2]
+    *sw = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 2, 8, 10, 0, 2, 8, 10, 4, 6, 12, 14, 4, 6, 12, 14), f);
+    *ow = f;  // x's sm is 0 at even lanes
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
     for (int c = 0; c < 2; c++) {
         const __m512i L = _mm512_loadu_si512(qs + 64 * c);
-        const __m512i lo = _mm512_and_si512(L, nib);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), nib);
-        W[2 * c] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // weights 128c + 0 .. 63
-        W[2 * c + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // 128c + 64 .. 127
+        W[2 * c] = _mm512_and_si512(L, nib);                         // blocks 4c, 4c + 2
+        W[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(L, 4), nib);  // 4c + 1, 4c + 3
     }
-    if (fmt == Q5_K) {
+    if (fmt == Q5_K) {  // block j's fifth bits: bit j of qh's 32 bytes
         const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        for (int j = 0; j < 4; j++) {
-            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
-                                                   _mm256_set1_epi8((char)(2 << (2 * j))), 1);
-            W[j] = _mm512_mask_add_epi8(W[j], _mm512_test_epi8_mask(H, bit), W[j],
+        for (int v = 0; v < 4; v++) {
+            const int j = 4 * (v / 2) + (v & 1);
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
+                                                   _mm256_set1_epi8((char)(1 << (j + 2))), 1);
+            W[v] = _mm512_mask_add_epi8(W[v], _mm512_test_epi8_mask(H, bit), W[v],
                                         _mm512_set1_epi8(16));
         }
     }
@@ -285,14 +358,13 @@ static inline __attribute__((always_inline)) __m512i dot64(__m512i w, const int8
 {
     const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
 #ifdef __AVX512VNNI__
-    const __m512i z = _mm512_setzero_si512();
-    const __m512i da = _mm512_dpbusd_epi32(z, w, va), db = _mm512_dpbusd_epi32(z, w, vb);
+    const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, va);
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(da, 8), w, vb);
 #else
-    const __m512i one = _mm512_set1_epi16(1);
-    const __m512i da = _mm512_madd_epi16(_mm512_maddubs_epi16(w, va), one);
-    const __m512i db = _mm512_madd_epi16(_mm512_maddubs_epi16(w, vb), one);
+    const __m512i da = _mm512_madd_epi16(_mm512_maddubs_epi16(w, va), _mm512_set1_epi16(256));
+    const __m512i db = _mm512_madd_epi16(_mm512_maddubs_epi16(w, vb), _mm512_set1_epi16(1));
+    return _mm512_add_epi32(da, db);
 #endif
-    return _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
 }
 
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
@@ -303,11 +375,6 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     const int bb = loom_kq_block_bytes(fmt);
     __m512 acc[M_MAX][2];
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    __m512i idx[4];  // vector v's lane -> its run: 4v + lane / 4
-    for (int v = 0; v < 4; v++)
-        idx[v] = _mm512_setr_epi32(4 * v, 4 * v, 4 * v, 4 * v, 4 * v + 1, 4 * v + 1, 4 * v + 1,
-                                   4 * v + 1, 4 * v + 2, 4 * v + 2, 4 * v + 2, 4 * v + 2,
-                                   4 * v + 3, 4 * v + 3, 4 * v + 3, 4 * v + 3);
     for (int64_t s = 0; s < K / QK; s++) {
         const uint8_t *blk = wr + s * bb;
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + PF + i);
@@ -316,13 +383,17 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
         unpack512(blk, fmt, W, &sw, &ow);
         for (int m = 0; m < M; m++) {
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
-            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
-            const __m512 sh = _mm512_mul_ps(sw, _mm512_loadu_ps(dr));
-            for (int v = 0; v < 4; v++)
-                acc[m][v & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64(W[v], a + 64 * v,
-                                                                         b + 64 * v)),
-                                                _mm512_permutexvar_ps(idx[v], sh), acc[m][v & 1]);
-            acc[m][0] = _mm512_fnmadd_ps(ow, _mm512_loadu_ps(sx), acc[m][0]);
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
+            const __m512 sh = _mm512_mul_ps(sw, _mm512_loadu_ps(dr));  // dr_slot order
+#define KQ_V(v, imm)                                                                          \
+    acc[m][v & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64(W[v], a + 64 * v, b + 64 * v)), \
+                                    _mm512_permute_ps(sh, imm), acc[m][v & 1])
+            KQ_V(0, 0x00);
+            KQ_V(1, 0x55);
+            KQ_V(2, 0xAA);
+            KQ_V(3, 0xFF);
+#undef KQ_V
+            acc[m][0] = _mm512_fnmadd_ps(ow, _mm512_loadu_ps(sm), acc[m][0]);
         }
     }
     for (int m = 0; m < M; m++)
@@ -330,7 +401,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 }
 
 #elif defined(KQ_AVX2)
-// A super-block's integers as eight vectors of 32 in weight order, and its sw, ow as two halves.
+// A super-block's integers as eight vectors of 32 in weight order, its weight scales sw as two
+// halves, and ow, its minimums' terms against x's sm (Q6_K: sw; Q4_K / Q5_K: ow[0] = dmin m).
 static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, const int fmt,
                                                             __m256i W[8], __m256 sw[2],
                                                             __m256 ow[2])
@@ -341,7 +413,7 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
         for (int i = 0; i < 2; i++) {
             sw[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                       _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * i)))), d);
-            ow[i] = _mm256_mul_ps(sw[i], _mm256_set1_ps(32.0f));
+            ow[i] = sw[i];  // x's sm: 32 sx a run
         }
         const __m256i three = _mm256_set1_epi8(3);
         for (int c = 0; c < 2; c++) {
@@ -358,19 +430,17 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
         }
         return;
     }
-    const float d = f16_at(blk);
-    const float dmin = f16_at(blk + 2);
-    uint8_t sm[16];
-    k4_scales(blk + 4, sm);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)sm)));
-    const __m256 mn =
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((__m128i *)(sm + 8))));
+    uint64_t sc8, mn8;
+    k4_words(blk + 4, &sc8, &mn8);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)));
+    const __m256 d = _mm256_set1_ps(f16_at(blk));
     for (int i = 0; i < 2; i++) {
         const __m256i pair = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2,
                                                4 * i + 2, 4 * i + 3, 4 * i + 3);
-        sw[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pair), _mm256_set1_ps(d));
-        ow[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(mn, pair), _mm256_set1_ps(dmin));
+        sw[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pair), d);
     }
+    ow[0] = ow[1] = _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
     for (int j = 0; j < 4; j++) {
         const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
@@ -387,15 +457,15 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     }
 }
 
+// 256 A + B in each int32 lane (4 products of a 32-weight vector): exact.
 static inline __attribute__((always_inline)) __m256i dot32(__m256i w, const int8_t *a,
                                                            const int8_t *b)
 {
-    const __m256i one = _mm256_set1_epi16(1);
     const __m256i da = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)), one);
+        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)), _mm256_set1_epi16(256));
     const __m256i db = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)b)), one);
-    return _mm256_add_epi32(_mm256_slli_epi32(da, 8), db);
+        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)b)), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(da, db);
 }
 
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
@@ -414,7 +484,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
         unpack256(blk, fmt, W, sw, ow);
         for (int m = 0; m < M; m++) {
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
-            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int i = 0; i < 2; i++) {
                 const __m256 sh = _mm256_mul_ps(sw[i], _mm256_loadu_ps(dr + 8 * i));
                 for (int v = 0; v < 4; v++) {
@@ -425,7 +495,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                         _mm256_cvtepi32_ps(dot32(W[u], a + 32 * u, b + 32 * u)),
                         _mm256_permutevar8x32_ps(sh, idx), acc[m][v & 1]);
                 }
-                acc[m][0] = _mm256_fnmadd_ps(ow[i], _mm256_loadu_ps(sx + 8 * i), acc[m][0]);
+                if (fmt == Q6_K || i == 1)
+                    acc[m][0] = _mm256_fnmadd_ps(ow[i], _mm256_loadu_ps(sm + 8 * i), acc[m][0]);
             }
         }
     }
@@ -457,8 +528,10 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
         block_values(blk, fmt, q);
         for (int m = 0; m < M; m++) {
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
-            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sx = dr + K / RUN;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int h = 0; h < 16; h++) {
+                // the minimums' terms: Q6_K sm = 32 sx a run, Q4_K / Q5_K sx a block of 32
+                const float mt = fmt == Q6_K ? sw[h] * sm[h] : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
 #if defined(KQ_NEON)
                 const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
                 const int32_t ia = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(a + RUN * h)));
@@ -470,7 +543,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                     ib += q[RUN * h + i] * b[RUN * h + i];
                 }
 #endif
-                acc[m][h] += (float)(256 * ia + ib) * (sw[h] * dr[h]) - ow[h] * sx[h];
+                acc[m][h] += (float)(256 * ia + ib) * (sw[h] * dr[h]) - mt;
             }
         }
     }
@@ -554,7 +627,7 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     uint8_t *xq = x_buffer(M, K);
     if (!xq) return -2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > M_MAX)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, xq + m * xs);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, fmt, xq + m * xs);
     const int64_t units = units_of(M, N), least = M <= M_MAX ? 16 : 1;
     // guided chunks (as linear_q8.c): a thread the OS lends away leaves its rows to the others
 #pragma omp parallel for schedule(guided, least) num_threads(num_threads)
@@ -581,7 +654,7 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     if (M <= 0) return;
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);  // reserved: no failure
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, xq + m * xs);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, fmt, xq + m * xs);
     for (int64_t u0, u1; loom_take_units(next, N, 16, team, &u0, &u1);)
         for (int64_t u = u0; u < u1; u++) row_any(xq, (int)M, xs, w, fmt, K, u, bias, y, ldy);
 }
