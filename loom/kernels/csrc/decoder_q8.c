@@ -581,8 +581,10 @@ static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int
 static int check_step(const Step *s)
 {
     for (int64_t l = 0; l < s->num_layers; l++)
-        for (int64_t i = 0, K; i < layer_linears(&s->layers[l]); i++)
-            if (check_linear(layer_linear(s, &s->layers[l], i, &K), K)) return -1;
+        for (int64_t i = 0, K; i < layer_linears(&s->layers[l]); i++) {
+            const LoomLinearQ8 *W = layer_linear(s, &s->layers[l], i, &K);  // then K is set
+            if (check_linear(W, K)) return -1;
+        }
     return loom_paged_attention_check(s->tiles, s->num_tiles, s->num_heads, s->kv_heads, s->D,
                                       s->kv_type);
 }
