@@ -187,8 +187,8 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 // One row of K: int8 a[K], int8 b[K] (the digits, in the kernel's order of runs: run_of), then
 // fp32 dr[K / 16] (each run's d / 256, a super-block's 16 in dr_slot order) and fp32 sm[K / 16],
 // a super-block's terms of the minimums: Q6_K 32 sx[h] for its runs h (sx: a run's sum of x~ =
-// d (a + b / 256)); Q4_K / Q5_K sx over each sub-block j of 32, at 2j + 1 with AVX-512 (0
-// between), else at 8 + j (0 before).
+// d (a + b / 256)), in dr_slot order; Q4_K / Q5_K sx over each sub-block j of 32, at 2j + 1
+// with AVX-512 (0 between), else at 8 + j (0 before).
 // stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
 
@@ -247,6 +247,8 @@ static inline int dr_slot(int r)
 {
 #if defined(KQ_AVX512)
     return 4 * (r % 4) + r / 4;
+#elif defined(KQ_AVX2)  // the same in each half of 8 (vectors of 32: two runs each)
+    return 8 * (r / 8) + 4 * (r % 2) + (r % 8) / 2;
 #else
     return r;
 #endif
@@ -268,7 +270,7 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf)
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
         for (int h = 0; h < 16; h++) {
             if (fmt == Q6_K) {
-                o[h] = 32.0f * sx[h];
+                o[dr_slot(h)] = 32.0f * sx[h];
             } else if (h % 2 == 0) {  // a block of 32's sum: AVX-512 at 2j + 1, else at 8 + j
 #if defined(KQ_AVX512)
                 o[h + 1] = sx[h] + sx[h + 1];
@@ -292,12 +294,11 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
     const __m512i nib = _mm512_set1_epi8(15);
     if (fmt == Q6_K) {
         const float d = f16_at(blk + 208);
-        *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                _mm_loadu_si128((const __m128i *)(blk + 192)))),
-                            _mm512_set1_ps(d));
-        *ow = *sw;  // x's sm: 32 sx a run, natural order
-        *sw = _mm512_permutexvar_ps(  // slot 4q + v: run 4v + q
-            _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), *sw);
+        const __m128i sc = _mm_shuffle_epi8(  // dr_slot order: slot 4q + v, run 4v + q
+            _mm_loadu_si128((const __m128i *)(blk + 192)),
+            _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+        *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(d));
+        *ow = *sw;  // x's sm: 32 sx a run, in the same order
         // bits 4-5 from qh: the first 32 bytes of a vector take qh's bits 0-1 (low nibbles) or
         // 4-5 (high), the second 32 bits 2-3 or 6-7; shifts by 16-bit lanes stay within bytes
         const __m512i m_lo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
@@ -308,10 +309,12 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
             const __m512i L = _mm512_loadu_si512(blk + 64 * c);
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                 (const __m256i *)(blk + 128 + 32 * c)));
-            W[2 * c] = _mm512_or_si512(_mm512_and_si512(L, nib),
-                                       _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo));
-            W[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), nib),
-                                           _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi));
+            // (nibbles & 15) | the high bits (0xEC: (a & c) | b), which the masks leave at bits 4-5 alone
+            W[2 * c] = _mm512_ternarylogic_epi32(
+                L, _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo), nib, 0xEC);
+            W[2 * c + 1] = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(L, 4), _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi), nib,
+                0xEC);
         }
         return;
     }
@@ -410,23 +413,27 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     const __m256i nib = _mm256_set1_epi8(15);
     if (fmt == Q6_K) {
         const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
+        const __m128i sc = _mm_shuffle_epi8(  // dr_slot order
+            _mm_loadu_si128((const __m128i *)(blk + 192)),
+            _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
         for (int i = 0; i < 2; i++) {
-            sw[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                      _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * i)))), d);
-            ow[i] = sw[i];  // x's sm: 32 sx a run
+            sw[i] = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i ? _mm_unpackhi_epi64(sc, sc) : sc)), d);
+            ow[i] = sw[i];  // x's sm: 32 sx a run, in the same order
         }
-        const __m256i three = _mm256_set1_epi8(3);
-        for (int c = 0; c < 2; c++) {
+        const __m256i b45 = _mm256_set1_epi8(0x30);
+        for (int c = 0; c < 2; c++) {  // weights 128c + 32t + l: qh bits 2t, 2t + 1 to 4-5
             const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-            for (int t = 0; t < 4; t++) {
-                const __m256i L =
-                    _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
-                const __m256i n = t < 2 ? _mm256_and_si256(L, nib)
-                                        : _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
-                const __m256i hb = _mm256_and_si256(
-                    _mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), three);
-                W[4 * c + t] = _mm256_or_si256(n, _mm256_slli_epi16(hb, 4));
-            }
+            const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+            const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+            W[4 * c] = _mm256_or_si256(_mm256_and_si256(L0, nib),
+                                       _mm256_and_si256(_mm256_slli_epi16(H, 4), b45));
+            W[4 * c + 1] = _mm256_or_si256(_mm256_and_si256(L1, nib),
+                                           _mm256_and_si256(_mm256_slli_epi16(H, 2), b45));
+            W[4 * c + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), nib),
+                                           _mm256_and_si256(H, b45));
+            W[4 * c + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), nib),
+                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), b45));
         }
         return;
     }
@@ -435,11 +442,9 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)));
     const __m256 d = _mm256_set1_ps(f16_at(blk));
-    for (int i = 0; i < 2; i++) {
-        const __m256i pair = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2,
-                                               4 * i + 2, 4 * i + 3, 4 * i + 3);
-        sw[i] = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pair), d);
-    }
+    // dr_slot order: half i's slot 4q + v holds run 8i + 2v + q, of block 4i + v
+    sw[0] = _mm256_mul_ps(_mm256_permute2f128_ps(sc, sc, 0x00), d);
+    sw[1] = _mm256_mul_ps(_mm256_permute2f128_ps(sc, sc, 0x11), d);
     ow[0] = ow[1] = _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
     for (int j = 0; j < 4; j++) {
@@ -487,14 +492,15 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int i = 0; i < 2; i++) {
                 const __m256 sh = _mm256_mul_ps(sw[i], _mm256_loadu_ps(dr + 8 * i));
-                for (int v = 0; v < 4; v++) {
-                    const __m256i idx = _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v, 2 * v + 1,
-                                                          2 * v + 1, 2 * v + 1, 2 * v + 1);
-                    const int u = 4 * i + v;
-                    acc[m][v & 1] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot32(W[u], a + 32 * u, b + 32 * u)),
-                        _mm256_permutevar8x32_ps(sh, idx), acc[m][v & 1]);
-                }
+#define KQ_V(v, imm)                                                                           \
+    acc[m][v & 1] = _mm256_fmadd_ps(                                                          \
+        _mm256_cvtepi32_ps(dot32(W[4 * i + v], a + 32 * (4 * i + v), b + 32 * (4 * i + v))), \
+        _mm256_permute_ps(sh, imm), acc[m][v & 1])
+                KQ_V(0, 0x00);
+                KQ_V(1, 0x55);
+                KQ_V(2, 0xAA);
+                KQ_V(3, 0xFF);
+#undef KQ_V
                 if (fmt == Q6_K || i == 1)
                     acc[m][0] = _mm256_fnmadd_ps(ow[i], _mm256_loadu_ps(sm + 8 * i), acc[m][0]);
             }
