@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The kernels' own tests (attention, the layer ops, the int8 linear and quantizer), run again
 # on each variant this CPU runs but does not choose (the suite runs them on the one it does).
 KERNEL_TESTS = ["tests/unit/test_cpu_layer_ops.py", "tests/unit/test_cpu_attention.py",
-                "tests/model/test_quant.py", "tests/model/test_kquant.py"]
+                "tests/model/test_quant.py", "tests/model/test_kquant.py",
+                "tests/model/test_kq_gemm.py"]
 KERNEL_TEST_FILTER = ("not build_is_cached and not smollm2 and not reference and not stack "
                       "and not sampling_rows and not dispatch and not head_reuses "
                       "and not fp16 and not int4 and not gemma3")
@@ -75,7 +76,7 @@ def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     if qemu is None:
         pytest.skip("no qemu-aarch64: built, not run")
     for name, so in results.items():
-        for check in ("kernel_check.c", "kquant_check.c"):
+        for check in ("kernel_check.c", "kquant_check.c", "kq_gemm_check.c"):
             exe = tmp_path / f"{check.removesuffix('.c')}-{name}"
             subprocess.run([cc, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o",
                             str(exe), "-lm", f"-Wl,-rpath,{tmp_path}"], check=True)
