@@ -34,6 +34,7 @@
 #define QK 256           // weights a super-block
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
 #define PANEL_BYTES (128 * 1024)  // a thread's dequantized panel: with x's rows, within L2
+#define X_BYTES (512 * 1024)      // x rows a pass over the panels (a chunk of KC columns each)
 enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #if defined(KG_BF16)
@@ -188,8 +189,12 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
                       panel_t *out)
 {
     const int bb = loom_kq_block_bytes(fmt);
+    const int64_t row = K / QK * bb;  // bytes: the next row's block is `row` past this one
     const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
     for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK) {
+        // the panel reads a chunk of a row, then the next row's: the hardware prefetchers miss
+        // that stride (and Q6_K's scales sit at a block's end: read first, a miss a block)
+        for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);
 #if defined(KG_BF16)
         if (fmt != Q6_K) {
             k45_bf16(blk, fmt, out);
@@ -413,6 +418,8 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
     int64_t nb_rows;
     const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / (int64_t)sizeof(panel_t) / kc, TN,
                                               num_threads, &nb_rows);
+    int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
+    m_chunk = m_chunk < 16 ? 16 : m_chunk;
     panel_t *xp = x_rows(M, K);
 #if defined(KG_BF16)
     if (!xp) return -2;
@@ -439,10 +446,17 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 #pragma omp atomic write
             failed = 1;
         }
+        // past m_chunk rows, passes of m_chunk rows over all panels (each dequantized once a
+        // pass): x's chunk stays in cache while the panels stream past it
+        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+            const int64_t mc = M - m0 < m_chunk ? M - m0 : m_chunk;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-            if (pb) panel_rows(xs, ldp, M, K, w, fmt, bias, n0, nb, y, ldy, pb);
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+                if (pb)
+                    panel_rows(xs + m0 * ldp, ldp, mc, K, w, fmt, bias, n0, nb, y + m0 * ldy,
+                               ldy, pb);
+            }
         }
     }
     (void)xp;
