@@ -7,8 +7,9 @@ No architecture is named in C: a new one describes its layer in Python (gemma.py
 runs it. It runs the kernels the per-module path runs, in the same order, on the same buffers'
 values: the same bits, without Python between ~300 kernel calls a step. It applies when every
 layer's linears are int8 on Loom's kernel or GGUF K-quant blocks (KQuantLinear, its parts in
-their own formats: LinearQ8's kinds), activations are fp32 on the CPU and attention runs on
-the C kernel; the model's c_stack_refusal names what it cannot run. Its
+their own formats: LinearQ8's kinds; a mixture of experts' router, experts and shared expert
+among them: MoeQ8), activations are fp32 on the CPU and attention runs on the C kernel; the
+model's c_stack_refusal names what it cannot run. Its
 linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
 fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample
