@@ -72,6 +72,8 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# llama.cpp's first Mixtral files: one 2-D tensor an expert, blk.N.ffn_gate.E.weight
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -95,6 +97,9 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    m = _LEGACY_EXPERT_RE.match(gguf_name)
+    if m:
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
     return None
 
 

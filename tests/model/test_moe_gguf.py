@@ -136,3 +136,38 @@ def test_quantized_experts_match_transformers(tmp_path, name) -> None:
     hf = transformers_on_gguf(path, folder, tmp_path)
     match_transformers(hf, prompts, logits, seqs, 1e-3)  # the quantized experts' kernels
     match_transformers(hf, prompts, ref_logits, ref_seqs, 1e-4)  # fp32
+
+
+
+@pytest.mark.slow
+def test_legacy_mixtral_layout(tmp_path) -> None:
+    """llama.cpp's first Mixtral files store one 2-D tensor an expert (blk.N.ffn_gate.E.weight):
+    they load as the stacked layout does, experts kept on the int8 grid, the same logits."""
+    import re
+
+    from loom.loader.gguf_file import read_gguf
+    from tests.paged_batch import PagedBatch
+
+    require_cpu_kernels()
+    stacked, folder = moe_gguf(tmp_path / "stacked", "mixtral")
+    kinds = {"w1": "gate", "w3": "up", "w2": "down"}
+
+    def per_expert(tensors, cfg):  # noqa: ANN001, ANN202 (the old converter's names)
+        return {re.sub(r"experts\.(\d+)\.(w\d)", lambda m: f"experts.{m[1]}.{kinds[m[2]]}_proj",
+                       name.replace(".block_sparse_moe.", ".mlp.")): t
+                for name, t in tensors.items()}
+
+    names = {f"mlp.experts.{e}.{kind}_proj": f"ffn_{kind}.{e}"
+             for e in range(4) for kind in kinds.values()}  # the tiny Mixtral's 4 experts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_files, "quantize", _quantize)
+        mp.setattr(gguf_files, "_moe_tensors", per_expert)
+        mp.setattr(gguf_files, "_NAMES", {**gguf_files._NAMES, **names})
+        legacy = gguf_files.write_gguf(folder, tmp_path / "legacy.gguf", "llama", T.Q8_0,
+                                       overrides={"ffn_gate": T.Q4_1, "ffn_up": T.Q5_0})
+    assert "blk.0.ffn_gate.3.weight" in {t.name for t in read_gguf(legacy).tensors}
+    a, b = (load_model(resolve_model(str(p)), "float32", batch_invariant=True)
+            for p in (stacked, legacy))
+    assert isinstance(b.model.model.layers[1].mlp.experts[3].gate_up_proj, Int8Linear)
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert torch.equal(PagedBatch(a).step({"r": ids})["r"], PagedBatch(b).step({"r": ids})["r"])
