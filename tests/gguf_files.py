@@ -61,9 +61,11 @@ def write_gguf(
     hf_folder: Path, out: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     override_arch: str | None = None, overrides: dict[str, GGMLQuantizationType] | None = None,
     uint32_keys: dict[str, int] | None = None,
+    raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
     """`overrides`: another type for the 2-D tensors whose GGUF name holds `.{key}.`;
-    `uint32_keys`: more metadata ("{arch}" in a key is the architecture)."""
+    `uint32_keys`: more metadata ("{arch}" in a key is the architecture); `raw`: GGUF name ->
+    (bytes, type) written as they are instead (formats `gguf` cannot quantize: K-quants)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -133,7 +135,9 @@ def write_gguf(
         if gemma and name.endswith("norm.weight"):
             a = a + 1
         qt = next((t for key, t in (overrides or {}).items() if f".{key}." in gname), qtype)
-        if a.ndim >= 2 and qt != GGMLQuantizationType.F32:  # experts: [experts, rows, cols]
+        if gname in (raw or {}):
+            w.add_tensor(gname, raw[gname][0], raw_dtype=raw[gname][1])  # [rows, row bytes]
+        elif a.ndim >= 2 and qt != GGMLQuantizationType.F32:  # experts: [experts, rows, cols]
             w.add_tensor(gname, quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, a)

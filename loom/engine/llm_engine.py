@@ -88,6 +88,9 @@ class LLMEngine:
         self.model_name = args.served_model_name or source.name
         # Checked before the (slow) load: a bad name fails at once.
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device))
+        # A tokenizer folder at hand is read before the weights: its parse peaks at hundreds of
+        # MB (Gemma 3's vocabulary), handed back (loom.heap) before the weights take memory.
+        tokenizer = Tokenizer.from_source(source) if Tokenizer.is_ready(source) else None
         loaded = load_model(source, args.dtype, device, progress=True,
                             quantization=args.quantization, cpu_kernels=args.cpu_kernels,
                             batch_invariant=args.batch_invariant)
@@ -100,7 +103,9 @@ class LLMEngine:
             self.tensor_parallel = TensorParallel.start(args, source, device, loaded)
             loaded = self.tensor_parallel.loaded  # rank 0's slices; config: one rank's heads
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.from_source(source, loaded.config.eos_token_ids)
+        self.tokenizer = (Tokenizer.from_source(source, loaded.config.eos_token_ids)
+                          if tokenizer is None else
+                          tokenizer.set_model_eos_token_ids(loaded.config.eos_token_ids))
         if args.chat_template is not None:
             self.tokenizer.hf.chat_template = args.chat_template
         self.eos_token_ids = self.tokenizer.eos_token_ids

@@ -27,11 +27,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 def rope_freqs(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
+    start: int = 0, stop: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """(freqs [max_position, head_dim // 2]: position p's rotation angles, attention scaling
-    applied to cos/sin) for the checkpoint's rope scaling."""
-    t = torch.arange(max_position, dtype=torch.float32)
+    """(freqs [stop - start, head_dim // 2]: positions start..stop-1's rotation angles (default
+    all max_position), attention scaling applied to cos/sin) for the checkpoint's rope
+    scaling. A row depends on its position alone: a table filled in pieces is the same."""
+    t = torch.arange(start, max_position if stop is None else stop, dtype=torch.float32)
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     inv_freq = 1.0 / base
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -73,6 +75,9 @@ def _longrope_freqs(
     return freqs, float(attn)
 
 
+FIRST_ROWS = 4096  # positions of a CPU table filled at load (RotaryEmbedding.build_cache)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
@@ -83,19 +88,44 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.filled = 0  # rows of cos_sin_cache computed so far
 
     def build_cache(self, device: torch.device) -> None:
-        """Fill the cos/sin table in fp32; called once after the model is materialized.
+        """Make the cos/sin table in fp32; called once after the model is materialized.
 
         Row p holds [cos, cos, -sin, sin] (each head_dim // 2 wide): cos for both halves of a
         head, and sin carrying rotate-half's sign, so rotating is x * cos + swap_halves(x) * sin
         with no negation or split per layer, bit for bit Hugging Face's q * cos + rotate_half(q)
-        * sin."""
+        * sin. On the CPU the table is allocated whole (its address fixed: the C stack keeps it)
+        but filled only up to FIRST_ROWS positions; `ensure` fills more, doubling, as positions
+        reach them: a 32k-position table of head_dim 256 is 64 MiB (Gemma 3 has two), most of
+        it never read by short sequences, and untouched pages take no memory."""
+        rows, width = self.max_position, 2 * self.head_dim
+        self.cos_sin_cache = torch.empty((rows, width), dtype=torch.float32, device=device)
+        self.filled = 0
+        self._fill(rows if device.type != "cpu" else min(rows, FIRST_ROWS))
+
+    def _fill(self, stop: int) -> None:
+        """Compute rows [filled, stop)."""
+        start = self.filled
+        if stop <= start:
+            return
         freqs, attn_scale = rope_freqs(self.head_dim, self.theta, self.scaling,
-                                       self.max_position)  # [max_position, head_dim // 2]
+                                       self.max_position, start, stop)  # [rows, head_dim // 2]
         cos, sin = freqs.cos() * attn_scale, freqs.sin() * attn_scale
-        cache = torch.cat([cos, cos, -sin, sin], dim=-1)  # [max_position, 2 * head_dim]
-        self.cos_sin_cache = cache.to(device)
+        self.cos_sin_cache[start:stop] = torch.cat([cos, cos, -sin, sin], dim=-1).to(
+            self.cos_sin_cache.device)
+        self.filled = stop
+
+    def ensure(self, positions: torch.Tensor) -> None:
+        """Fill the table up to `positions`' largest (at least doubling what is filled); called
+        before any step reads it (Rope, the C stack's callers). Positions past the table are
+        left for check_positions to refuse."""
+        if self.filled >= self.max_position or not positions.numel():
+            return
+        need = int(positions.max()) + 1
+        if need > self.filled:
+            self._fill(min(max(need, 2 * self.filled), self.max_position))
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """C kernels read table rows unchecked (index_select would raise): check once a step."""
@@ -119,6 +149,7 @@ class Rope:
         self.table = rotary.cos_sin_cache
         self.positions = positions
         self.fused = fused  # the C kernel rotates and writes K/V (CPU, fp32)
+        rotary.ensure(positions)
         if fused:
             rotary.check_positions(positions)
         self._rotary = rotary

@@ -11,6 +11,7 @@ import torch
 
 from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from loom.loader.release import drop_pages
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
 from loom.quant.kquant import KBlocks, native
@@ -275,6 +276,8 @@ def iter_gguf_tensors(
         if arch in _GEMMAS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
+        if isinstance(w, Q8Groups):  # converted (a copy): the file's pages are read for good
+            drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
 
 
 def _expert_names(t: Any) -> list[str]:
@@ -327,9 +330,10 @@ def q8_tensors(reader: GGUFFile) -> dict[str, int]:
 
 def kq_tensors(reader: GGUFFile) -> dict[str, str]:
     """Hugging Face name -> K-quant format name, of the 2-D tensors loom.quant.kquant runs as
-    stored (the token embedding excepted: it is looked up, not multiplied)."""
+    stored (the token embedding too: its rows dequantized as looked up, loom.layers.embedding;
+    a tied output projection multiplies by its blocks)."""
     return {name: qtype.name for name, qtype, shape in _matrices(reader)
-            if native(qtype, shape) and name != _GLOBAL_NAMES["token_embd.weight"]}
+            if native(qtype, shape)}
 
 
 def _matrices(reader: GGUFFile) -> Iterator[tuple[str, Any, tuple[int, ...]]]:

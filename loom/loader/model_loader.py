@@ -11,13 +11,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from loom.heap import trim as trim_heap
 from loom.config import ConfigError, ModelConfig
 from loom.loader import gguf as gguf_loader
 from loom.loader.hf import iter_safetensors, model_config_from_hf
+from loom.loader.release import release_unused
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
 from loom.kernels import select
 from loom.kernels.dispatch import KernelChoice, KernelChoiceError
+from loom.layers.embedding import KQuantEmbedding
 from loom.layers.linear import Linear
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import fp16_available
@@ -138,9 +141,17 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
             replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
                                                          m.bias is not None, bits=bits))
     vocab, hidden = config.vocab_size, config.hidden_size
+    tied = config.tie_word_embeddings
+    if EMBED + ".weight" in kq:  # looked up from its blocks; a tied head multiplies by them
+        embed = KQuantEmbedding(vocab, hidden)
+        replace_module(model, EMBED, embed)
+        if tied:
+            head = KQuantLinear(hidden, vocab, False)
+            head.weight_int8 = embed.weight_int8  # weight_map: the embedding takes the tensor
+            replace_module(model, HEAD, head)
+        return
     if hidden % GROUP:
         return
-    tied = config.tie_word_embeddings
     if EMBED + ".weight" in grouped:
         embed = Int8Embedding(vocab, hidden, grouped[EMBED + ".weight"])
         replace_module(model, EMBED, embed)
@@ -150,6 +161,17 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
         bias = model.get_submodule(HEAD).bias is not None
         replace_module(model, HEAD, Int8Linear.empty(hidden, vocab, bias,
                                                      bits=grouped[HEAD + ".weight"]))
+
+
+def _tie_kquant_head(model: nn.Module) -> None:
+    """A tied output projection over K-quant blocks takes the embedding's (the same memory)."""
+    try:
+        embed, head = model.get_submodule(EMBED), getattr(model, HEAD, None)
+    except AttributeError:  # no such module: nothing tied here
+        return
+    if (isinstance(embed, KQuantEmbedding) and isinstance(head, KQuantLinear)
+            and head.weight_int8 is embed.weight_int8 and embed.blocks is not None):
+        head.load_rows(None, embed.blocks)
 
 
 def _log_kquants(model: nn.Module, kernels: KernelChoice | None) -> None:
@@ -295,11 +317,15 @@ def load_model(
         weights = tqdm(weights, desc=f"loading {source.path.name}", unit="tensor", leave=False)
     with torch.no_grad():
         model.load_weights(weights)
+    _tie_kquant_head(model)
     model.init_buffers(device)
     if quantization is not None and int4 is None:
         _quantize(model, quantization, kernels)
     model.eval()
     _log_kquants(model, kernels)
+    if reader is not None:  # the file's pages read once at load (converted tensors) go back
+        release_unused(reader, model)
+    trim_heap()  # conversion temporaries freed inside the heap go back too
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s, quantization %s) in %.2f s", source.path, config.architecture,
                 torch_dtype, quantization or "none", seconds)

@@ -78,8 +78,8 @@ def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
     Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
     q, d, zero, m = _unpack(qtype, blocks, packed=True)
-    if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255
-        q, zero = q.to(torch.int16).add_(128), zero + 128
+    if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255 (+128: the sign bit flipped)
+        q, zero = q.view(torch.uint8).bitwise_xor(128), zero + 128
     return Q8Groups(q.to(torch.uint8), d, d * -float(zero) if m is None else m, group_bits(qtype))
 
 

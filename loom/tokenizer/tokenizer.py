@@ -7,8 +7,10 @@ cached as an ordinary tokenizer folder, so later starts skip the conversion.
 Start-up: a folder whose `tokenizer_config.json` names the generic class (`TokenizersBackend` /
 `PreTrainedTokenizerFast`, as Loom's GGUF cache does) and sets no add-BOS/EOS flags is loaded
 straight from `tokenizer.json`, without building a `transformers` tokenizer (about 2 s of imports
-and parsing on a 2-core machine); tests check it against `AutoTokenizer` token for token. Every
-other folder, and `.hf` when something asks for it, uses `AutoTokenizer` as before.
+and parsing on a 2-core machine); tests check it against `AutoTokenizer` token for token. A GGUF cache
+naming a model's own class (`GemmaTokenizer`) is loaded once through `AutoTokenizer`, compared with
+tokenizer.json alone (loom.tokenizer.fast_check) and, where they agree, read straight from then on.
+Every other folder, and `.hf` when something asks for it, uses `AutoTokenizer` as before.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loom.heap import trim as trim_heap
 from loom.loader.resolve import ModelSource
+from loom.tokenizer import fast_check
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +93,17 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_fast(folder: Path) -> tuple[Any, dict[str, str], str | None] | None:
+def _load_fast(folder: Path, checked: bool = False
+               ) -> tuple[Any, dict[str, str], str | None] | None:
     """(tokenizers.Tokenizer, special tokens map, chat template) read straight from the folder's
-    files, or None when the folder needs transformers' own loading (see the module docstring)."""
+    files, or None when the folder needs transformers' own loading (see the module docstring).
+    `checked`: a model's own class too (fast_check found it adds nothing to tokenizer.json)."""
     config_path, json_path = folder / "tokenizer_config.json", folder / "tokenizer.json"
     if not (config_path.is_file() and json_path.is_file()):
         return None
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config.get("tokenizer_class") not in _GENERIC_CLASSES or _PIPELINE_KEYS & config.keys():
+    if not checked and (config.get("tokenizer_class") not in _GENERIC_CLASSES
+                        or _PIPELINE_KEYS & config.keys()):
         return None
     if config.get("clean_up_tokenization_spaces"):  # transformers post-edits decoded text
         return None
@@ -139,23 +146,48 @@ class Tokenizer:
         self.backend = backend  # the raw `tokenizers.Tokenizer`
         self.special_tokens: dict[str, str] = special_tokens or {}
         self._chat_template = chat_template
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.set_model_eos_token_ids(eos_token_ids)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    def set_model_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+        """The stop tokens: the model config's `eos_token_ids`, then the tokenizer's eos token
+        (for an engine that reads the tokenizer before the model); returns self."""
         ids = list(eos_token_ids)
         eos = self.special_tokens.get("eos_token")
-        eos_id = None if eos is None else backend.token_to_id(eos)
+        eos_id = None if eos is None else self.backend.token_to_id(eos)
         if eos_id is not None:
             ids.append(eos_id)
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = tuple(dict.fromkeys(ids))
+        return self
+
+    @staticmethod
+    def is_ready(source: ModelSource) -> bool:
+        """Whether loading reads a tokenizer folder (an HF folder, or a GGUF's converted one
+        already cached), rather than converting the GGUF's own."""
+        return _tokenizer_folder(source) is not None
 
     @classmethod
     def from_source(cls, source: ModelSource, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         folder = _tokenizer_folder(source)
-        fast = None if folder is None else _load_fast(folder)
+        gguf = source.kind == "gguf"  # the folder is Loom's cache
+        checked = fast_check.verdict(folder) if gguf and folder is not None else None
+        fast = None if folder is None else _load_fast(folder, checked=bool(checked))
         if fast is None:
-            return cls(_load_hf_tokenizer(source), eos_token_ids, source=source)
-        backend, special, template = fast
-        return cls(None, eos_token_ids, backend=backend, special_tokens=special,
-                   chat_template=template, source=source)
+            hf = _load_hf_tokenizer(source)
+            folder = _tokenizer_folder(source)
+            if gguf and folder is not None and checked is None:
+                # a GGUF cache Loom wrote: once, see whether tokenizer.json alone will do
+                raw = _load_fast(folder, checked=True)
+                if raw is not None:
+                    fast_check.mark(folder, raw, hf)
+            tok = cls(hf, eos_token_ids, source=source)
+        else:
+            backend, special, template = fast
+            tok = cls(None, eos_token_ids, backend=backend, special_tokens=special,
+                      chat_template=template, source=source)
+        trim_heap()  # parsing a big tokenizer.json leaves hundreds of MB free in the heap
+        return tok
 
     @property
     def hf(self) -> Any:
