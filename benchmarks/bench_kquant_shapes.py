@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,20 +28,12 @@ from gguf import GGMLQuantizationType as T
 from loom.kernels import cpu_kernels, kernel_choice
 from loom.quant.kquant import KBlocks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.model.test_kquant import random_blocks  # noqa: E402
+
 SHAPES = [("q", T.Q4_K, 2048, 2048), ("k", T.Q4_K, 2048, 2048), ("v", T.Q6_K, 2048, 2048),
           ("o", T.Q4_K, 2048, 2048), ("gate", T.Q4_K, 8192, 2048), ("up", T.Q4_K, 8192, 2048),
           ("down", T.Q6_K, 2048, 8192)]
-
-
-def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> KBlocks:
-    size = 210 if qtype == T.Q6_K else 144
-    raw = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-    halves = rng.uniform(2e-4, 2e-3, size=(raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:
-        raw[:, 208:210] = halves[:, :2]
-    else:
-        raw[:, 0:4] = halves
-    return KBlocks.from_gguf(raw.reshape(-1), qtype, (rows, cols))
 
 
 def run(lib, x: torch.Tensor, y: torch.Tensor, b: KBlocks, threads: int) -> None:
