@@ -328,43 +328,20 @@ static void tile(const panel_t *x, int64_t ldx, const int R, const panel_t *p, i
 
 // ---- a call ----------------------------------------------------------------------------------
 
-// The calling thread's panel buffer (TN rows of padding past `rows`), kept and grown.
-static panel_t *panel_buffer(int64_t rows, int64_t kc)
+// The calling thread's buffer `which` (0: its panel, 1: the bf16 x a call shares) of at least
+// `bytes`, kept and grown; NULL if it cannot be allocated.
+static panel_t *thread_buffer(int which, size_t bytes)
 {
-    static __thread panel_t *buf;
-    static __thread size_t have;
-    const size_t need = (size_t)((rows + TN) * kc) * sizeof(panel_t);
-    if (have < need) {
-        free(buf);
-        have = 0;
-        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        if (!buf) return NULL;
-        have = need;
+    static __thread panel_t *buf[2];
+    static __thread size_t have[2];
+    if (have[which] < bytes) {
+        free(buf[which]);
+        have[which] = 0;
+        buf[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (!buf[which]) return NULL;
+        have[which] = bytes;
     }
-    return buf;
-}
-
-// The shared copy of x the tiles read: bf16 rows of K (bf16 build; kept, grown; the calling
-// thread's), or x itself.
-static panel_t *x_rows(int64_t M, int64_t K)
-{
-#if defined(KG_BF16)
-    static __thread panel_t *buf;
-    static __thread size_t have;
-    const size_t need = (size_t)(M * K) * sizeof(panel_t);
-    if (have < need) {
-        free(buf);
-        have = 0;
-        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        if (!buf) return NULL;
-        have = need;
-    }
-    return buf;
-#else
-    (void)M;
-    (void)K;
-    return NULL;
-#endif
+    return buf[which];
 }
 
 // Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' copy, ldp apart): y's
@@ -420,8 +397,8 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
                                               num_threads, &nb_rows);
     int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
     m_chunk = m_chunk < 16 ? 16 : m_chunk;
-    panel_t *xp = x_rows(M, K);
-#if defined(KG_BF16)
+#if defined(KG_BF16)  // x in bf16, shared by the team
+    panel_t *xp = thread_buffer(1, (size_t)(M * K) * sizeof(panel_t));
     if (!xp) return -2;
     const panel_t *xs = xp;
     const int64_t ldp = K;
@@ -441,7 +418,7 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
                                                         _mm512_loadu_ps(x + m * ldx + k)));
 #pragma omp barrier
 #endif
-        panel_t *pb = panel_buffer(nb_rows, kc);
+        panel_t *pb = thread_buffer(0, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));
         if (!pb) {
 #pragma omp atomic write
             failed = 1;
@@ -459,6 +436,5 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
             }
         }
     }
-    (void)xp;
     return failed ? -2 : 0;
 }
