@@ -1,24 +1,29 @@
 // The int8 linear of linear_q8.c for decode (up to 8 rows) in integer dot products
-// (AVX512-VNNI's vpdpbusd: 64 byte products a vector): y[M, N] = x[M, K] @ dequant(w)[N, K]^T +
-// bias, w ~ q * scale + min in groups of 32 along K, the scales and minimums read as fp16.
+// (AVX512-VNNI's vpdpwssd: 32 products of int16 pairs a vector): y[M, N] = x[M, K] @
+// dequant(w)[N, K]^T + bias, w ~ q * scale + min in groups of 32 along K, the scales and
+// minimums read as fp16.
 //
 // One stream's decode on the AVX kernel is bound partly by instructions: each weight is widened
 // to fp32, scaled and multiplied on its own. Here x is quantized instead: each group of 32
 // values of an x row gets one scale d (its largest magnitude / 127) and two int8 digits a and
-// b, x / d = a + b / 256 (to 1/512 of d: 16 significant bits); a group's sum_k q_w[k] x[k] is
-// d * (256 sum q_w a + sum q_w b) / 256 in exact integers (q_w 0..255 unsigned, the digits
-// signed: vpdpbusd's operands as they are). The minimum's term takes the same x~, so an output
-// is dequant(w) . x~ to fp32 rounding. One digit (llama.cpp's Q8 activations) measured 96.5%
-// top-1 agreement with the fp32 reference on 1495 positions; two, 99.9%.
+// b, x / d = a + b / 256 (to 1/512 of d: 16 significant bits), held as one int16 X = 256 a + b
+// (|X| <= 32639); a group's sum_k q_w[k] x[k] is d * sum q_w X / 256 in exact integers. The
+// minimum's term takes the same x~, so an output is dequant(w) . x~ to fp32 rounding. One digit
+// (llama.cpp's Q8 activations) measured 96.5% top-1 agreement with the fp32 reference on 1495
+// positions; two, 99.9%.
 //
 // Scales and minimums come as fp16 (GGUF stores Q4_1's and Q8_0's so: exact there), a third
 // fewer bytes per 4-bit weight than fp32 ones: at one stream the weights stream from memory.
 //
-// A 64-byte vector of weights is a chunk: four 4-bit groups (their nibbles split into two
-// vectors) or two 8-bit ones; its int32 lanes are converted to fp32 and scaled by their own
-// group's s_w * d (one permute builds the pattern), summed into 16 lanes over K; the minimums'
-// terms are one fma per 16 groups. Every output is summed in the same order whatever M, so a row
-// computes the same bits alone as with others (but not the AVX kernel's bits).
+// The bound at a few rows is the vector multiply ports: vpdpwssd, the fp32 scaling's mul and
+// fma share them (one 512-bit op a cycle on a Zen 4). So the weights are read in blocks laid
+// out (below) so that an int32 lane of vpdpwssd sums one group's products over the whole block,
+// and a block's 16 lanes are converted and scaled once for 16 vpdpwssd (4-bit) instead of once
+// for 4; each weight row is loaded and unpacked once for up to TILE x rows, its products
+// summed in exact integers, any order. A unit's M x R sums reduce together in one tree of
+// shuffles, each in the order of _mm512_reduce_add_ps. Every output is summed in the same order
+// whatever M (and whatever rows are taken with it), so a row computes the same bits alone as
+// with others (but not the AVX kernel's bits).
 
 // Built without fast math (loom/kernels/build.py).
 
@@ -27,16 +32,21 @@
 #include <string.h>
 #include "loom.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #define HAVE_VNNI 1
 #include <immintrin.h>
 #endif
 
 #define GROUP 32
-#define M_MAX 8       // x rows at once (more run in chunks of M_MAX)
+#define M_MAX 8       // x rows a call quantizes at once (more run in chunks of M_MAX)
+#define TILE 4        // x rows at once against a weight row (more: tiles of at most TILE)
+#define UNIT 2        // weight rows a unit of work
+#define R_MAX 2       // weight rows at once: UNIT, but one for 8-bit rows against one x row
+#define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : 2)  // (two interleaved 8-bit rows read
+                                                         // slower from memory at one x row)
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
 #define PF_S 128      // scales and minimums prefetched ahead
-#define R_OF(bits) ((bits) == 4 ? 2 : 1)  // weight rows at once
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
 
@@ -51,58 +61,121 @@ int loom_vnni_available(void)
 }
 
 #ifdef HAVE_VNNI
-// A row is read in chunks of CG(bits) groups: four 4-bit groups (64 bytes of nibbles) or two
-// 8-bit groups (64 bytes), one vector of weight bytes. The quantized x of one row, for weights of
-// `bits`, C = ceil(groups / CG) chunks:
-//   q   int8 [C][2][XB]  the chunk's values, digit a then digit b, each in the order the chunk's
-//                        weights unpack (x_offset)
-//   dv  fp32 [C][16]     each int32 lane's d / 256 (its group's; 0 past the last group)
-//   sx  fp32 [G16]       sum x~ a group (groups padded to 16 with zeros)
+// A row is read in blocks of BG(bits) groups, 256 bytes: sixteen 4-bit groups or eight 8-bit
+// ones, four vectors v0..v3 of weight bytes, transposed in 128-bit lanes (vector j's dword
+// 4b + i is dword j of v_i's lane b) so that a dword lane holds bytes of one group, and each
+// transposed vector unpacked into XV(bits) vectors of 32 int16: vpdpwssd's int32 lane L then
+// sums only its group's products over the whole block (4-bit: one lane a group; 8-bit: two),
+// and a block's lanes are converted to fp32 and scaled once. The groups past the last block
+// are read in chunks of CG(bits) groups, 64 bytes: four 4-bit groups or two 8-bit ones, one
+// vector unpacked in place (lane k sums the chunk's bytes 4k .. 4k + 3).
+//
+// The quantized x of one row, for weights of `bits`, nb = groups / BG blocks, nc chunks past
+// them:
+//   X   int16 [nb][4][XV][32], [nc][XV][32]  the values in the order the weights unpack
+//   dv  fp32 [nb + nc][16]  each int32 lane's d / 256 (its group's; 0 past the last group)
+//   sx  fp32 [G16]          sum x~ a group (groups padded to 16 with zeros)
+#define BG(bits) ((bits) == 4 ? 16 : 8)
 #define CG(bits) ((bits) == 4 ? 4 : 2)
-#define XB(bits) ((bits) == 4 ? 128 : 64)
+#define XV(bits) ((bits) == 4 ? 4 : 2)
 typedef struct {
-    int64_t chunks, g16, stride;  // stride: bytes a row
+    int64_t blocks, chunks, g16, dv, stride;  // dv: its offset in a row; stride: bytes a row
 } XLayout;
 
 static inline XLayout x_layout(int64_t K, int bits)
 {
-    const int64_t groups = K / GROUP, chunks = (groups + CG(bits) - 1) / CG(bits);
-    const int64_t g16 = (groups + 15) / 16 * 16;
-    return (XLayout){chunks, g16, chunks * 2 * XB(bits) + chunks * 64 + g16 * 4};
+    const int64_t groups = K / GROUP, blocks = groups / BG(bits);
+    const int64_t chunks = (groups - blocks * BG(bits) + CG(bits) - 1) / CG(bits);
+    const int64_t g16 = (groups + 15) / 16 * 16, dv = (blocks * 4 + chunks) * XV(bits) * 64;
+    return (XLayout){blocks, chunks, g16, dv, dv + (blocks + chunks) * 64 + g16 * 4};
 }
 
-// Lane -> its group in the chunk: a 4-bit chunk's 64 bytes hold groups 0..3, 16 bytes each (the
-// low nibbles values 0..15, the high ones 16..31: two vpdpbusd into the same lanes), so int32
-// lanes 4h..4h + 3 sum group h; an 8-bit chunk is [g0 0..31, g1 0..31], lanes 8h..8h + 7.
-static inline __m512i lane_group(int bits)
+// A block's lane L (= 4b + i: lane b of v_i) -> its group: 4-bit 4i + b, 8-bit 2i + b / 2.
+static inline int block_group(int bits, int L)
+{
+    return bits == 4 ? 4 * (L % 4) + L / 4 : 2 * (L % 4) + L / 8;
+}
+
+// Lane -> its group in a chunk: a 4-bit chunk's 64 bytes hold groups 0..3, 16 bytes each
+// (byte j holds values j and j + 16 in its low and high nibble), so int32 lanes 4h..4h + 3 sum
+// group h; an 8-bit chunk is [g0 0..31, g1 0..31], lanes 8h..8h + 7.
+static inline __m512i chunk_group(int bits)
 {
     return bits == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 }
 
-// Byte offset in a digit's XB of value j (0..31) of the chunk's group h: a 4-bit chunk's
-// low-nibble values first (64 bytes), then its high-nibble ones.
-static inline int x_offset(int bits, int h, int j)
+// The weights of 64 bytes v as int16 lanes, in XV(bits) vectors: 4-bit: the low nibbles of
+// the even bytes, of the odd bytes, then the high nibbles of the even and of the odd bytes;
+// 8-bit: the even bytes, then the odd ones. Word i of each vector comes from bytes 2i and
+// 2i + 1, so vpdpwssd's lane k (words 2k, 2k + 1) sums bytes 4k .. 4k + 3.
+static inline __attribute__((always_inline)) void unpack(__m512i v, const int bits,
+                                                         __m512i *w)
 {
-    return bits == 4 ? (j < 16 ? h * 16 + j : 64 + h * 16 + (j - 16)) : h * 32 + j;
+    if (bits == 4) {
+        const __m512i nib = _mm512_set1_epi16(0x000F);
+        w[0] = _mm512_and_si512(v, nib);
+        w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
+        w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        w[3] = _mm512_srli_epi16(v, 12);
+    } else {
+        w[0] = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF));
+        w[1] = _mm512_srli_epi16(v, 8);
+    }
+}
+
+// Where a value of a group goes in X, as (vector, word) with the vector's 32 words: in a block
+// (group G of it), or in a chunk (group h of it). Value v is byte `at` of the group's bytes
+// (4-bit: v mod 16, low nibble below 16; 8-bit: v), and in its 16-bit lane the byte's place t
+// (at mod 4) picks the unpacked vector (t odd: the odd bytes) and the word (t >= 2: 2k + 1).
+static inline int plane(int bits, int v)
+{
+    return bits == 4 ? (v >= 16 ? 2 : 0) + (v & 1) : (v & 1);
+}
+
+static inline int block_word(int bits, int G, int v)  // word index in the block's X
+{
+    const int at = bits == 4 ? 16 * G + (v & 15) : 32 * G + v;  // byte in the 256
+    const int i = at / 64, b = (at % 64) / 16, j = (at % 16) / 4, t = at % 4;
+    return (j * XV(bits) + plane(bits, v)) * 32 + 2 * (4 * b + i) + (t >> 1);
+}
+
+static inline int chunk_word(int bits, int h, int v)  // word index in the chunk's X
+{
+    const int at = bits == 4 ? 16 * h + (v & 15) : 32 * h + v;
+    return plane(bits, v) * 32 + at / 2;
 }
 
 // `rows` rows of x (ldx floats apart) into buf (x_layout(K, bits).stride bytes a row). Each
 // group of 32: d = max |x| / 127, x / d = a + b / 256 + e with digits a = round(x / d) and
-// b = round((x / d - a) * 256) (nearest even; b saturates at 127), |e| <= 1/512.
+// b = round((x / d - a) * 256) (nearest even; b saturates at 127), |e| <= 1/512; X = 256 a + b.
 static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int bits,
                        uint8_t *buf)
 {
     const XLayout L = x_layout(K, bits);
-    const int64_t groups = K / GROUP;
-    const int cg = CG(bits), xb = XB(bits), lanes = 16 / CG(bits);
+    const int64_t groups = K / GROUP, in_blocks = L.blocks * BG(bits);
+    const int bg = BG(bits), cg = CG(bits);
     const __m512 sign = _mm512_set1_ps(-0.0f), k256 = _mm512_set1_ps(256.0f);
+    const __m512i lo8 = _mm512_set1_epi32(-128), hi8 = _mm512_set1_epi32(127);
+    int16_t at[32];
+    // A group's X in a block as 16 dwords: dword q holds values order[2q], order[2q + 1] and
+    // lies lane_of[q] dwords past the group's first lane L0 of the block's first vector (in
+    // 8-bit blocks values 16..31 take lane L0 + 4). From block_word of group 0 (L0 = 0).
+    int16_t order[32];
+    int32_t lane_of[16];
+    for (int v = 0; v < 32; v++) {
+        const int w = block_word(bits, 0, v);  // group 0: lane L0 = 0
+        order[(w / 32) * 2 + (w % 2) + (bits == 8 && v >= 16 ? 16 : 0)] = (int16_t)v;
+        lane_of[(w / 32) + (bits == 8 && v >= 16 ? 8 : 0)] = (w / 32) * 16 + (w % 32) / 2;
+    }
+    const __m512i to_dword = _mm512_loadu_si512((const void *)order);
+    const __m512i to_lane = _mm512_loadu_si512((const void *)lane_of);
     for (int64_t m = 0; m < rows; m++) {
         const float *xr = x + m * ldx;
-        int8_t *q = (int8_t *)(buf + m * L.stride);
-        float *dv = (float *)(buf + m * L.stride + L.chunks * 2 * xb);
-        float *sx = dv + L.chunks * 16;
-        memset(q, 0, (size_t)(L.stride));  // q, dv and sx
+        int16_t *X = (int16_t *)(buf + m * L.stride);
+        float *dv = (float *)(buf + m * L.stride + L.dv);
+        float *sx = dv + (L.blocks + L.chunks) * 16;
+        memset(X, 0, (size_t)(L.stride));  // X, dv and sx
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v[2] = {_mm512_loadu_ps(xr + g * GROUP),
                                  _mm512_loadu_ps(xr + g * GROUP + 16)};
@@ -110,135 +183,261 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
                 _mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
             const float d = amax / 127.0f;
             const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            const int h = (int)(g % cg);
-            int8_t *pq = q + (g / cg) * 2 * xb;
-            __m512i sum = _mm512_setzero_si512();
+            __m512i xv[2];
             for (int half = 0; half < 2; half++) {
                 const __m512 t = _mm512_mul_ps(v[half], inv);        // |t| <= 127
                 const __m512i a = _mm512_cvtps_epi32(t);             // nearest even
                 const __m512i b = _mm512_cvtps_epi32(                // t - a exact, in [-.5, .5]
                     _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k256));
-                _mm_storeu_si128((__m128i *)(pq + x_offset(bits, h, 16 * half)),
-                                 _mm512_cvtsepi32_epi8(a));
-                const __m128i b8 = _mm512_cvtsepi32_epi8(b);         // 128 -> 127
-                _mm_storeu_si128((__m128i *)(pq + xb + x_offset(bits, h, 16 * half)), b8);
-                sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(a, 8),
-                                                             _mm512_cvtepi8_epi32(b8)));
+                xv[half] = _mm512_add_epi32(_mm512_slli_epi32(a, 8),  // b: 128 -> 127
+                                            _mm512_max_epi32(_mm512_min_epi32(b, hi8), lo8));
             }
-            sx[g] = (float)_mm512_reduce_add_epi32(sum) * (d / 256.0f);
-            for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
-                dv[(g / cg) * 16 + lane] = d / 256.0f;
+            const __m512i words = _mm512_inserti64x4(  // the group's 32 X in value order
+                _mm512_castsi256_si512(_mm512_cvtepi32_epi16(xv[0])),
+                _mm512_cvtepi32_epi16(xv[1]), 1);
+            if (g < in_blocks) {  // 16 dwords (two words each) to 16 vectors' lanes
+                const int G = (int)(g % bg);
+                const int L0 = bits == 4 ? 4 * (G % 4) + G / 4 : 8 * (G % 2) + G / 2;
+                int32_t *pb = (int32_t *)(X + (g / bg) * 4 * XV(bits) * 32) + L0;
+                _mm512_i32scatter_epi32(pb, to_lane, _mm512_permutexvar_epi16(to_dword, words),
+                                        4);
+                for (int lane = 0; lane < 16; lane++)
+                    if (block_group(bits, lane) == G) dv[(g / bg) * 16 + lane] = d / 256.0f;
+            } else {
+                const int64_t c = (g - in_blocks) / cg;
+                const int h = (int)((g - in_blocks) % cg), lanes = 16 / cg;
+                int16_t *pc = X + (L.blocks * 4 + c) * XV(bits) * 32;
+                _mm512_storeu_si512((void *)at, words);
+                for (int k = 0; k < 32; k++) pc[chunk_word(bits, h, k)] = at[k];
+                for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
+                    dv[(L.blocks + c) * 16 + lane] = d / 256.0f;
+            }
+            sx[g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(xv[0], xv[1])) *
+                    (d / 256.0f);
+        }
+    }
+}
+
+// The sums of the n <= 16 vectors v into out[i], each in _mm512_reduce_add_ps's order (lanes
+// i + 8, then i + 4, i + 2, i + 1), all in one tree: each level adds pairs of vectors' halves
+// at once. After the four levels vector i's sum is lane 4 (i % 4) + i / 4.
+static inline __attribute__((always_inline)) void sum_lanes(__m512 *v, const int n, float *out)
+{
+    const __m512 z = _mm512_setzero_ps();
+    int k = n;
+    for (int i = 0; i < (k + 1) / 2; i++) {  // lane i + lane i + 8 (0..7) of two vectors
+        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    k = (k + 1) / 2;
+    for (int i = 0; i < (k + 1) / 2; i++) {  // + lane i + 4 (0..3): a block a vector
+        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    }
+    k = (k + 1) / 2;
+    for (int i = 0; i < (k + 1) / 2; i++) {  // + lane i + 2 (0..1)
+        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
+        v[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+    }
+    k = (k + 1) / 2;
+    const __m512 a = v[0], b = k > 1 ? v[1] : z;  // + lane i + 1
+    float all[16];
+    _mm512_storeu_ps(all, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88),
+                                        _mm512_shuffle_ps(a, b, 0xDD)));
+    for (int i = 0; i < n; i++) out[i] = all[4 * (i % 4) + i / 4];
+}
+
+// The four vectors of a block (256 bytes at p) transposed in 128-bit lanes: u[j] dword 4b + i
+// = dword j of lane b of vector i.
+static inline __attribute__((always_inline)) void block_load(const uint8_t *p, __m512i *u)
+{
+    const __m512i v0 = _mm512_loadu_si512((const void *)p);
+    const __m512i v1 = _mm512_loadu_si512((const void *)(p + 64));
+    const __m512i v2 = _mm512_loadu_si512((const void *)(p + 128));
+    const __m512i v3 = _mm512_loadu_si512((const void *)(p + 192));
+    const __m512i t0 = _mm512_unpacklo_epi32(v0, v1), t1 = _mm512_unpackhi_epi32(v0, v1);
+    const __m512i t2 = _mm512_unpacklo_epi32(v2, v3), t3 = _mm512_unpackhi_epi32(v2, v3);
+    u[0] = _mm512_unpacklo_epi64(t0, t2);
+    u[1] = _mm512_unpackhi_epi64(t0, t2);
+    u[2] = _mm512_unpacklo_epi64(t1, t3);
+    u[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// One chunk's products (XV vectors of W a row against each x row's) into acc, as lanes 0..7
+// alone where only they hold weights (`half`).
+static inline __attribute__((always_inline)) void chunk_vnni(
+    const uint8_t *xq, const int M, int64_t xstride, int64_t at_x, int64_t at_d, const int bits,
+    const int R, __m512i (*w)[4], const __m512 *s, const int half, __m512 *acc)
+{
+    const int nv = XV(bits);
+    for (int m = 0; m < M; m++) {
+        const uint8_t *xm = xq + m * xstride;
+        if (half) {  // 256-bit halves
+            __m256i x[4];
+            for (int k = 0; k < nv; k++)
+                x[k] = _mm256_load_si256((const void *)(xm + at_x + k * 64));
+            const __m256 d = _mm256_load_ps((const float *)(xm + at_d));
+            for (int r = 0; r < R; r++) {
+                __m256i dot = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                                  _mm512_castsi512_si256(w[r][0]), x[0]);
+                for (int k = 1; k < nv; k++)
+                    dot = _mm256_dpwssd_epi32(dot, _mm512_castsi512_si256(w[r][k]), x[k]);
+                const __m256 lo = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm512_castps512_ps256(s[r]), d),
+                    _mm512_castps512_ps256(acc[m * R + r]));
+                acc[m * R + r] = _mm512_insertf32x8(acc[m * R + r], lo, 0);
+            }
+        } else {
+            __m512i x[4];
+            for (int k = 0; k < nv; k++)
+                x[k] = _mm512_load_si512((const void *)(xm + at_x + k * 64));
+            const __m512 d = _mm512_load_ps((const float *)(xm + at_d));
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[r][0], x[0]);
+                for (int k = 1; k < nv; k++) dot = _mm512_dpwssd_epi32(dot, w[r][k], x[k]);
+                acc[m * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                 _mm512_mul_ps(s[r], d), acc[m * R + r]);
+            }
         }
     }
 }
 
 // M x rows (quantized, xq) against R weight rows from q (rows row_bytes apart, fp16 scales and
-// minimums `groups` apart): out[m * ldy + r]. M, R and bits are constants at each call site.
+// minimums `groups` apart): out[m * ldy + r] (+ bias[r]). M, R and bits are constants at each
+// call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
-    const int R, float *out, int64_t ldy)
+    const int R, const float *bias, float *out, int64_t ldy)
 {
-    __m512 acc[2][M_MAX];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    const __m512i sel = lane_group(bits), nib = _mm512_set1_epi8(0x0F);
-    const int cg = CG(bits), xb = XB(bits);
-    for (int64_t c = 0; c < L.chunks; c++) {
-        const int64_t have = groups - c * cg < cg ? groups - c * cg : cg;  // groups here
-        const __mmask64 wk = have == cg ? ~0ull : (1ull << (have * GROUP * bits / 8)) - 1;
-        for (int r = 0; r < R; r++) __builtin_prefetch(q + r * row_bytes + c * 64 + PF_Q);
-        if (c % 8 == 0)
+    __m512 acc[M_MAX * R_MAX];  // [m * R + r]
+    for (int i = 0; i < M * R; i++) acc[i] = _mm512_setzero_ps();
+    const int bg = BG(bits), cg = CG(bits), nv = XV(bits);
+    __m512i gsel;  // a block's lane -> its group
+    {
+        int32_t idx[16];
+        for (int lane = 0; lane < 16; lane++) idx[lane] = block_group(bits, lane);
+        gsel = _mm512_loadu_si512((const void *)idx);
+    }
+    for (int64_t bk = 0; bk < L.blocks; bk++) {
+        for (int r = 0; r < R; r++)
+            for (int line = 0; line < 256; line += 64)
+                __builtin_prefetch(q + r * row_bytes + bk * 256 + line + PF_Q);
+        if (bk % 2 == 0)
             for (int r = 0; r < R; r++) {
-                __builtin_prefetch(sc + r * groups + c * cg + PF_S);
-                __builtin_prefetch(mn + r * groups + c * cg + PF_S);
+                __builtin_prefetch(sc + r * groups + bk * bg + PF_S);
+                __builtin_prefetch(mn + r * groups + bk * bg + PF_S);
             }
-        __m512i lo[2], hi[2];
-        __m512 s[2];
+        __m512i u[R_MAX][4];
+        __m512 s[R_MAX];
         for (int r = 0; r < R; r++) {
-            const __m512i v = _mm512_maskz_loadu_epi8(wk, q + r * row_bytes + c * 64);
-            if (bits == 4) {
-                lo[r] = _mm512_and_si512(v, nib);
-                hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-            } else {
-                lo[r] = hi[r] = v;
-            }
-            const __m128i sh = _mm_maskz_loadu_epi16((__mmask8)((1u << have) - 1),
-                                                     sc + r * groups + c * cg);
-            s[r] = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(_mm_cvtph_ps(sh)));
+            block_load(q + r * row_bytes + bk * 256, u[r]);
+            const uint16_t *sr = sc + r * groups + bk * bg;
+            const __m512 sg = bits == 4
+                ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sr))
+                : _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sr)));
+            s[r] = _mm512_permutexvar_ps(gsel, sg);
         }
-        for (int m = 0; m < M; m++) {
-            const uint8_t *xm = xq + m * xstride + c * 2 * xb;
-            const __m512i a0 = _mm512_load_si512((const void *)xm);
-            const __m512i b0 = _mm512_load_si512((const void *)(xm + xb));
-            __m512i a1 = a0, b1 = b0;
-            if (bits == 4) {
-                a1 = _mm512_load_si512((const void *)(xm + 64));
-                b1 = _mm512_load_si512((const void *)(xm + xb + 64));
-            }
-            const __m512 d =
-                _mm512_load_ps((const float *)(xq + m * xstride + L.chunks * 2 * xb) + c * 16);
-            for (int r = 0; r < R; r++) {
-                const __m512i z = _mm512_setzero_si512();
-                __m512i da = _mm512_dpbusd_epi32(z, lo[r], a0);
-                __m512i db = _mm512_dpbusd_epi32(z, lo[r], b0);
-                if (bits == 4) {
-                    da = _mm512_dpbusd_epi32(da, hi[r], a1);
-                    db = _mm512_dpbusd_epi32(db, hi[r], b1);
+        // sum q X over the block, in S chains a sum (independent dependency chains where M R
+        // is small): below 2^31 (|X| <= 32639, a lane: 32 products of q <= 15, or 16 of
+        // q <= 255), so exact in any order
+        const int S = M * R >= 4 ? 1 : M * R >= 2 ? 2 : 4;
+        __m512i dot[4][M_MAX * R_MAX];
+        for (int c = 0; c < S; c++)
+            for (int i = 0; i < M * R; i++) dot[c][i] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            __m512i w[R_MAX][4];
+            for (int r = 0; r < R; r++) unpack(u[r][j], bits, w[r]);
+            for (int m = 0; m < M; m++) {
+                const uint8_t *xm = xq + m * xstride + (bk * 4 + j) * nv * 64;
+                __m512i x[4];
+                for (int k = 0; k < nv; k++) {
+                    x[k] = _mm512_load_si512((const void *)(xm + k * 64));
+                    if (R > 1) __asm__("" : "+v"(x[k]));  // one load for the R rows
                 }
-                // 256 a + b: below 2^31 (|a|, |b| <= 127, 128 products of q <= 15 or 64 of
-                // q <= 255 a lane)
-                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
-                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[r], d),
-                                            acc[r][m]);
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < nv; k++)
+                        dot[j % S][m * R + r] =
+                            _mm512_dpwssd_epi32(dot[j % S][m * R + r], w[r][k], x[k]);
             }
         }
+        for (int c = 1; c < S; c++)
+            for (int i = 0; i < M * R; i++) dot[0][i] = _mm512_add_epi32(dot[0][i], dot[c][i]);
+        for (int m = 0; m < M; m++) {
+            const __m512 d = _mm512_load_ps((const float *)(xq + m * xstride + L.dv) + bk * 16);
+            for (int r = 0; r < R; r++)
+                acc[m * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0][m * R + r]),
+                                                 _mm512_mul_ps(s[r], d), acc[m * R + r]);
+        }
+    }
+    const int64_t first = L.blocks * bg;  // the chunks past the blocks
+    const __m512i csel = chunk_group(bits);
+    for (int64_t c = 0; c < L.chunks; c++) {
+        const int64_t g0 = first + c * cg, have = groups - g0 < cg ? groups - g0 : cg;
+        const __mmask64 wk = have == cg ? ~0ull : (1ull << (have * GROUP * bits / 8)) - 1;
+        const __mmask8 sk = (__mmask8)((1u << have) - 1);
+        __m512i w[R_MAX][4];
+        __m512 s[R_MAX];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = q + r * row_bytes + g0 * GROUP * bits / 8;
+            unpack(_mm512_maskz_loadu_epi8(wk, p), bits, w[r]);
+            const __m128i sh = _mm_maskz_loadu_epi16(sk, sc + r * groups + g0);
+            s[r] = _mm512_permutexvar_ps(csel, _mm512_castps128_ps512(_mm_cvtph_ps(sh)));
+        }
+        const int64_t at_x = (L.blocks * 4 + c) * nv * 64, at_d = L.dv + (L.blocks + c) * 64;
+        if (have * GROUP * bits / 8 <= 32)  // lanes 0..7 only
+            chunk_vnni(xq, M, xstride, at_x, at_d, bits, R, w, s, 1, acc);
+        else
+            chunk_vnni(xq, M, xstride, at_x, at_d, bits, R, w, s, 0, acc);
     }
     for (int64_t g = 0; g < groups; g += 16) {  // + m_w * sum x~, 16 groups at once
         const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
         for (int r = 0; r < R; r++) {
             const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + r * groups + g));
             for (int m = 0; m < M; m++) {
-                const float *sx =
-                    (const float *)(xq + m * xstride + L.chunks * (2 * xb + 64));
-                acc[r][m] = _mm512_fmadd_ps(mins, _mm512_load_ps(sx + g), acc[r][m]);
+                const float *sx = (const float *)(xq + m * xstride + L.dv) +
+                                  (L.blocks + L.chunks) * 16;
+                acc[m * R + r] = _mm512_fmadd_ps(mins, _mm512_load_ps(sx + g), acc[m * R + r]);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+    float sums[M_MAX * R_MAX];
+    sum_lanes(acc, M * R, sums);
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++)
+            out[m * ldy + r] = bias ? sums[m * R + r] + bias[r] : sums[m * R + r];
 }
 
-// Weight unit u (rows u R .. u R + R - 1, R = R_OF(bits); one at a time at the end of N) for
-// M <= M_MAX quantized x rows, then their bias: M and bits picked here, so each case runs with
+// Weight unit u (rows u UNIT .. u UNIT + UNIT - 1, fewer at the end of N) for M <= M_MAX
+// quantized x rows, with their bias: M, bits and R picked here, so each case runs with
 // constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
                       const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, row_bytes = K * bits / 8;
-    const int R = R_OF(bits);
-    const int64_t n0 = u * R, n1 = n0 + R < N ? n0 + R : N;
-#define ROWS(m, b, r, n) rows_vnni(xq, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
+    const int64_t n0 = u * UNIT, n1 = n0 + UNIT < N ? n0 + UNIT : N;
+#define ROWS(m, b, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
                                    scales + (n) * groups, mins + (n) * groups, groups, r, \
-                                   y + (n), ldy)
-#define CASES(b, r, n) switch (M) { \
-    case 1: ROWS(1, b, r, n); break; case 2: ROWS(2, b, r, n); break; \
-    case 3: ROWS(3, b, r, n); break; case 4: ROWS(4, b, r, n); break; \
-    case 5: ROWS(5, b, r, n); break; case 6: ROWS(6, b, r, n); break; \
-    case 7: ROWS(7, b, r, n); break; default: ROWS(8, b, r, n); break; }
-    if (bits == 4 && n1 - n0 == 2) {
-        CASES(4, 2, n0)
-    } else {
-        for (int64_t n = n0; n < n1; n++) {
-            if (bits == 4) { CASES(4, 1, n) } else { CASES(8, 1, n) }
-        }
+                                   bias ? bias + (n) : NULL, yt + (n), ldy)
+#define ROWS_R(m, b) \
+    if (R_OF(b, m) == 2 && n1 - n0 == 2) { ROWS(m, b, 2, n0); } \
+    else { for (int64_t n = n0; n < n1; n++) ROWS(m, b, 1, n); }
+#define CASES(b) switch (tile) { \
+    case 1: ROWS_R(1, b) break; case 2: ROWS_R(2, b) break; \
+    case 3: ROWS_R(3, b) break; default: ROWS_R(4, b) break; }
+    // past TILE x rows, tiles of at most TILE (the weights come again from L1)
+    for (int64_t m0 = 0, tiles = (M + TILE - 1) / TILE; m0 < M;) {
+        const int64_t tile = (M - m0 + tiles - 1) / tiles;
+        const uint8_t *xt = xq + m0 * L.stride;
+        float *yt = y + m0 * ldy;
+        if (bits == 4) { CASES(4) } else { CASES(8) }
+        m0 += tile;
+        tiles--;
     }
 #undef CASES
+#undef ROWS_R
 #undef ROWS
-    if (bias)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = n0; n < n1; n++) y[m * ldy + n] += bias[n];
 }
 #endif
 
@@ -255,14 +454,13 @@ int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const
     const XLayout L = x_layout(K, bits);
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);
     if (!xq) return -2;
-    const int R = R_OF(bits), chunk = 16 / R;
-    const int64_t units = (N + R - 1) / R;
+    const int64_t units = (N + UNIT - 1) / UNIT;
     for (int64_t m0 = 0; m0 < M; m0 += M_MAX) {
         const int64_t rows = M - m0 < M_MAX ? M - m0 : M_MAX;
         quantize_x(x + m0 * ldx, rows, K, ldx, bits, xq);
         // guided chunks, as linear_q8.c's direct path (a thread the OS lends away leaves its
         // rows to the others)
-#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
+#pragma omp parallel for schedule(guided, 16 / UNIT) num_threads(num_threads)
         for (int64_t u = 0; u < units; u++)
             unit_vnni(xq, rows, L, w, bits, scales, mins, bias, K, u, N, y + m0 * ldy, ldy);
     }
@@ -301,8 +499,8 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
     const XLayout L = x_layout(K, bits);
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);  // reserved: no failure
     quantize_x(x, M, K, ldx, bits, xq);
-    const int R = R_OF(bits);
-    for (int64_t u0, u1; loom_take_units(next, (N + R - 1) / R, 16 / R, team, &u0, &u1);)
+    for (int64_t u0, u1; loom_take_units(next, (N + UNIT - 1) / UNIT, 16 / UNIT, team, &u0,
+                                         &u1);)
         for (int64_t u = u0; u < u1; u++)
             unit_vnni(xq, M, L, w, bits, scales, mins, bias, K, u, N, y, ldy);
 #else  // not reached: reserve fails
