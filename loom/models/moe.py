@@ -22,7 +22,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.kernels import cpu_kernels, cpu_ops
-from loom.layers.linear import Linear
+from loom.layers.router import RouterLinear
 from loom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
@@ -31,13 +31,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.gate = RouterLinear(config.hidden_size, config.num_experts)  # fp32, always
         self.experts = nn.ModuleList(
             LlamaMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.shared_expert: LlamaMLP | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(config.hidden_size, 1)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [num_tokens, num_experts] -> (weights, experts) [num_tokens, top_k]."""
@@ -148,6 +148,9 @@ def _expert_names(
         if ".block_sparse_moe." in name:
             name = re.sub(r"\.(w1|w2|w3)\.", lambda m: f".{_MIXTRAL[m[1]]}.",
                           name.replace(".block_sparse_moe.", ".mlp."))
+        if name.endswith((".mlp.gate.weight", "shared_expert_gate.weight")) and hasattr(
+                w, "dequantize"):  # GGUF blocks: the router's weights stay fp32
+            w = w.dequantize()
         m = _STACKED_RE.match(name)
         if m is not None and isinstance(w, torch.Tensor) and w.dim() == 3:
             for e in range(w.shape[0]):

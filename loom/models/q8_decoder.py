@@ -29,6 +29,7 @@ from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.layers.activation import ACTIVATIONS
+from loom.layers.router import RouterLinear
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
 
@@ -39,7 +40,7 @@ KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq
 
 # loom.h's LOOM_LINEAR_*: a LinearQ8's `kind` (the int8 grid, K-quant blocks, a fused linear's
 # parts of different formats)
-LINEAR_Q8, LINEAR_KQ, LINEAR_PARTS = 0, 1, 2
+LINEAR_Q8, LINEAR_KQ, LINEAR_PARTS, LINEAR_F32 = 0, 1, 2, 3
 
 
 class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it points to itself)
@@ -47,6 +48,9 @@ class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it
     def of(cls, linear: Int8Linear | Int8Embedding | KQuantLinear) -> LinearQ8:
         """`linear` as the C stack runs it: an int8-grid one; a KQuantLinear of one K-quant
         part; else its parts (K-quant blocks or int8 grid), each with its output columns."""
+        if isinstance(linear, RouterLinear):  # fp32 as it is
+            return cls(linear.weight.data_ptr(), None, None, None, None, 0, LINEAR_F32, None, 0,
+                       0, linear.out_features)
         if isinstance(linear, KQuantLinear):
             parts = list(linear.parts.items())  # in row order
             if len(parts) == 1 and isinstance(parts[0][1][1], KBlocks):
@@ -162,6 +166,8 @@ def _linears(parts: dict) -> list[nn.Module]:
 def _grouped(m: object, bias_ok: bool = False) -> bool:
     """Whether the stack runs linear `m`: int8-grid groups, or K-quant blocks (KQuantLinear)
     whose parts are each K-quant or int8-grid (fp32 parts: no)."""
+    if isinstance(m, RouterLinear):
+        return m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
     if isinstance(m, KQuantLinear):
         return (bias_ok or m.bias is None) and all(
             isinstance(p, KBlocks) or (isinstance(p, Int8Linear) and p.grouped)
@@ -187,6 +193,8 @@ def eligible(model: torch.nn.Module) -> bool:
 def _kernel_code(linear: nn.Module) -> int | None:
     """The stack's `kernel` code of an int8-grid linear, or of a KQuantLinear's int8-grid parts
     (None where it has none: the K-quant kernel is the same whatever the code)."""
+    if isinstance(linear, RouterLinear):
+        return None  # one fp32 kernel
     if isinstance(linear, KQuantLinear):
         codes = {_kernel_code(p) for _, p in linear.parts.values() if isinstance(p, Int8Linear)}
         return codes.pop() if len(codes) == 1 else None if not codes else BATCH_CODES["fp32"]

@@ -13,13 +13,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from loom.loader import gguf as gguf_loader
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.moe import SparseMoeBlock
-from loom.quant.int8 import Int8Linear, Q8Groups, quantize_groups
+from loom.layers.router import RouterLinear
+from loom.quant.int8 import Int8Linear
 from loom.quant.kquant import KQuantLinear
 from tests import gguf_files
 from tests.cpu_kernels import require_cpu_kernels
@@ -53,20 +54,13 @@ def _quantize(a: np.ndarray, qt: T) -> np.ndarray:
 
 
 def moe_gguf(tmp_path: Path, name: str) -> tuple[Path, Path]:
-    """(the tiny GGUF, its Hugging Face folder). The shared expert's gate (a vector GGUF keeps
-    in F32, which Loom puts on its int8 grid) is on that grid already."""
+    """(the tiny GGUF, its Hugging Face folder). The router in F32, as llama.cpp keeps it."""
     arch, shape, (gate, up, down), base = CASES[name]
     folder = make_tiny_model(name, tmp_path / name, **shape)
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    for key, w in tensors.items():
-        if key.endswith("shared_expert_gate.weight"):
-            tensors[key] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_files, "quantize", _quantize)
         out = gguf_files.write_gguf(folder, tmp_path / f"{name}.gguf", arch, base, overrides={
-            "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down,
+            "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down, "ffn_gate_inp": T.F32,
             **({"ffn_gate_shexp": T.Q4_K, "ffn_up_shexp": T.Q4_K} if gate in KQ else {})})
     return out, folder
 
@@ -128,6 +122,7 @@ def test_quantized_experts_match_transformers(tmp_path, name) -> None:
             assert isinstance(d, Int8Linear) and d.grouped
     assert not [n for n, p in loaded.model.named_parameters()
                 if ".experts." in n and p.dtype.is_floating_point and p.dim() > 1]
+    assert isinstance(block.gate, RouterLinear)  # the F32 router as it is
     prompts, logits, seqs = _run(loaded)
     reference = load_model(resolve_model(str(path)), "float32", quantization="none")
     _, ref_logits, ref_seqs = _run(reference)
@@ -164,7 +159,8 @@ def test_legacy_mixtral_layout(tmp_path) -> None:
         mp.setattr(gguf_files, "_moe_tensors", per_expert)
         mp.setattr(gguf_files, "_NAMES", {**gguf_files._NAMES, **names})
         legacy = gguf_files.write_gguf(folder, tmp_path / "legacy.gguf", "llama", T.Q8_0,
-                                       overrides={"ffn_gate": T.Q4_1, "ffn_up": T.Q5_0})
+                                       overrides={"ffn_gate": T.Q4_1, "ffn_up": T.Q5_0,
+                                                  "ffn_gate_inp": T.F32})
     assert "blk.0.ffn_gate.3.weight" in {t.name for t in read_gguf(legacy).tensors}
     a, b = (load_model(resolve_model(str(p)), "float32", batch_invariant=True)
             for p in (stacked, legacy))

@@ -27,15 +27,15 @@ SHAPES = {"qwen2-moe": dict(shared_expert_intermediate_size=64)}
 
 
 def _on_grid(folder: Path) -> Path:
-    """Every linear weight (the router's, the experts' and the shared expert's gate among
-    them) as its int8-grid values, the embeddings and the head as fp16 values: what Loom's
-    int8 load keeps, so transformers runs the int8 path's very weights."""
+    """Every linear weight but the routers' (the router and the shared expert's gate stay fp32)
+    as its int8-grid values, the embeddings and the head as fp16 values: what Loom's int8 load
+    keeps, so transformers runs the int8 path's very weights."""
     path = folder / "model.safetensors"
     weights = load_file(path)
     for name, w in weights.items():
         if "embed_tokens" in name or "lm_head" in name:
             weights[name] = w.half().float()
-        elif w.dim() == 2 and w.shape[1] % 32 == 0:
+        elif w.dim() == 2 and w.shape[1] % 32 == 0 and not name.endswith("gate.weight"):
             weights[name] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
     save_file(weights, path, metadata={"format": "pt"})
     return folder

@@ -127,12 +127,48 @@ static int small_op_rows(const Step *s, const Team *t, int64_t *r0, int64_t *r1)
     return *r1 > *r0;
 }
 
-// y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8 or KQ).
+// Outputs [n0, n1) of loom_linear_f32's product.
+static void f32_cols(const float *x, int64_t M, int64_t K, const float *w, int64_t n0,
+                     int64_t n1, float *y, int64_t ldy)
+{
+    enum { L = 16 };
+    const int64_t body = K / L * L;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *a = x + m * K, *b = w + n * K;
+            float acc[L] = {0};
+            for (int64_t k = 0; k < body; k += L)
+                for (int j = 0; j < L; j++) acc[j] += a[k + j] * b[k + j];
+            for (int64_t k = body; k < K; k++) acc[k - body] += a[k] * b[k];
+            float sum = 0.0f;
+            for (int j = 0; j < L; j++) sum += acc[j];
+            y[m * ldy + n] = sum;
+        }
+}
+
+void loom_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y,
+                     int64_t ldy, int num_threads)
+{
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        f32_cols(x, M, K, w, N * t / nt, N * (t + 1) / nt, y, ldy);
+    }
+}
+
+// y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8, KQ or F32).
 static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
                       const float *bias, int64_t N, float *y, int64_t ldy)
 {
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
+    if (W->kind == LOOM_LINEAR_F32) {  // no bias (a router): each thread its share of outputs
+        if (!t) loom_linear_f32(x, s->M, K, (const float *)W->w, N, y, ldy, s->nt);
+        else f32_cols(x, s->M, K, (const float *)W->w, N * t->tid / t->team,
+                      N * (t->tid + 1) / t->team, y, ldy);
+        sync_team(t);
+        return 0;
+    }
     if (W->kind == LOOM_LINEAR_KQ) {  // in a team at most 8 rows (run_step's `many` is off)
         if (!t)  // past 8 rows on linear_kq_gemm.c's kernel with KQ_GEMM
             return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
@@ -522,6 +558,7 @@ static int finish(const Step *s, Team *t, const float *final_norm, const LoomHea
 // What a team's ops would have refused (they do not check): the error the per-op path returns.
 static int check_one(const LoomLinearQ8 *W, int64_t K)
 {
+    if (W->kind == LOOM_LINEAR_F32) return K < 1 || !W->w;
     if (W->kind == LOOM_LINEAR_KQ) return loom_kq_check(K, (int)W->bits);
     return W->kind != LOOM_LINEAR_Q8 || loom_linear_q8_check(K, (int)W->bits);
 }

@@ -168,7 +168,9 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 // LOOM_LINEAR_PARTS: a fused linear (qkv, gate_up) whose checkpoint tensors keep different
 // formats (a Q4_K_M file's Q4_K q and k beside a Q6_K v): its parts run one after the other,
 // each into its own output columns, as loom/quant/kquant.py's KQuantLinear runs them.
-enum { LOOM_LINEAR_Q8 = 0, LOOM_LINEAR_KQ = 1, LOOM_LINEAR_PARTS = 2 };
+// LOOM_LINEAR_F32: fp32 weights as they are (w: float [N, K]; a mixture of experts' router and
+// shared-expert gate, which GGUF files keep in F32), on loom_linear_f32.
+enum { LOOM_LINEAR_Q8 = 0, LOOM_LINEAR_KQ = 1, LOOM_LINEAR_PARTS = 2, LOOM_LINEAR_F32 = 3 };
 
 // One linear's weights: for LOOM_LINEAR_Q8 the int8 grid, fp32 scales and minimums, and their
 // fp16 copies for the VNNI kernel (NULL where unused); for LOOM_LINEAR_KQ the K-quant
@@ -260,6 +262,11 @@ int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int n
 void loom_moe_combine_f32(const float *y, const float *pair_weight, const int64_t *token_pairs,
                           int64_t M, int64_t top_k, int64_t H, const float *shared,
                           const float *shared_gate, float *out, int num_threads);
+// y [M, N] (ldy apart) = x [M, K] W^T for fp32 W [N, K] (few outputs: a router): each output a
+// sum over K in 16 lanes, then the lanes in a fixed order: the same bits for a row whatever the
+// batch and the threads.
+void loom_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y,
+                     int64_t ldy, int num_threads);
 // The bytes of a LoomMoeQ8's scratch for M tokens (inter: the larger of its experts' and its
 // shared expert's widths).
 int64_t loom_moe_scratch_bytes(int64_t M, int64_t H, int64_t E, int64_t top_k, int64_t inter);
