@@ -6,9 +6,9 @@ model in one process, interleaved rounds, medians.
         --tokens 16 --rounds 3 --threads N]
 
 Prompt: LLM.generate of one fresh random `--prompt`-token prompt, one output token (~TTFT; a
-new prompt each round: no prefix-cache hit). Streams: `--streams` random 16-token prompts, 1 and
-then 1 + `--tokens` greedy tokens each; (second - first) / tokens is a decode step of all
-streams (~TPOT), and streams / step their tokens a second.
+new prompt each round: no prefix-cache hit). Streams: `--streams` random 16-token prompts added
+to the engine, stepped until each has a token, then `--tokens` engine steps timed one by one:
+their median is a decode step of all streams (~TPOT), and streams / step their tokens a second.
 """
 
 from __future__ import annotations
@@ -37,6 +37,24 @@ def set_kernel(llm: LLM, kernel: str) -> None:
         stack.head_module = None
 
 
+def decode_step(llm: LLM, streams: list[list[int]], params: SamplingParams) -> float:
+    """The median time of an engine step once every stream has its first token."""
+    engine = llm.engine
+    for i, p in enumerate(streams):
+        engine.add_request(f"bench-{id(p)}-{i}", p, params)
+    started = set()
+    while len(started) < len(streams):
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    times = []
+    for _ in range(params.max_tokens - 1):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -59,7 +77,7 @@ def main() -> None:
         return [[rng.randrange(100, min(vocab, 30000)) for _ in range(length)] for _ in range(n)]
 
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    more = SamplingParams(temperature=0.0, max_tokens=1 + a.tokens, ignore_eos=True)
+    more = SamplingParams(temperature=0.0, max_tokens=2 + a.tokens, ignore_eos=True)
     ttft: dict[str, list[float]] = {k: [] for k in kernels}
     step: dict[str, list[float]] = {k: [] for k in kernels}
     for name, kernel in kernels.items():  # warm-up
@@ -71,12 +89,7 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate(prompts(1, a.prompt), one, use_tqdm=False)
             ttft[name].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            llm.generate(prompts(a.streams, 16), one, use_tqdm=False)
-            t1 = time.perf_counter() - t
-            t = time.perf_counter()
-            llm.generate(prompts(a.streams, 16), more, use_tqdm=False)
-            step[name].append(((time.perf_counter() - t) - t1) / a.tokens)
+            step[name].append(decode_step(llm, prompts(a.streams, 16), more))
     print(f"{a.model}: {a.prompt}-token prompt, {a.streams} streams x {a.tokens} tokens, "
           f"{a.rounds} rounds")
     for name in kernels:
