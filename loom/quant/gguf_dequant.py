@@ -1,8 +1,9 @@
 """Dequantize GGUF tensors to float32, or convert them to Loom's int8 grid.
 
-The common block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are unpacked with vectorized torch ops;
-every other type the `gguf` package knows (K-quants, IQ types, BF16 ...) goes through its
-reference numpy implementation. Tests check the torch paths against the `gguf` reference.
+The 32-wide block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) are unpacked with vectorized
+torch ops; every other type the `gguf` package knows (K-quants, other IQ types, BF16 ...) goes
+through its reference numpy implementation. Tests check the torch paths against the `gguf`
+reference.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 # 4-bit block formats -> where their 16 bytes of nibbles start in a block
 NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+# IQ4_NL's levels (ggml's kvalues_iq4nl) + 128: 1..241, 8-bit integers on the int8 grid
+IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                              89, 113], dtype=torch.int16) + 128
 
 
 def _unpack(
@@ -56,6 +60,8 @@ def _unpack(
     if qtype == GGMLQuantizationType.Q5_1:
         return unpack_nibbles(blocks[:, 8:]).to(torch.int16) | _fifth_bits(blocks[:, 4:8]), \
             d, 0, _f16(blocks, 2)
+    if qtype == GGMLQuantizationType.IQ4_NL:  # 4-bit indices into 16 levels -127..113, + 128
+        return IQ4_NL_LEVELS[unpack_nibbles(blocks[:, 2:]).long()], d, 128, None
     raise AssertionError(qtype)
 
 
@@ -89,6 +95,7 @@ TORCH_TYPES = {
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.IQ4_NL,
 }
 
 

@@ -29,10 +29,23 @@ from tests.tiny_models import make_tiny_model
 T = GGMLQuantizationType
 
 
+def _quantize(x: np.ndarray, qtype) -> np.ndarray:
+    """The `gguf` package's quantizer, and a plain nearest-level one for IQ4_NL (which it lacks):
+    d = max|x| / 127 a block of 32, each value's nearest level, GGUF's nibble order."""
+    if qtype != T.IQ4_NL:
+        return quantize(x, qtype)
+    levels = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    b = x.reshape(-1, 32)
+    d = (np.abs(b).max(1, keepdims=True) / 127).astype(np.float16)
+    idx = np.abs(b[:, :, None] / np.maximum(d, 1e-30)[:, :, None] - levels).argmin(-1)
+    qs = (idx[:, :16] | idx[:, 16:] << 4).astype(np.uint8)
+    return np.concatenate([d.view(np.uint8), qs], 1).reshape(x.shape[0], -1)
+
+
 @pytest.mark.parametrize("qtype", sorted(TORCH_TYPES | {T.F16, T.BF16}, key=lambda t: t.value))
 def test_torch_dequant_equals_gguf_reference(qtype) -> None:
     x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * 3
-    raw = quantize(x, qtype)
+    raw = _quantize(x, qtype)
     ours = dequantize(raw, qtype, (8, 256))
     ref = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
@@ -220,7 +233,7 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path) -> None:
 def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
     """int8 loads GGUF's 32-wide block formats onto its grid as they are: the same floats."""
     x = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
-    raw = quantize(x, qtype)
+    raw = _quantize(x, qtype)
     groups = q8_groups(raw, qtype, (6, 128))
     assert groups.q.dtype == torch.uint8 and groups.scale.shape == groups.min.shape == (6, 4)
     # Q4_0 and Q4_1 keep their nibbles, two weights a byte
@@ -274,3 +287,24 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     torch.testing.assert_close(embed(torch.tensor(ids)), ref.model.model.embed_tokens(
         torch.tensor(ids)), rtol=0, atol=0)
     assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order
+
+
+def test_iq4_nl_runs_on_the_int8_grid_by_default(tmp_path) -> None:
+    """An IQ4_NL file (every 2-D tensor in it) keeps its values exactly by default: its levels
+    + 128 as 8-bit integers on Loom's int8 grid (scale d, minimum -128 d), no fp32 expansion;
+    the logits are the fp32 reference's but for the sums' order."""
+    require_cpu_kernels()
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    f32 = write_gguf(folder, tmp_path / "f32.gguf", "llama")
+    raw = {t.name: (_quantize(np.asarray(t.data, dtype=np.float32), T.IQ4_NL), T.IQ4_NL)
+           for t in GGUFReader(str(f32)).tensors if len(t.shape) == 2}
+    source = resolve_model(str(write_gguf(folder, tmp_path / "iq4.gguf", "llama", raw=raw)))
+    ref = load_model(source, dtype="float32", quantization="none")
+    got = load_model(source, dtype="float32", batch_invariant=True)
+    assert got.quantization == "int8"
+    linears = [m for m in got.model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(m.grouped and m.bits == 8 for m in linears)
+    assert isinstance(got.model.model.embed_tokens, Int8Embedding)
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    out_ref, out = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(got).step({"r": ids})["r"]
+    assert rel_err(out, out_ref) < 1e-5
