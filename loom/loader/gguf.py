@@ -119,7 +119,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
 
     names = {t.name for t in reader.tensors}
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
+    vocab = field(reader, f"{arch}.vocab_size") or reader.count("tokenizer.ggml.tokens")
     scaling = _rope_scaling(reader, arch)
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
     extra = _gemma_fields(reader, arch, path) if arch in _GEMMAS else {}
@@ -180,7 +180,6 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     heads = int(field(reader, f"{arch}.attention.head_count"))
     head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
     is_27b = layers == (62 if arch == "gemma3" else 46)
-    tokens = field(reader, "tokenizer.ggml.tokens", [])
     return dict(
         layer_types=types,
         rope_local_theta=(float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
@@ -189,7 +188,7 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
         attn_logit_softcapping=field(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcapping=field(reader, f"{arch}.final_logit_softcapping"),
         hidden_act="gelu_pytorch_tanh",
-        end_of_turn=tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None,
+        end_of_turn=reader.string_index("tokenizer.ggml.tokens", "<end_of_turn>"),
     )
 
 

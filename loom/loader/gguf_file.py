@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,65 @@ class GGUFTensor:
     data: np.ndarray  # typed elements for float/int types, else uint8 [..., bytes per row]
 
 
+_U64 = struct.Struct("<Q")
+_LAZY_AT = 1024  # string arrays this long are decoded on first use (a vocabulary, its merges)
+
+
+class _LazyStrings:
+    """A string array's place in the file, decoded when first read: loading a model with its
+    tokenizer cached never reads its vocabulary (Gemma 3's 262k tokens: ~0.5 s to decode)."""
+
+    __slots__ = ("buf", "offset", "count")
+
+    def __init__(self, buf: mmap.mmap, offset: int, count: int) -> None:
+        self.buf, self.offset, self.count = buf, offset, count
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """(start, end) of each string's bytes."""
+        buf, off, unpack = self.buf, self.offset, _U64.unpack_from
+        for _ in range(self.count):
+            (n,) = unpack(buf, off)
+            yield off + 8, off + 8 + n
+            off += 8 + n
+
+    def decode(self) -> list[str]:
+        view = memoryview(self.buf)
+        return [str(view[a:b], "utf-8") for a, b in self.items()]
+
+    def index(self, text: str) -> int | None:
+        want = text.encode("utf-8")
+        buf = self.buf
+        for i, (a, b) in enumerate(self.items()):
+            if b - a == len(want) and buf[a:b] == want:
+                return i
+        return None
+
+
+class _Fields(dict):
+    """The metadata dict; long string arrays (_LazyStrings) are decoded on first access."""
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, _LazyStrings):
+            value = value.decode()
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self.items()) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class GGUFFile:
     """Decoded metadata (`fields`, values as GGUFReader's `contents()` gives them) and tensors."""
@@ -64,6 +124,18 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         value = self.fields.get(key)
         return default if value is None else value
+
+    def count(self, key: str) -> int:
+        """How many items array `key` holds (0 where absent), without decoding its strings."""
+        value = dict.get(self.fields, key)
+        return value.count if isinstance(value, _LazyStrings) else len(value or ())
+
+    def string_index(self, key: str, text: str) -> int | None:
+        """The index of `text` in string array `key` (None: not there), without decoding it."""
+        value = dict.get(self.fields, key)
+        if isinstance(value, _LazyStrings):
+            return value.index(text)
+        return value.index(text) if value and text in value else None
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -102,6 +174,19 @@ class _Parser:
         self.offset = start + n
         return self.buf[start : start + n].decode("utf-8")
 
+    def skip_strings(self, count: int) -> _LazyStrings:
+        """Step over `count` strings (their lengths checked), to be decoded when read."""
+        buf, off, unpack, size = self.buf, self.offset, _U64.unpack_from, self.size
+        start = off
+        for _ in range(count):
+            if off + 8 > size:
+                raise GGUFFormatError(f"string array at offset {start} runs past the end")
+            off += 8 + unpack(buf, off)[0]
+        if off > size:
+            raise GGUFFormatError(f"string array at offset {start} runs past the end")
+        self.offset = off
+        return _LazyStrings(buf, start, count)
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
@@ -110,6 +195,8 @@ class _Parser:
         if vtype != _ARRAY:
             raise GGUFFormatError(f"unknown metadata value type {vtype} at offset {self.offset}")
         itype, count = self.unpack("<I"), self.unpack("<Q")
+        if itype == _STRING and count >= _LAZY_AT:
+            return self.skip_strings(count)
         if itype == _STRING:
             return [self.string() for _ in range(count)]
         if itype not in _SCALARS:
@@ -130,9 +217,9 @@ class _Parser:
         if version not in _VERSIONS:
             raise GGUFFormatError(f"GGUF version {version} is not supported (only 2 and 3)")
         tensor_count, kv_count = self.unpack("<Q"), self.unpack("<Q")
-        fields: dict[str, Any] = {
+        fields: dict[str, Any] = _Fields({
             "GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count,
-        }
+        })
         for _ in range(kv_count):
             key = self.string()
             if key in fields:
