@@ -6,8 +6,9 @@ quoting it, copy a list, fix the spelling of a text, rewrite a function with one
 plain chat. Both engines live in this one process and run each prompt in turn (base, then
 speculative, the order swapped every repeat), so a shared machine's load falls on both alike;
 per prompt the median of `--repeats` runs counts. For each workload: tok/s without and with
-`--speculative-config`, the speedup, the acceptance rate (overall and per draft position) and
-whether the outputs are identical (they must be).
+`--speculative-config` (adaptive draft length; `--fixed` adds k drafts every step), the speedup,
+the acceptance rate (overall and per draft position), the draft tokens a verify step and whether
+the outputs are identical (they must be).
 
     .venv/bin/python benchmarks/bench_spec.py --out benchmarks/results/spec-<date>-<machine>.json \
         --plot benchmarks/results/spec-<date>-<machine>.png
@@ -84,8 +85,8 @@ def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float]:
 
 
 def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int) -> dict:
-    """Per engine: outputs, tokens and the sum over prompts of the median seconds; both engines
-    run each prompt in turn (the order swapped every repeat)."""
+    """Per engine: outputs, tokens and the sum over prompts of the median seconds; the engines
+    run each prompt in turn (the order reversed every repeat)."""
     labels = list(engines)
     outs: dict[str, list[list[int]]] = {label: [] for label in labels}
     seconds = {label: 0.0 for label in labels}
@@ -112,6 +113,10 @@ def main() -> None:
                     "verify step: up to 8 keep the default decode kernel)")
     ap.add_argument("--lookup-max", type=int, default=5, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--row-cost", type=float, default=None,
+                    help="row_cost of the adaptive draft length (default: the config's)")
+    ap.add_argument("--fixed", action="store_true",
+                    help="also run k drafts every step (adaptive off) as a third engine")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the batch-invariant fp32 kernels instead of Loom's defaults")
     ap.add_argument("--out", default=None, help="write the results here (JSON)")
@@ -126,9 +131,13 @@ def main() -> None:
         args.max_tokens, args.repeats = 16, 1
     config = {"method": "ngram", "num_speculative_tokens": args.k,
               "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+    if args.row_cost is not None:
+        config["row_cost"] = args.row_cost
+    specs = [("base", None), ("ngram", json.dumps(config))]
+    if args.fixed:
+        specs.append(("fixed", json.dumps(dict(config, adaptive=False))))
     engines = {label: LLM(args.model, batch_invariant=args.batch_invariant,
-                          speculative_config=spec)
-               for label, spec in (("base", None), ("ngram", json.dumps(config)))}
+                          speculative_config=spec) for label, spec in specs}
     for llm in engines.values():
         run_one(llm, CHAT[0], 8)  # warm-up
     results: dict[str, dict] = {}
@@ -147,8 +156,16 @@ def main() -> None:
             if st["drafts"] else 0.0,
             "acceptance_per_position": [round(a / p, 3)
                                         for a, p in zip(st["acc_pos"], st["prop_pos"]) if p],
+            "draft_tokens_per_verify_step": round(st["proposed"] / st["drafts"], 3)
+            if st["drafts"] else 0.0,
             "identical_output": r["base"]["outputs"] == r["ngram"]["outputs"],
         }
+        if "fixed" in r:
+            fixed_tps = r["fixed"]["tokens"] / r["fixed"]["seconds"]
+            results[name].update({
+                "fixed_k_tok_s": round(fixed_tps, 2),
+                "fixed_k_speedup": round(fixed_tps / base_tps, 3),
+                "fixed_k_identical_output": r["base"]["outputs"] == r["fixed"]["outputs"]})
     dump(args.out, {
         "machine": machine(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
         "kernels": "batch-invariant" if args.batch_invariant else "default",

@@ -39,7 +39,11 @@ class SpeculativeConfig:
     # No request speculates while more than this many run (the verify rows cost compute a
     # large batch no longer has to spare); None: any batch.
     disable_by_batch_size: int | None = 8
-    adaptive: bool = True  # per request: shorter drafts after rejections, pauses after misses
+    adaptive: bool = True  # draft length per request and step: its acceptance, the batch
+    # With `adaptive`: the cost of one more row in a verify step, as a fraction of a step of
+    # one row (docs/speculative.md: measured on the default model; lower where reading the
+    # weights bounds a step); 0: k drafts in any batch.
+    row_cost: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -57,6 +61,10 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config prompt_lookup_min "
                               f"({self.prompt_lookup_min}) > prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        c = self.row_cost
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise ConfigError(f"speculative_config row_cost must be a number in [0, 1], got "
+                              f"{c!r}")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ConfigError(f"speculative_config disable_by_batch_size must be a positive "
@@ -104,16 +112,66 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
     return []
 
 
+# A request's acceptance estimate starts at PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES) and each
+# verify step's evidence weighs DECAY times the step's before (a reply moves between quoting
+# and writing its own words).
+PRIOR_HITS, PRIOR_MISSES, DECAY = 4.0, 1.0, 0.7
+MAX_PAUSE = 32  # steps
+
+
 @dataclass(slots=True)
 class _Adaptive:
-    """One request's draft length: after a step that accepted a of k, the next drafts hold at
-    most a + 1 tokens (k again after a full acceptance); after 2 steps in a row that accepted
-    nothing the request pauses, 2, 4, ... up to 32 steps."""
+    """One request's draft acceptance: each verify step that accepted a of n draft tokens
+    counts a hits and, when a < n, one miss (the token rejected), older steps decayed. The
+    model: each draft token is accepted with probability alpha = hits / (hits + misses) once
+    the ones before it were. When no draft is worth its rows the request pauses 1, 2, 4 ... 32
+    steps, then drafts one token (a probe) to measure again."""
 
-    k: int
-    misses: int = 0
+    hits: float = PRIOR_HITS
+    misses: float = PRIOR_MISSES
     pause: int = 0
     backoff: int = 1
+    probe: bool = False
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def update(self, num_proposed: int, num_accepted: int) -> None:
+        self.hits = DECAY * self.hits + num_accepted
+        self.misses = DECAY * self.misses + (num_accepted < num_proposed)
+
+
+class _StepPlan:
+    """A step's expected tokens and cost (in one-row steps), as drafts are added: a draft's
+    j-th token is worth one more row when its chance alpha^j beats the tokens a unit of cost
+    the step yields so far, times a row's cost (so one more row raises the step's rate). A
+    step of B decoding requests yields B tokens for 1 + row_cost (B - 1): the larger the batch,
+    the surer a draft token must be."""
+
+    def __init__(self, num_running: int, row_cost: float) -> None:
+        self.row_cost = row_cost
+        self.tokens = float(max(num_running, 1))
+        self.cost = 1.0 + row_cost * (self.tokens - 1.0)
+
+    def length(self, alpha: float, k: int) -> int:
+        """The most draft tokens (<= k) worth their rows at acceptance alpha."""
+        tokens, cost, p = self.tokens, self.cost, 1.0
+        for j in range(k):
+            p *= alpha
+            if p <= self.row_cost * tokens / cost:
+                return j
+            tokens += p
+            cost += self.row_cost
+        return k
+
+    def add(self, alpha: float, n: int) -> None:
+        """Count a draft of n tokens in the step."""
+        p = 1.0
+        for _ in range(n):
+            p *= alpha
+            self.tokens += p
+            self.cost += self.row_cost
 
 
 @dataclass(slots=True)
@@ -164,9 +222,10 @@ class Drafter(Protocol):
 
 
 class SpecDecoder:
-    """Proposes drafts for the scheduler and adapts their length per request. With a drafter
-    (method "draft_model"), `prepare` runs it once per step for every request that may decode
-    with a draft (batched), before the scheduler asks `propose` per request."""
+    """Proposes drafts for the scheduler and adapts their length per request and per step
+    (`_Adaptive`, `_StepPlan`). With a drafter (method "draft_model"), `prepare` runs it once
+    per step for every request that may decode with a draft (batched), before the scheduler
+    asks `propose` per request."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  drafter: Drafter | None = None) -> None:
@@ -176,19 +235,24 @@ class SpecDecoder:
         self.stats = SpecDecodeStats()
         self._adaptive: dict[str, _Adaptive] = {}
         self._drafts: dict[str, list[int]] = {}
+        self._plan = _StepPlan(1, config.row_cost)
 
     def prepare(self, running: list[Request]) -> None:
-        """Draft-model drafts for this step's decoding requests (no-op for n-gram)."""
+        """Start a step: its plan, and draft-model drafts for its decoding requests."""
         self._drafts = {}
+        self._plan = _StepPlan(len(running), self.config.row_cost)
         if self.drafter is None or self._off(len(running)):
             return
         reqs, ks = [], []
+        trial = _StepPlan(len(running), self.config.row_cost)
         for r in running:
             if r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r):
                 continue
             state = self._state(r)
-            k = 0 if state.pause else self._limit(r, state.k)
+            k = 0 if state.pause or self._worthless(state) else self._length(
+                r, state, self.config.num_speculative_tokens, trial)
             if k > 0:
+                trial.add(state.alpha, k)
                 reqs.append(r)
                 ks.append(k)
         if reqs:
@@ -202,8 +266,7 @@ class SpecDecoder:
     def _state(self, request: Request) -> _Adaptive:
         state = self._adaptive.get(request.request_id)
         if state is None:
-            state = self._adaptive[request.request_id] = _Adaptive(
-                self.config.num_speculative_tokens)
+            state = self._adaptive[request.request_id] = _Adaptive()
         return state
 
     def _limit(self, request: Request, k: int) -> int:
@@ -213,6 +276,19 @@ class SpecDecoder:
             k = min(k, request.max_tokens - request.num_output_tokens - 1)
         return k
 
+    def _length(self, request: Request, state: _Adaptive, k: int, plan: _StepPlan) -> int:
+        """This step's draft length for a request (<= k): with `adaptive`, what its acceptance
+        makes worth the rows in this step (a probe: at least 1)."""
+        k = self._limit(request, k)
+        if k <= 0 or not self.config.adaptive:
+            return k
+        n = plan.length(state.alpha, k)
+        return max(n, 1) if state.probe else n
+
+    def _worthless(self, state: _Adaptive) -> bool:
+        """Whether even alone in its step a request's drafts cost more than they yield."""
+        return self.config.adaptive and not state.probe and state.alpha <= self.config.row_cost
+
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
         the step's budget left after that token."""
@@ -221,8 +297,13 @@ class SpecDecoder:
         state = self._state(request)
         if state.pause > 0:
             state.pause -= 1
+            state.probe = state.pause == 0
             return []
-        k = self._limit(request, min(state.k, token_budget))
+        if self._worthless(state):  # pause; then measure again
+            state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_PAUSE)
+            return []
+        k = self._length(request, state, min(self.config.num_speculative_tokens, token_budget),
+                         self._plan)
         if k <= 0:
             return []
         if self.drafter is not None:
@@ -233,22 +314,18 @@ class SpecDecoder:
                                   cfg.prompt_lookup_max)
         if draft and request.grammar is not None:  # up to the first token it forbids
             draft = draft[: request.grammar.num_valid(draft)]
+        self._plan.add(state.alpha, len(draft))
         return draft
 
     def on_verified(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
         state = self._adaptive.get(req_id)
-        if state is None or not self.config.adaptive:
+        if state is None:
             return
-        k_max = self.config.num_speculative_tokens
-        state.k = k_max if num_accepted == num_proposed else min(k_max, num_accepted + 1)
-        if num_accepted:
-            state.misses, state.backoff = 0, 1
-            return
-        state.misses += 1
-        if state.misses >= 2:
-            state.pause, state.misses = state.backoff, 0
-            state.backoff = min(2 * state.backoff, 32)
+        state.update(num_proposed, num_accepted)
+        state.probe = False
+        if state.alpha > self.config.row_cost:
+            state.backoff = 1
 
     def drop(self, req_id: str) -> None:
         """Forget a finished or preempted request."""

@@ -14,8 +14,10 @@ from loom.config import ConfigError
 from loom.structured.params import StructuredOutputsParams
 from tests.engine_fixtures import make_llm, tiny_model_with_tokenizer  # noqa: F401
 
+# row_cost 0: every request drafts k tokens whenever the lookup finds them, in any batch (the
+# adaptive draft length has its own tests in test_spec_unit)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1, "disable_by_batch_size": None}
+         "prompt_lookup_min": 1, "disable_by_batch_size": None, "row_cost": 0.0}
 
 
 @pytest.fixture(scope="module")

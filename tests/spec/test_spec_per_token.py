@@ -153,12 +153,14 @@ def test_smollm2_structured_output_same_with_speculation(make_llm) -> None:
 
 @pytest.mark.slow
 def test_smollm2_default_kernels_greedy_same(make_llm) -> None:
-    """Loom's default kernels (not batch-invariant), one stream, drafts of up to 7 tokens: a
-    verify step's 8 rows run the same decode kernel as one row, so greedy output is identical."""
+    """Loom's default kernels (not batch-invariant), one stream, adaptive drafts of up to 7
+    tokens (1 to 8 rows a verify step): the decode kernel's bits for a row do not depend on the
+    rows beside it, so greedy output is identical."""
     prompt = ("Quote this passage word for word: The lighthouse stood on the northern cliff "
               "for two hundred years. Its keeper, a quiet man named Elias, climbed the steps "
               "every evening to light the lamp.\nQuote: ")
-    config = json.dumps(dict(NGRAM, num_speculative_tokens=7))
+    config = json.dumps({**{k: v for k, v in NGRAM.items() if k != "row_cost"},
+                         "num_speculative_tokens": 7})
     params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=1)
     outs = {}
     for spec in (None, config):

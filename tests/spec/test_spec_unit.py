@@ -65,25 +65,58 @@ def _request(tokens: list[int], max_tokens: int = 50) -> Request:
     return r
 
 
-def test_adaptive_draft_length_and_pause() -> None:
-    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
+def _drafts(spec: SpecDecoder, reqs: list[Request], accept: bool) -> list[int]:
+    """One step: each request's draft length; then all accepted (or none)."""
+    spec.prepare(reqs)
+    drafts = [spec.propose(r, len(reqs), 100) for r in reqs]
+    for r, d in zip(reqs, drafts):
+        if d:
+            spec.on_verified(r.request_id, len(d), len(d) if accept else 0)
+    return [len(d) for d in drafts]
+
+
+def test_adaptive_draft_length_follows_acceptance() -> None:
+    """A request's drafts hold as many tokens as its acceptance pays for (row_cost 0.3): 3 at
+    the prior (0.8), up to k as drafts keep being accepted, fewer as they are not, none once a
+    row costs more than the token is likely to yield; then paused 1, 2, 4 ... steps with a
+    one-token probe after each pause. Fixed length without `adaptive`."""
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=2)
     spec = SpecDecoder(config, max_model_len=100)
-    req = _request([1, 2, 3, 4, 5, 6, 7, 1, 2])
-    assert spec.propose(req, 1, 100) == [3, 4, 5, 6]
-    spec.on_verified("r", 4, 1)  # one accepted: next drafts at most 2
-    assert spec.propose(req, 1, 100) == [3, 4]
-    spec.on_verified("r", 2, 0)
-    spec.on_verified("r", 1, 0)  # two misses in a row: one step paused
-    assert spec.propose(req, 1, 100) == []
-    assert spec.propose(req, 1, 100) == [3]
+    req = _request(list(range(1, 30)) + [1, 2], max_tokens=90)
+    assert [_drafts(spec, [req], True)[0] for _ in range(4)] == [3, 5, 7, 7]
+    assert spec.propose(req, 1, 100) == list(range(3, 10))  # the draft itself
+    assert [_drafts(spec, [req], False)[0] for _ in range(8)] == [7, 5, 3, 2, 1, 1, 1, 1]
+    # acceptance 0.27 <= 0.3: pauses 1 step, probes 1 token, pauses 2, probes, pauses 4
+    lengths = [_drafts(spec, [req], False)[0] for _ in range(11)]
+    assert lengths == [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert [_drafts(spec, [req], True)[0] for _ in range(2)] == [0, 1]  # the probe is accepted
+    assert [_drafts(spec, [req], True)[0] for _ in range(4)] == [1, 1, 2, 3]  # and grow again
     assert spec.propose(req, 9, 100) == []  # more running than disable_by_batch_size (8)
     assert spec.propose(req, 1, 0) == []  # no budget left
-    assert spec.stats.num_draft_tokens == 7 and spec.stats.accepted_per_pos == [1, 0, 0, 0]
+    fixed = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
+                                          adaptive=False), max_model_len=100)
+    assert [_drafts(fixed, [req], False)[0] for _ in range(4)] == [4, 4, 4, 4]
     short = _request([1, 2, 3, 1, 2], max_tokens=3)
     short.append_output_token_ids(1)  # one of 3 out: at most 1 draft + 1 sampled
-    fresh = SpecDecoder(config, max_model_len=100)  # (spec's "r" now drafts 1 token at most)
     assert ngram_propose(short.all_token_ids, 4, 1, 2) == [2, 1]
-    assert fresh.propose(short, 1, 100) == [2]
+    assert SpecDecoder(config, max_model_len=100).propose(short, 1, 100) == [2]
+
+
+def test_adaptive_draft_length_shares_the_step() -> None:
+    """Batch-aware: the more requests decode in a step, the surer a draft token must be to be
+    worth its row (at acceptance 0.8: 3 tokens alone, 1 each among four); the requests planned
+    first in a step leave the later ones fewer rows; past disable_by_batch_size none drafts."""
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=2)
+    reqs = [Request(f"r{i}", list(range(1, 30)) + [1, 2],
+                    SamplingParams(temperature=0.0, max_tokens=90)) for i in range(9)]
+    for r in reqs:
+        r.max_tokens = 90
+    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:1], True) == [3]
+    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:3], True) == [2, 2, 1]
+    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:4], True) == [1, 1, 1, 1]
+    assert _drafts(SpecDecoder(config, max_model_len=100), reqs, True) == [0] * 9
+    with pytest.raises(Exception, match="row_cost"):
+        SpeculativeConfig(row_cost=1.5)
 
 
 def test_trim_returns_the_rejected_tokens_blocks() -> None:
