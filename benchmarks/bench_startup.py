@@ -1,7 +1,8 @@
 """Start-up and memory of `loom serve MODEL` (no flags unless --loom-args): seconds from spawn
 until /health answers, until the first streamed token, and the peak RSS of the server's process
 tree (sampled every --interval s, as benchmarks/compare.py does) over start-up, the first token
-and a short burst of --burst concurrent requests. One line per run, plus the machine's load.
+and a short burst of --burst concurrent requests; and the CPU seconds the server's tree used until
+/health (less skewed than wall time on a shared machine). One line per run, with the load.
 
     .venv/bin/python benchmarks/bench_startup.py --model FILE.gguf [--runs 3] [--burst 16]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from loom.bench.runner import server_model
-from loom.bench.server_proc import ServerProcess
+from loom.bench.server_proc import ServerProcess, tree_cpu_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import free_port  # noqa: E402
@@ -47,13 +48,16 @@ def run_once(ns: argparse.Namespace, log: Path) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
     with ServerProcess(cmd, url, log_path=log, sample_interval=ns.interval) as server:
         health = server.wait_healthy(ns.timeout)
+        assert server.proc is not None
+        cpu_health = tree_cpu_seconds(server.proc.pid)  # less skewed by other load than wall time
         rss_health = server.peak_rss
         model = server_model(url)
         first = server.first_token(model, ns.timeout)
         if ns.burst:
             _burst(url, model, ns.burst, ns.tokens)
         time.sleep(2 * ns.interval)
-    return {"health_s": health, "first_token_s": first, "rss_at_health_mib": rss_health / 2**20,
+    return {"health_s": health, "cpu_s_at_health": cpu_health, "first_token_s": first,
+            "rss_at_health_mib": rss_health / 2**20,
             "peak_rss_mib": server.peak_rss / 2**20}
 
 
