@@ -9,6 +9,7 @@ from gguf import GGUFReader
 from loom.loader.gguf_file import GGUFFormatError, read_gguf
 from loom.loader.resolve import default_gguf_path
 
+pytestmark = pytest.mark.slow  # loads real GGUF / tokenizer files: seconds each
 
 def test_vocabulary_is_counted_and_searched_without_decoding() -> None:
     path = default_gguf_path()

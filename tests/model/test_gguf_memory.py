@@ -23,6 +23,8 @@ from tests.model.test_kquant import random_blocks
 from tests.paged_batch import PagedBatch
 from tests.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow  # loads real GGUF / tokenizer files: seconds each
+
 Q6_K = GGMLQuantizationType.Q6_K
 VOCAB, HIDDEN = 512, 256  # a K-quant row holds whole 256-wide super-blocks
 

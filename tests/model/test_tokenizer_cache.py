@@ -14,6 +14,8 @@ from loom.tokenizer import fast_check
 from loom.tokenizer import tokenizer as tokenizer_module
 from loom.tokenizer.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # loads real GGUF / tokenizer files: seconds each
+
 TEXTS = ["The capital of France is", "  two  spaces ", "<|im_start|>user\nHi<|im_end|>", "日本語 😀"]
 
 
