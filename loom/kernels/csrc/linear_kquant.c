@@ -15,9 +15,11 @@
 // max |x| / 127 and two int8 digits, x / d = a + b / 256 (to 1/512 of d, 1/256 where b
 // saturates); a run's sum of q x is d (256 sum q a + sum q b) / 256 in exact int32 (q unsigned,
 // the digits signed: vpdpbusd's / vpmaddubsw's operands as they are), scaled by the run's weight
-// scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K) and the -32's (Q6_K)
-// terms take each run's sum of x~ once a super-block. One digit (llama.cpp's) measured 96.5%
-// top-1 on Loom's default model for its int8 grid; two: 99.9% (docs/cpu_kernels.md).
+// scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K: x~ summed over each
+// block of 32) and the -32's (Q6_K: over each run) terms take one fma a super-block. x's layout
+// (quantize_row) is the kernel's own per build and format, so the blocks are read as stored
+// with few shuffles. One digit (llama.cpp's) measured 96.5% top-1 on Loom's default model for
+// its int8 grid; two: 99.9% (docs/cpu_kernels.md, docs/kquants.md).
 // Every output is summed in the same order whatever M (up to 8 rows at once, more in chunks of
 // 8 over blocks of weight rows), so a row's bits do not depend on its batch within a build.
 //
