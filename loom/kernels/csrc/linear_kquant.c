@@ -50,7 +50,7 @@
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
 #define M_MAX 8       // x rows at once
 #define NB_ROWS 16    // weight rows a unit past M_MAX rows (reused from cache by each chunk)
-#define PF 1024       // weight bytes prefetched ahead in a row
+#define PF 4096       // weight bytes prefetched ahead in a row (0.91x a 1 GB stream against 1 KiB)
 enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
