@@ -311,7 +311,8 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
             const __m512i L = _mm512_loadu_si512(blk + 64 * c);
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                 (const __m256i *)(blk + 128 + 32 * c)));
-            // (nibbles & 15) | the high bits (0xEC: (a & c) | b), which the masks leave at bits 4-5 alone
+            // (nibbles & 15) | the high bits (0xEC: (a & c) | b), which the masks leave alone at
+            // bits 4-5
             W[2 * c] = _mm512_ternarylogic_epi32(
                 L, _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo), nib, 0xEC);
             W[2 * c + 1] = _mm512_ternarylogic_epi32(
@@ -329,10 +330,13 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
     const __m128i x1 = _mm_and_si128(raw, _mm_setr_epi32(0, 0x3f3f3f3f, 0x3f3f3f3f, 0x0f0f0f0f));
     const __m128i x2 = _mm_and_si128(_mm_srlv_epi16(raw, _mm_setr_epi16(0, 0, 2, 2, 2, 2, 4, 4)),
                                      _mm_setr_epi32(0, 0x30303030, 0x30303030, 0x0f0f0f0f));
-    const __m128i scm = _mm_ternarylogic_epi32(  // sc[j] at 2j, m[j] at 2j + 1
-        _mm_shuffle_epi8(x1, _mm_setr_epi8(4, 8, 5, 9, 6, 10, 7, 11, 12, -1, 13, -1, 14, -1, 15, -1)),
-        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 4, 12, 5, 13, 6, 14, 7, 15)),
-        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, 8, -1, 9, -1, 10, -1, 11)),
+    const __m128i scm = _mm_ternarylogic_epi32(  // sc[j] at 2j, m[j] at 2j + 1 (a | b | c)
+        _mm_shuffle_epi8(x1, _mm_setr_epi8(4, 8, 5, 9, 6, 10, 7, 11,
+                                           12, -1, 13, -1, 14, -1, 15, -1)),
+        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1,
+                                           4, 12, 5, 13, 6, 14, 7, 15)),
+        _mm_shuffle_epi8(x2, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1,
+                                           -1, 8, -1, 9, -1, 10, -1, 11)),
         0xFE);
     const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scm)), dd);
     // slot 4q + v: run 4v + q of x's order, block 0 2 1 3 4 6 5 7 [(4v + q) / 2]
