@@ -328,22 +328,6 @@ static void tile(const panel_t *x, int64_t ldx, const int R, const panel_t *p, i
 
 // ---- a call ----------------------------------------------------------------------------------
 
-// The calling thread's buffer `which` (0: its panel, 1: the bf16 x a call shares) of at least
-// `bytes`, kept and grown; NULL if it cannot be allocated.
-static panel_t *thread_buffer(int which, size_t bytes)
-{
-    static __thread panel_t *buf[2];
-    static __thread size_t have[2];
-    if (have[which] < bytes) {
-        free(buf[which]);
-        have[which] = 0;
-        buf[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        if (!buf[which]) return NULL;
-        have[which] = bytes;
-    }
-    return buf[which];
-}
-
 // Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' copy, ldp apart): y's
 // columns n0 .. n0 + nb - 1, chunk by chunk of KC columns, then the bias.
 static void panel_rows(const panel_t *xp, int64_t ldp, int64_t M, int64_t K, const uint8_t *w,
@@ -398,7 +382,8 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
     int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
     m_chunk = m_chunk < 16 ? 16 : m_chunk;
 #if defined(KG_BF16)  // x in bf16, shared by the team
-    panel_t *xp = thread_buffer(1, (size_t)(M * K) * sizeof(panel_t));
+    // (loom_scratch's slots as linear_bf16.c's: 0 the calling thread's x, 1 each thread's block)
+    panel_t *xp = loom_scratch(0, (size_t)(M * K) * sizeof(panel_t));
     if (!xp) return -2;
     const panel_t *xs = xp;
     const int64_t ldp = K;
@@ -418,7 +403,7 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
                                                         _mm512_loadu_ps(x + m * ldx + k)));
 #pragma omp barrier
 #endif
-        panel_t *pb = thread_buffer(0, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));
+        panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));
         if (!pb) {
 #pragma omp atomic write
             failed = 1;
