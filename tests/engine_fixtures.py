@@ -27,7 +27,7 @@ _from_source = Tokenizer.from_source
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(source, eos):
+def _tokenizer(source, eos=()):
     return _from_source(source, eos)
 
 
