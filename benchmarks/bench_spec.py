@@ -131,10 +131,9 @@ def main() -> None:
         args.max_tokens, args.repeats = 16, 1
     config = {"method": "ngram", "num_speculative_tokens": args.k,
               "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
-    if args.row_cost is not None:
-        config["row_cost"] = args.row_cost
-    specs = [("base", None), ("ngram", json.dumps(config))]
-    if args.fixed:
+    adaptive = config if args.row_cost is None else dict(config, row_cost=args.row_cost)
+    specs = [("base", None), ("ngram", json.dumps(adaptive))]
+    if args.fixed:  # (row_cost is refused with adaptive off)
         specs.append(("fixed", json.dumps(dict(config, adaptive=False))))
     engines = {label: LLM(args.model, batch_invariant=args.batch_invariant,
                           speculative_config=spec) for label, spec in specs}

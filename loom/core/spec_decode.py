@@ -61,6 +61,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config prompt_lookup_min "
                               f"({self.prompt_lookup_min}) > prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config adaptive must be true or false, got "
+                              f"{self.adaptive!r}")
         c = self.row_cost
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ConfigError(f"speculative_config row_cost must be a number in [0, 1], got "
@@ -91,6 +94,9 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ConfigError("speculative_config needs a method (\"ngram\" or "
                               "\"draft_model\")")
+        if "row_cost" in value and value.get("adaptive") is False:
+            raise ConfigError("speculative_config row_cost applies to the adaptive draft "
+                              "length only (adaptive is false)")
         return cls(**value)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.config import ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.spec_decode import SpecDecoder, SpeculativeConfig, ngram_propose
 from loom.request import Request
@@ -115,8 +116,12 @@ def test_adaptive_draft_length_shares_the_step() -> None:
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:3], True) == [2, 2, 1]
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:4], True) == [1, 1, 1, 1]
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs, True) == [0] * 9
-    with pytest.raises(Exception, match="row_cost"):
+    with pytest.raises(ConfigError, match="row_cost"):
         SpeculativeConfig(row_cost=1.5)
+    with pytest.raises(ConfigError, match="adaptive"):  # JSON "false" is not false
+        SpeculativeConfig.parse({"method": "ngram", "adaptive": "false"})
+    with pytest.raises(ConfigError, match="row_cost"):  # it would be ignored
+        SpeculativeConfig.parse({"method": "ngram", "adaptive": False, "row_cost": 0.1})
 
 
 def test_trim_returns_the_rejected_tokens_blocks() -> None:
