@@ -60,8 +60,8 @@ def test_rejection_sampler_with_a_draft_distribution() -> None:
     assert 0.5 * (counts / n - p[0]).abs().sum() <= 0.035
 
 
-def _request(tokens: list[int], max_tokens: int = 50) -> Request:
-    r = Request("r", tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+def _request(tokens: list[int], max_tokens: int = 50, request_id: str = "r") -> Request:
+    r = Request(request_id, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     r.max_tokens = max_tokens
     return r
 
@@ -108,10 +108,7 @@ def test_adaptive_draft_length_shares_the_step() -> None:
     worth its row (at acceptance 0.8: 3 tokens alone, 1 each among four); the requests planned
     first in a step leave the later ones fewer rows; past disable_by_batch_size none drafts."""
     config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=2)
-    reqs = [Request(f"r{i}", list(range(1, 30)) + [1, 2],
-                    SamplingParams(temperature=0.0, max_tokens=90)) for i in range(9)]
-    for r in reqs:
-        r.max_tokens = 90
+    reqs = [_request(list(range(1, 30)) + [1, 2], 90, f"r{i}") for i in range(9)]
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:1], True) == [3]
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:3], True) == [2, 2, 1]
     assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:4], True) == [1, 1, 1, 1]
