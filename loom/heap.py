@@ -1,4 +1,5 @@
-"""Give the C heap's free memory back to the system (glibc's `malloc_trim`).
+"""Give memory back to the system through the C library: the heap's free pages (glibc's
+`malloc_trim`) and a file map's pages (`madvise`, loom.loader.release).
 
 Parsing a big tokenizer.json (Gemma 3's 262k-token vocabulary) or converting weights leaves
 hundreds of MB freed inside the heap: glibc keeps it, so the process's RSS stays up though
@@ -9,23 +10,26 @@ Start-up trims after each such phase. A no-op off glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
 
 @functools.cache
-def _malloc_trim():  # -> the C function, or None
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # musl and others have no malloc_trim
-        return None
+def _libc() -> ctypes.CDLL | None:
+    """The C library the process runs on (its symbols as loaded, errno kept), or None off
+    Linux."""
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+@functools.cache
+def madvise():  # -> libc's madvise(address, length, advice) -> 0 or -1 (errno), or None
+    fn = getattr(_libc(), "madvise", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
 
 
 def trim() -> bool:
     """Return the heap's free pages to the system; True where something was released."""
-    fn = _malloc_trim()
+    fn = getattr(_libc(), "malloc_trim", None)  # musl and others have none
     return bool(fn(0)) if fn is not None else False

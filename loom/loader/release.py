@@ -12,16 +12,17 @@ pages come back from the file if ever touched again, so nothing can go wrong but
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import mmap
-import sys
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from loom.heap import madvise as _madvise
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +79,15 @@ def _free_spans(start: int, end: int, held: list[tuple[int, int]]) -> Iterator[t
         yield cursor, end
 
 
-@functools.cache
-def _madvise():  # -> libc's madvise, or None off Linux
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
 def drop_pages(start: int, end: int) -> int:
     """madvise(MADV_DONTNEED) the whole pages inside [start, end) of a private file map;
     returns the bytes dropped."""
     madvise, page = _madvise(), mmap.PAGESIZE
     lo, hi = -(-start // page) * page, end // page * page
-    if madvise is None or hi <= lo or madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+    if madvise is None or hi <= lo:
+        return 0
+    if madvise(lo, hi - lo, _MADV_DONTNEED) != 0:  # the pages stay: only memory is lost
+        logger.debug("madvise(%#x, %d) failed: %s", lo, hi - lo, os.strerror(ctypes.get_errno()))
         return 0
     return hi - lo
 
