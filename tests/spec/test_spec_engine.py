@@ -69,6 +69,7 @@ def test_tiny_greedy_same_with_speculation(make_llm, tiny, blocks) -> None:
             assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
             assert stats.num_accepted_tokens < stats.num_draft_tokens  # some were rolled back
             assert sched.kv_cache_manager.prefix_cache_stats.hits > 0
+            assert not sched.spec._adaptive  # each request's draft state went with it
             if blocks is not None:
                 assert sched.num_preemptions_total > 0
     assert results[True] == results[False]
