@@ -196,7 +196,6 @@ class LlamaModel(nn.Module):
         them only (llama.cpp's output rows; the other rows' K and V are in the cache by then)."""
         stack = self.c_stack()
         if stack is not None:  # every layer in one C call
-            self.fill_rotaries(positions)
             return stack.forward(input_ids, positions, rows=keep, only_rows=keep is not None)[0]
         x, residual = self.run_layers(self.embed(input_ids), None, positions, keep)
         if not x.shape[0]:
@@ -229,12 +228,6 @@ class LlamaModel(nn.Module):
             if id(r) not in made:
                 made[id(r)] = Rope(r, positions, fused)
         return tuple(made[id(r)] for r in self.rotaries())
-
-    def fill_rotaries(self, positions: torch.Tensor) -> None:
-        """Fill the rotary tables up to `positions` (RotaryEmbedding.ensure; the module path's
-        Rope does it), before the C stack reads them."""
-        for rotary in dict.fromkeys(self.rotaries()):
-            rotary.ensure(positions)
 
     def rotaries(self) -> tuple[RotaryEmbedding, ...]:
         """The rotary tables, indexed by the layers' `rope_index`."""
@@ -288,7 +281,6 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model(input_ids, positions, rows if only_rows else None)
             logits = None
         else:
-            self.model.fill_rotaries(positions)
             hidden, logits = stack.forward(input_ids, positions, self.lm_head, rows, only_rows)
             if logits is not None:
                 logits = self.cap_logits(logits)

@@ -313,6 +313,8 @@ class Q8Decoder:
         if only_rows:
             assert rows is not None and rows.dtype == np.int64 and rows.flags.c_contiguous
             keep, rows = rows, np.arange(len(rows), dtype=np.int64)  # the head's: kept rows
+        for rotary in dict.fromkeys(self.model.rotaries()):  # the tables the call reads, filled
+            rotary.ensure(positions)  # up to `positions` (the module path's Rope does it)
         md = get_forward_context().attn_metadata
         m = input_ids.shape[0]
         buf_qkv, buf_attn, buf_gu, buf_act, head_x, x = self._scratch(m)

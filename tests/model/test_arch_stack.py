@@ -156,3 +156,25 @@ def test_default_kernels_stack_matches_module_path(tmp_path, name) -> None:
     cap = loaded.config.final_logit_softcapping
     if cap is not None:  # the C call's head logits (forward_logits') are capped
         assert max(rows.abs().max().item() for rows in stack_rows[::2]) <= cap
+
+
+def test_stack_fills_the_rotary_tables_it_reads(tmp_path, monkeypatch) -> None:
+    """A CPU rotary table is filled lazily (RotaryEmbedding.ensure): with 8 rows filled at load,
+    the stack fills the rows its step reads (Gemma 3's two tables) and gives the logits of
+    tables filled whole."""
+    from loom.layers import rotary
+
+    require_cpu_kernels()
+    folder = make_tiny_model("gemma3", tmp_path / "gemma3")
+    whole = load_model(resolve_model(str(folder)), "float32", quantization="int8")
+    monkeypatch.setattr(rotary, "FIRST_ROWS", 8)
+    lazy = load_model(resolve_model(str(folder)), "float32", quantization="int8")
+    assert {r.filled for r in lazy.model.model.rotaries()} == {8}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (_, want, _), (_, got, _) = (_mixed_batch(m, m.config.vocab_size) for m in (whole, lazy))
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(lazy.model.model.stack, Q8Decoder)
+    assert all(torch.equal(got[r], want[r]) for r in want)
