@@ -163,17 +163,6 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
                                                      bits=grouped[HEAD + ".weight"]))
 
 
-def _tie_kquant_head(model: nn.Module) -> None:
-    """A tied output projection over K-quant blocks takes the embedding's (the same memory)."""
-    try:
-        embed, head = model.get_submodule(EMBED), getattr(model, HEAD, None)
-    except AttributeError:  # no such module: nothing tied here
-        return
-    if (isinstance(embed, KQuantEmbedding) and isinstance(head, KQuantLinear)
-            and head.weight_int8 is embed.weight_int8 and embed.blocks is not None):
-        head.load_rows(None, embed.blocks)
-
-
 def _log_kquants(model: nn.Module, kernels: KernelChoice | None) -> None:
     """One line naming the K-quant linears kept as stored and their kernel."""
     layers = [m for m in model.modules() if isinstance(m, KQuantLinear)]
@@ -317,7 +306,9 @@ def load_model(
         weights = tqdm(weights, desc=f"loading {source.path.name}", unit="tensor", leave=False)
     with torch.no_grad():
         model.load_weights(weights)
-    _tie_kquant_head(model)
+    if EMBED + ".weight" in kq and config.tie_word_embeddings:
+        # the tied K-quant head (_empty_int8_) multiplies by the embedding's blocks: one table
+        model.get_submodule(HEAD).load_rows(None, model.get_submodule(EMBED).blocks)
     model.init_buffers(device)
     if quantization is not None and int4 is None:
         _quantize(model, quantization, kernels)
