@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "half.h"
+#include "kquant_blocks.h"  // QK, the formats, f16_at, block_scales
 #include "loom.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -31,11 +31,9 @@
 #include <immintrin.h>
 #endif
 
-#define QK 256           // weights a super-block
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
 #define PANEL_BYTES (128 * 1024)  // a thread's dequantized panel: with x's rows, within L2
 #define X_BYTES (512 * 1024)      // x rows a pass over the panels (a chunk of KC columns each)
-enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #if defined(KG_BF16)
 typedef uint16_t panel_t;  // bf16
@@ -69,40 +67,26 @@ int loom_kq_gemm_isa(void)
 // ---- dequantizing a panel ------------------------------------------------------------------
 
 #if defined(KG_BF16) || defined(KG_AVX2)
-static inline float f16_at(const uint8_t *p)
-{
-    return _cvtsh_ss((uint16_t)(p[0] | p[1] << 8));
-}
-
-// Q4_K's / Q5_K's sub-block scales s[j] = d sc[j] and minimums m[j] = dmin mn[j] (j < 8) from
-// 12 bytes of 6-bit sc[8], mn[8]: bytes 0-3 sc 0-3 (low 6 bits), 4-7 mn 0-3, 8-11 the low 4
-// bits of sc 4-7 (low nibbles) and mn 4-7 (high); the top 2 bits of sc / mn 4-7 in the top bits
-// of bytes 0-3 / 4-7. Word operations, then 8 lanes at a time.
+// Q4_K's / Q5_K's sub-block scales s[j] = d sc[j] and minimums m[j] = dmin mn[j] (j < 8):
+// k4_words, then 8 lanes at a time.
 static inline void k45_scales(const uint8_t *blk, float s[8], float m[8])
 {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, blk + 4, 4);
-    memcpy(&w1, blk + 8, 4);
-    memcpy(&w2, blk + 12, 4);
-    const uint32_t v[4] = {w0 & 0x3f3f3f3fu, (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u),
-                           w1 & 0x3f3f3f3fu, ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)};
+    uint64_t sc, mn;
+    k4_words(blk + 4, &sc, &mn);
     _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                          _mm_loadl_epi64((const __m128i *)v))),
+                                          _mm_cvtsi64_si128((long long)sc))),
                                       _mm256_set1_ps(f16_at(blk))));
     _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                          _mm_loadl_epi64((const __m128i *)(v + 2)))),
+                                          _mm_cvtsi64_si128((long long)mn))),
                                       _mm256_set1_ps(f16_at(blk + 2))));
 }
 
-// A super-block's scale sw[h] and offset ow[h] for each run h of 16 weights: w = sw q - ow.
+// A super-block's scale sw[h] and offset ow[h] for each run h of 16 weights: w = sw q - ow
+// (block_scales' values; Q4_K's / Q5_K's in SIMD).
 static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow[16])
 {
     if (fmt == Q6_K) {
-        const float d = f16_at(blk + 208);
-        for (int h = 0; h < 16; h++) {
-            sw[h] = d * (float)(int8_t)blk[192 + h];
-            ow[h] = 32.0f * sw[h];
-        }
+        block_scales(blk, fmt, sw, ow);
         return;
     }
     float s[8], m[8];

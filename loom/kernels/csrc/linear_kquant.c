@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "half.h"
+#include "kquant_blocks.h"  // QK, the formats, f16_at, the scales
 #include "loom.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -42,16 +42,11 @@
 #define KQ_NEON 1
 #include <arm_neon.h>
 #endif
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 
-#define QK 256        // weights a super-block
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
 #define M_MAX 8       // x rows at once
 #define NB_ROWS 16    // weight rows a unit past M_MAX rows (reused from cache by each chunk)
 #define PF 4096       // weight bytes prefetched ahead in a row (0.91x a 1 GB stream against 1 KiB)
-enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
 int loom_kq_block_bytes(int fmt)
@@ -76,68 +71,13 @@ int loom_kq_isa(void)
 #endif
 }
 
-// The fp16 at p (little-endian), as fp32: F16C's conversion where the build has it.
-static inline float f16_at(const uint8_t *p)
-{
-    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    return loom_f16_to_f32(h);
-#endif
-}
-
 // 0 if the kernels take rows of K weights in `fmt`; -1 if not.
 int loom_kq_check(int64_t K, int fmt)
 {
     return K <= 0 || K % QK != 0 || !loom_kq_block_bytes(fmt) ? -1 : 0;
 }
 
-// ---- the blocks' scales ------------------------------------------------------------------
-
-// Q4_K's and Q5_K's 12 bytes -> sc[0..7] then m[0..7], 6 bits each: bytes 0..3 hold sc 0..3
-// (low 6 bits) and the top 2 bits of sc 4..7; bytes 4..7 the same for the minimums; bytes 8..11
-// the low 4 bits of sc 4..7 (low nibbles) and of m 4..7 (high nibbles).
-static inline void k4_words(const uint8_t *s, uint64_t *sc, uint64_t *mn)
-{
-    uint64_t q;  // sc 0..3, m 0..3 and their top bits' neighbours
-    uint32_t w;  // low nibbles of sc 4..7, high nibbles of m 4..7
-    memcpy(&q, s, 8);
-    memcpy(&w, s + 8, 4);
-    const uint64_t top = (q >> 2) & 0x3030303030303030u;  // bits 6-7 of bytes 0..7, at 4-5
-    *sc = (q & 0x3f3f3f3fu) | (uint64_t)((w & 0x0f0f0f0fu) | (uint32_t)top) << 32;
-    *mn = ((q >> 32) & 0x3f3f3f3fu) | (uint64_t)(((w >> 4) & 0x0f0f0f0fu) | (top >> 32)) << 32;
-}
-
-static inline void k4_scales(const uint8_t *s, uint8_t out[16])
-{
-    uint64_t sc, mn;
-    k4_words(s, &sc, &mn);
-    memcpy(out, &sc, 8);
-    memcpy(out + 8, &mn, 8);
-}
-
-// A super-block's weight scale sw[h] and offset ow[h] for each run h of 16 (portable): the
-// weight is sw[h] * q - ow[h], q its unsigned integer.
-static inline void block_scales(const uint8_t *blk, int fmt, float sw[16], float ow[16])
-{
-    if (fmt == Q6_K) {
-        const float d = f16_at(blk + 208);
-        for (int h = 0; h < 16; h++) {
-            sw[h] = d * (float)(int8_t)blk[192 + h];
-            ow[h] = 32.0f * sw[h];
-        }
-        return;
-    }
-    const float d = f16_at(blk);
-    const float dmin = f16_at(blk + 2);
-    uint8_t sm[16];
-    k4_scales(blk + 4, sm);
-    for (int h = 0; h < 16; h++) {
-        sw[h] = d * (float)sm[h / 2];
-        ow[h] = dmin * (float)sm[8 + h / 2];
-    }
-}
+// ---- the blocks' integers (their scales: kquant_blocks.h) --------------------------------
 
 // A super-block's 256 unsigned integers in weight order (portable).
 static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK])
