@@ -26,6 +26,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KG_BF16 1
 #include <immintrin.h>
+#include "bf16_tile.h"  // linear_bf16.c's tile
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KG_AVX2 1
 #include <immintrin.h>
@@ -224,48 +225,7 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 // out[TN r + j] = x row r . panel row j (rows past R: not written).
 
 #if defined(KG_BF16)
-#define PIN(v) __asm__("" : "+v"(v))
-
-// 16 vectors -> lane i the sum of v[i]'s lanes, in a fixed tree: neighbours within 128-bit
-// lanes, then pairs, then across the four 128-bit lanes.
-static inline __attribute__((always_inline)) __m512 lanes_sum16(const __m512 v[16])
-{
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        b[i] = _mm512_add_ps(
-            (__m512)_mm512_unpacklo_pd((__m512d)a[2 * i], (__m512d)a[2 * i + 1]),
-            (__m512)_mm512_unpackhi_pd((__m512d)a[2 * i], (__m512d)a[2 * i + 1]));
-    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                    _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
-                                    _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
-static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
-                                                       const int R, const panel_t *p,
-                                                       int64_t kc, float out[TM * TN])
-{
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k += 32) {
-        __m512bh wv[TN];
-        for (int j = 0; j < TN; j++) {
-            wv[j] = (__m512bh)_mm512_loadu_si512(p + j * kc + k);
-            PIN(wv[j]);
-        }
-        for (int r = 0; r < R; r++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + k);
-            PIN(xv);
-            for (int j = 0; j < TN; j++)
-                acc[TN * r + j] = _mm512_dpbf16_ps(acc[TN * r + j], wv[j], xv);
-        }
-    }
-    _mm512_storeu_ps(out, lanes_sum16(acc));
-}
+#define tile bf16_tile  // bf16_tile.h (linear_bf16.c's): TM = TN = 4
 
 #elif defined(KG_AVX2)
 // Four vectors' sums as one 128-bit vector.
@@ -379,12 +339,7 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(KG_BF16)  // x to bf16 (nearest even), a share of the rows a thread
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        for (int64_t m = M * tid / team; m < M * (tid + 1) / team; m++)
-            for (int64_t k = 0; k < K; k += 32)
-                _mm512_storeu_si512(xp + m * K + k, (__m512i)_mm512_cvtne2ps_pbh(
-                                                        _mm512_loadu_ps(x + m * ldx + k + 16),
-                                                        _mm512_loadu_ps(x + m * ldx + k)));
+        loom_bf16_rows_team(x, M, K, ldx, xp, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
 #endif
         panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));
