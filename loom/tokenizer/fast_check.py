@@ -13,6 +13,7 @@ starts read tokenizer.json straight. A folder that differs in anything keeps tra
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 from pathlib import Path
@@ -29,10 +30,12 @@ PROBES = [
 
 
 def _fingerprint(folder: Path) -> str:
-    """The files the verdict is about: the config's bytes, tokenizer.json's size and mtime."""
+    """What the verdict is about: the config's bytes, tokenizer.json's size and mtime, the chat
+    template's bytes, and the transformers release whose class was compared (another may build
+    the class differently)."""
     h = hashlib.sha256((folder / "tokenizer_config.json").read_bytes())
     st = (folder / "tokenizer.json").stat()
-    h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(f"{st.st_size}:{st.st_mtime_ns}:{importlib.metadata.version('transformers')}".encode())
     template = folder / "chat_template.jinja"
     if template.is_file():
         h.update(template.read_bytes())
