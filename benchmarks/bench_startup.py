@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from loom.bench.runner import server_model
 from loom.bench.server_proc import ServerProcess, tree_cpu_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port  # noqa: E402
+from _common import free_port, median_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +79,7 @@ def main() -> None:
         print(f"run {i}: load {load:.2f}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
               flush=True)
     if ns.runs > 1:
-        print("median: " + ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}"
-                                     for k in runs[0]))
+        print("median: " + ", ".join(f"{k} {v:.2f}" for k, v in median_of(runs).items()))
 
 
 if __name__ == "__main__":
