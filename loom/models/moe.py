@@ -24,6 +24,7 @@ from loom.config import ModelConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.router import RouterLinear
 from loom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from loom.quant.int8 import GROUP
 
 
 class SparseMoeBlock(nn.Module):
@@ -127,6 +128,17 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE, Qwen3-MoE and Mixtral (registered under each name)."""
 
     model_cls = MoeModel
+
+    def c_stack_refusal(self) -> str | None:
+        """An expert's (or the shared expert's) width the stack's linears cannot take: its
+        down projection's inputs, on the int8 grid or K-quant blocks only in multiples of 32."""
+        c = self.config
+        for what, width in (("experts", c.moe_intermediate_size),
+                            ("shared expert", c.shared_expert_intermediate_size)):
+            if width % GROUP:
+                return (f"{c.architecture}'s {what} of width {width} (its int8 kernels take "
+                        f"multiples of {GROUP})")
+        return super().c_stack_refusal()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_expert_names(weights))

@@ -110,14 +110,26 @@ def test_real_gemma3_chat_template(gemma3) -> None:
                                                                             "<end_of_turn>"]
 
 
-def test_int8_load_of_a_moe_model_is_not_refused(tmp_path, caplog) -> None:
+@pytest.mark.parametrize("shared", [64, 48])
+def test_int8_load_of_a_moe_model_says_whether_the_c_stack_runs_it(tmp_path, caplog,
+                                                                   shared) -> None:
     """Mixtures of experts are no longer refused by the one-call C stack at load (that it runs
-    them: tests/model/test_moe_stack.py), and int8 stays near the fp32 logits."""
-    folder = make_tiny_model("qwen2-moe", tmp_path / "hf")
+    them: tests/model/test_moe_stack.py), and int8 stays near the fp32 logits; but a shared
+    expert's width its int8 kernels do not take (48: not a multiple of 32) is said at load, and
+    the model runs layer by layer."""
+    from loom.kernels import cpu_kernels
+    from loom.models.q8_decoder import Q8Decoder
+
+    folder = make_tiny_model("qwen2-moe", tmp_path / "hf", shared_expert_intermediate_size=shared)
     ref = load_model(resolve_model(str(folder)), dtype="float32")
     with caplog.at_level("WARNING", logger="loom.loader.model_loader"):
         q8 = load_model(resolve_model(str(folder)), quantization="int8")
-    assert "C stack" not in caplog.text and "layer by layer" not in caplog.text
     ids = list(range(1, 30))
     out_q8, out_ref = (PagedBatch(m).step({"r": ids})["r"] for m in (q8, ref))
     assert rel_err(out_q8, out_ref) < 0.05
+    if shared % 32 == 0:
+        assert "C stack" not in caplog.text and "layer by layer" not in caplog.text
+        assert isinstance(q8.model.model.stack, Q8Decoder) or cpu_kernels() is None
+    else:
+        assert "Qwen2MoeForCausalLM's shared expert of width 48" in caplog.text
+        assert "layer by layer" in caplog.text and q8.model.model.stack is False
