@@ -42,9 +42,8 @@
 #define M_MAX 8       // x rows a call quantizes at once (more run in chunks of M_MAX)
 #define TILE 4        // x rows at once against a weight row (more: tiles of at most TILE)
 #define UNIT 2        // weight rows a unit of work
-#define R_MAX 2       // weight rows at once: UNIT, but one for 8-bit rows against one x row
-#define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : 2)  // (two interleaved 8-bit rows read
-                                                         // slower from memory at one x row)
+#define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // weight rows at once (two
+                                          // interleaved 8-bit rows read slower at one x row)
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
 #define PF_S 128      // scales and minimums prefetched ahead
 
@@ -302,15 +301,15 @@ static inline __attribute__((always_inline)) void chunk_vnni(
     }
 }
 
-// M x rows (quantized, xq) against R weight rows from q (rows row_bytes apart, fp16 scales and
-// minimums `groups` apart): out[m * ldy + r] (+ bias[r]). M, R and bits are constants at each
-// call site.
+// M <= TILE x rows (quantized, xq) against R <= UNIT weight rows from q (rows row_bytes apart,
+// fp16 scales and minimums `groups` apart): out[m * ldy + r] (+ bias[r]). M, R and bits are
+// constants at each call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
     const int R, const float *bias, float *out, int64_t ldy)
 {
-    __m512 acc[M_MAX * R_MAX];  // [m * R + r]
+    __m512 acc[TILE * UNIT];  // [m * R + r]
     for (int i = 0; i < M * R; i++) acc[i] = _mm512_setzero_ps();
     const int bg = BG(bits), cg = CG(bits), nv = XV(bits);
     __m512i gsel;  // a block's lane -> its group
@@ -328,8 +327,8 @@ static inline __attribute__((always_inline)) void rows_vnni(
                 __builtin_prefetch(sc + r * groups + bk * bg + PF_S);
                 __builtin_prefetch(mn + r * groups + bk * bg + PF_S);
             }
-        __m512i u[R_MAX][4];
-        __m512 s[R_MAX];
+        __m512i u[UNIT][4];
+        __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
             block_load(q + r * row_bytes + bk * 256, u[r]);
             const uint16_t *sr = sc + r * groups + bk * bg;
@@ -342,11 +341,11 @@ static inline __attribute__((always_inline)) void rows_vnni(
         // is small): below 2^31 (|X| <= 32639, a lane: 32 products of q <= 15, or 16 of
         // q <= 255), so exact in any order
         const int S = M * R >= 4 ? 1 : M * R >= 2 ? 2 : 4;
-        __m512i dot[4][M_MAX * R_MAX];
+        __m512i dot[4][TILE * UNIT];
         for (int c = 0; c < S; c++)
             for (int i = 0; i < M * R; i++) dot[c][i] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
-            __m512i w[R_MAX][4];
+            __m512i w[UNIT][4];
             for (int r = 0; r < R; r++) unpack(u[r][j], bits, w[r]);
             for (int m = 0; m < M; m++) {
                 const uint8_t *xm = xq + m * xstride + (bk * 4 + j) * nv * 64;
@@ -376,8 +375,8 @@ static inline __attribute__((always_inline)) void rows_vnni(
         const int64_t g0 = first + c * cg, have = groups - g0 < cg ? groups - g0 : cg;
         const __mmask64 wk = have == cg ? ~0ull : (1ull << (have * GROUP * bits / 8)) - 1;
         const __mmask8 sk = (__mmask8)((1u << have) - 1);
-        __m512i w[R_MAX][4];
-        __m512 s[R_MAX];
+        __m512i w[UNIT][4];
+        __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
             const uint8_t *p = q + r * row_bytes + g0 * GROUP * bits / 8;
             unpack(_mm512_maskz_loadu_epi8(wk, p), bits, w[r]);
@@ -401,7 +400,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
             }
         }
     }
-    float sums[M_MAX * R_MAX];
+    float sums[TILE * UNIT];
     sum_lanes(acc, M * R, sums);
     for (int m = 0; m < M; m++)
         for (int r = 0; r < R; r++)
@@ -421,7 +420,7 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
                                    scales + (n) * groups, mins + (n) * groups, groups, r, \
                                    bias ? bias + (n) : NULL, yt + (n), ldy)
 #define ROWS_R(m, b) \
-    if (R_OF(b, m) == 2 && n1 - n0 == 2) { ROWS(m, b, 2, n0); } \
+    if (R_OF(b, m) == UNIT && n1 - n0 == UNIT) { ROWS(m, b, UNIT, n0); } \
     else { for (int64_t n = n0; n < n1; n++) ROWS(m, b, 1, n); }
 #define CASES(b) switch (tile) { \
     case 1: ROWS_R(1, b) break; case 2: ROWS_R(2, b) break; \
