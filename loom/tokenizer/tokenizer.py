@@ -175,7 +175,7 @@ class Tokenizer:
         fast = None if folder is None else _load_fast(folder, checked=bool(checked))
         if fast is None:
             hf = _load_hf_tokenizer(source)
-            folder = _tokenizer_folder(source)
+            folder = _tokenizer_folder(source)  # again: a GGUF's tokenizer may be cached just now
             if gguf and folder is not None and checked is None:
                 # a GGUF cache Loom wrote: once, see whether tokenizer.json alone will do
                 raw = _load_fast(folder, checked=True)
