@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import IQ4_NL
 from gguf.quants import dequantize as gguf_dequantize
 
 from loom.quant.int8 import Q8Groups, unpack_nibbles
@@ -34,9 +35,8 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 # 4-bit block formats -> where their 16 bytes of nibbles start in a block
 NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
-# IQ4_NL's levels (ggml's kvalues_iq4nl) + 128: 1..241, 8-bit integers on the int8 grid
-IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                              89, 113], dtype=torch.int16) + 128
+# IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241, 8-bit integers on the grid
+IQ4_NL_LEVELS = torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128
 
 
 def _unpack(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize
+from gguf.quants import IQ4_NL, quantize
 
 from loom.config import ConfigError
 from loom.loader.gguf import GGUFError
@@ -34,7 +34,7 @@ def _quantize(x: np.ndarray, qtype) -> np.ndarray:
     d = max|x| / 127 a block of 32, each value's nearest level, GGUF's nibble order."""
     if qtype != T.IQ4_NL:
         return quantize(x, qtype)
-    levels = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    levels = np.array(IQ4_NL.kvalues)
     b = x.reshape(-1, 32)
     d = (np.abs(b).max(1, keepdims=True) / 127).astype(np.float16)
     idx = np.abs(b[:, :, None] / np.maximum(d, 1e-30)[:, :, None] - levels).argmin(-1)
