@@ -1,7 +1,9 @@
-// Loom's K-quant linear (csrc/linear_kquant.c) against a float64 product of its own dequantized
-// weights (which tests/model/test_kquant.py checks bit for bit against the `gguf` package), for
-// builds this machine cannot load into Python (the AArch64 variants, under qemu-user by
-// tests/unit/test_kernel_builds.py). Random blocks of each format, 1, 3, 8 and 11 rows, N odd.
+// Loom's K-quant linears against a float64 product of their own dequantized weights (which
+// tests/model/test_kquant.py checks bit for bit against the `gguf` package), for builds this
+// machine cannot load into Python (the AArch64 variants, under qemu-user by
+// tests/unit/test_kernel_builds.py). Random blocks of each format, N odd: the integer kernel
+// (csrc/linear_kquant.c) at 1, 3, 8 and 11 rows; the kernel past 8 rows (csrc/linear_kq_gemm.c:
+// portable fp32 on AArch64) at 9 and 13 rows, K past one panel chunk (1024 columns).
 // Prints "ok".
 
 #include <math.h>
@@ -10,43 +12,46 @@
 #include <stdlib.h>
 #include <string.h>
 
+typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                         int num_threads);
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads);
+int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
+                        int num_threads);
 void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n1, float *out,
                      int64_t ldo);
 int loom_kq_block_bytes(int fmt);
 
-enum { K = 512, N = 13, M_MOST = 11 };
+enum { K_MOST = 1280, N_MOST = 13, M_MOST = 13 };
 
-int main(void)
+// Mismatches of `linear` over rows ms[0 .. nm - 1] of random x against the float64 product;
+// `quantized`: the kernel quantizes x (each run of 16's d / 256 bounds each x's error).
+static int check(linear_fn linear, int quantized, int K, int N, const int *ms, int nm,
+                 unsigned seed)
 {
-    static uint8_t w[N * (K / 256) * 210];
-    static float wf[N * K], x[M_MOST * K], y[M_MOST * N];
-    const int ms[] = {1, 3, 8, 11};
+    static uint8_t w[N_MOST * (K_MOST / 256) * 210];
+    static float wf[N_MOST * K_MOST], x[M_MOST * K_MOST], y[M_MOST * N_MOST];
     const uint16_t halves[] = {0x1419, 0x1106};  // fp16 ~1.1e-3, ~6.5e-4
     int bad = 0;
-    srand(1);
-    for (int i = 0; i < M_MOST * K; i++) x[i] = (float)rand() / RAND_MAX * 2.0f - 1.0f;
+    srand(seed);
+    for (int i = 0; i < ms[nm - 1] * K; i++) x[i] = (float)rand() / RAND_MAX * 2.0f - 1.0f;
     for (int fmt = 12; fmt <= 14; fmt++) {
         const int bb = loom_kq_block_bytes(fmt);
         for (int b = 0; b < N * K / 256; b++) {
-            uint8_t *blk = w + b * bb;
-            for (int i = 0; i < bb; i++) blk[i] = (uint8_t)rand();
-            if (fmt == 14) {
-                memcpy(blk + 208, halves, 2);
-            } else {
-                memcpy(blk, halves, 4);
-            }
+            for (int i = 0; i < bb; i++) w[b * bb + i] = (uint8_t)rand();
+            memcpy(w + b * bb + (fmt == 14 ? 208 : 0), halves, fmt == 14 ? 2 : 4);
         }
         loom_kq_dequant(w, fmt, K, 0, N, wf, K);
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < nm; t++) {
             const int M = ms[t];
-            if (loom_linear_kq(x, M, K, K, w, fmt, NULL, N, y, N, 2)) bad += 1000;
+            if (linear(x, M, K, K, w, fmt, NULL, N, y, N, 2)) bad += 1000;
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++) {
                     double want = 0.0, bound = 1e-30, amax = 0.0;
                     for (int k = 0; k < K; k++) {
-                        if (k % 16 == 0) {  // this run's d / 256 bounds each x's error
+                        if (quantized && k % 16 == 0) {
                             amax = 0.0;
                             for (int i = 0; i < 16; i++)
                                 amax = fmax(amax, fabs((double)x[m * K + k + i]));
@@ -57,12 +62,20 @@ int main(void)
                     }
                     if (fabs(y[m * N + n] - want) > bound) {
                         bad++;
-                        printf("fmt %d M %d row %d col %d: %g vs %g\n", fmt, M, m, n,
-                               y[m * N + n], want);
+                        printf("%s fmt %d M %d row %d col %d: %g vs %g\n",
+                               quantized ? "kq" : "kq_gemm", fmt, M, m, n, y[m * N + n], want);
                     }
                 }
         }
     }
+    return bad;
+}
+
+int main(void)
+{
+    const int rows_kq[] = {1, 3, 8, 11}, rows_gemm[] = {9, 13};
+    const int bad = check(loom_linear_kq, 1, 512, 13, rows_kq, 4, 1) +
+                    check(loom_linear_kq_gemm, 0, K_MOST, 7, rows_gemm, 2, 2);
     printf(bad ? "FAILED %d\n" : "ok\n", bad);
     return bad != 0;
 }
