@@ -196,7 +196,7 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
                 _mm512_cvtepi32_epi16(xv[1]), 1);
             if (g < in_blocks) {  // 16 dwords (two words each) to 16 vectors' lanes
                 const int G = (int)(g % bg);
-                const int L0 = bits == 4 ? 4 * (G % 4) + G / 4 : 8 * (G % 2) + G / 2;
+                const int L0 = block_word(bits, G, 0) / 2;  // value 0's dword: the first lane
                 int32_t *pb = (int32_t *)(X + (g / bg) * 4 * XV(bits) * 32) + L0;
                 _mm512_i32scatter_epi32(pb, to_lane, _mm512_permutexvar_epi16(to_dword, words),
                                         4);
