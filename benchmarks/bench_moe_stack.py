@@ -23,8 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
-from tests import gguf_files
-from tests.model.test_moe_gguf import _quantize
+from tests.model.test_moe_gguf import write_moe_gguf
 from tests.paged_batch import PagedBatch
 from tests.tiny_models import make_tiny_model
 
@@ -36,14 +35,7 @@ def write_model(folder: Path, a: argparse.Namespace) -> Path:
                  num_attention_heads=a.hidden // 128, num_key_value_heads=max(1, a.hidden // 512),
                  head_dim=128, mlp_only_layers=[], vocab_size=4096)
     hf = make_tiny_model("qwen3-moe", folder / "hf", **shape)
-    kind = T[a.experts_type]
-    orig = gguf_files.quantize
-    gguf_files.quantize = _quantize
-    try:
-        return gguf_files.write_gguf(hf, folder / "moe.gguf", "qwen3moe", T.Q8_0, overrides={
-            "ffn_gate_exps": kind, "ffn_up_exps": kind, "ffn_down_exps": kind})
-    finally:
-        gguf_files.quantize = orig
+    return write_moe_gguf(hf, folder / "moe.gguf", "qwen3moe", T.Q8_0, (T[a.experts_type],) * 3)
 
 
 def decode_rate(loaded, streams: int, steps: int) -> float:

@@ -53,15 +53,24 @@ def _quantize(a: np.ndarray, qt: T) -> np.ndarray:
     return data.reshape(*a.shape[:-1], -1)
 
 
-def moe_gguf(tmp_path: Path, name: str) -> tuple[Path, Path]:
-    """(the tiny GGUF, its Hugging Face folder). The router in F32, as llama.cpp keeps it."""
-    arch, shape, (gate, up, down), base = CASES[name]
-    folder = make_tiny_model(name, tmp_path / name, **shape)
+def write_moe_gguf(folder: Path, out: Path, arch: str, base: T, experts: tuple[T, T, T],
+                   **overrides: T) -> Path:
+    """`folder`'s checkpoint as a GGUF whose expert tensors are of the `experts` types (gate,
+    up, down), the other matrices `base` or as `overrides` say (K-quants: _quantize's)."""
+    gate, up, down = experts
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_files, "quantize", _quantize)
-        out = gguf_files.write_gguf(folder, tmp_path / f"{name}.gguf", arch, base, overrides={
-            "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down, "ffn_gate_inp": T.F32,
-            **({"ffn_gate_shexp": T.Q4_K, "ffn_up_shexp": T.Q4_K} if gate in KQ else {})})
+        return gguf_files.write_gguf(folder, out, arch, base, overrides={
+            "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down, **overrides})
+
+
+def moe_gguf(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """(the tiny GGUF, its Hugging Face folder). The router in F32, as llama.cpp keeps it."""
+    arch, shape, experts, base = CASES[name]
+    folder = make_tiny_model(name, tmp_path / name, **shape)
+    shared = {"ffn_gate_shexp": T.Q4_K, "ffn_up_shexp": T.Q4_K} if experts[0] in KQ else {}
+    out = write_moe_gguf(folder, tmp_path / f"{name}.gguf", arch, base, experts,
+                         ffn_gate_inp=T.F32, **shared)
     return out, folder
 
 
