@@ -6,11 +6,11 @@ import ctypes
 import logging
 import math
 import mmap
-import sys
 
 import numpy as np
 import torch
 
+from loom import heap
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 from loom.quant.int8 import GROUP
 
@@ -129,15 +129,14 @@ class KVPrefaulter:
     """
 
     def __init__(self, caches: list[torch.Tensor]) -> None:
-        self.ok = (sys.platform.startswith("linux") and bool(caches)
+        self._madvise = heap.madvise()  # None off Linux
+        self.ok = (self._madvise is not None and bool(caches)
                    and all(c.device.type == "cpu" for c in caches))
         self.halves: list[tuple[int, int]] = []  # (address of block 0, bytes a block): K, V
         if self.ok:
             for c in caches:
                 block_bytes = c[0, 0].numel() * c.element_size()
                 self.halves += [(c[0].data_ptr(), block_bytes), (c[1].data_ptr(), block_bytes)]
-            self._madvise = ctypes.CDLL(None, use_errno=True).madvise
-            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             self._page = mmap.PAGESIZE
         self.resident: set[int] = set()
 
