@@ -78,7 +78,7 @@ int loom_vnni_available(void)
 #define CG(bits) ((bits) == 4 ? 4 : 2)
 #define XV(bits) ((bits) == 4 ? 4 : 2)
 typedef struct {
-    int64_t blocks, chunks, g16, dv, stride;  // dv: its offset in a row; stride: bytes a row
+    int64_t blocks, chunks, dv, sx, stride;  // dv, sx: offsets in a row; stride: bytes a row
 } XLayout;
 
 static inline XLayout x_layout(int64_t K, int bits)
@@ -86,7 +86,8 @@ static inline XLayout x_layout(int64_t K, int bits)
     const int64_t groups = K / GROUP, blocks = groups / BG(bits);
     const int64_t chunks = (groups - blocks * BG(bits) + CG(bits) - 1) / CG(bits);
     const int64_t g16 = (groups + 15) / 16 * 16, dv = (blocks * 4 + chunks) * XV(bits) * 64;
-    return (XLayout){blocks, chunks, g16, dv, dv + (blocks + chunks) * 64 + g16 * 4};
+    const int64_t sx = dv + (blocks + chunks) * 64;
+    return (XLayout){blocks, chunks, dv, sx, sx + g16 * 4};
 }
 
 // A block's lane L (= 4b + i: lane b of v_i) -> its group: 4-bit 4i + b, 8-bit 2i + b / 2.
@@ -173,7 +174,7 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
         const float *xr = x + m * ldx;
         int16_t *X = (int16_t *)(buf + m * L.stride);
         float *dv = (float *)(buf + m * L.stride + L.dv);
-        float *sx = dv + (L.blocks + L.chunks) * 16;
+        float *sx = (float *)(buf + m * L.stride + L.sx);
         memset(X, 0, (size_t)(L.stride));  // X, dv and sx
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v[2] = {_mm512_loadu_ps(xr + g * GROUP),
@@ -394,8 +395,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
         for (int r = 0; r < R; r++) {
             const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + r * groups + g));
             for (int m = 0; m < M; m++) {
-                const float *sx = (const float *)(xq + m * xstride + L.dv) +
-                                  (L.blocks + L.chunks) * 16;
+                const float *sx = (const float *)(xq + m * xstride + L.sx);
                 acc[m * R + r] = _mm512_fmadd_ps(mins, _mm512_load_ps(sx + g), acc[m * R + r]);
             }
         }
