@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import dump, machine  # noqa: E402
 
-# (name, N, K, bits): 135M's qkv, o, gate_up, down, the brief's 1536 x 576, and the head
+# (name, N, K, bits): 135M's qkv, o, gate or up alone (1536 x 576), gate_up, down, the head
 SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("1536x576", 1536, 576, 4),
           ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4), ("head", 49152, 576, 8)]
 
