@@ -10,7 +10,7 @@ import mmap
 import numpy as np
 import torch
 
-from loom import heap
+from loom.heap import madvise
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 from loom.quant.int8 import GROUP
 
@@ -129,7 +129,7 @@ class KVPrefaulter:
     """
 
     def __init__(self, caches: list[torch.Tensor]) -> None:
-        self._madvise = heap.madvise()  # None off Linux
+        self._madvise = madvise()  # None off Linux
         self.ok = (self._madvise is not None and bool(caches)
                    and all(c.device.type == "cpu" for c in caches))
         self.halves: list[tuple[int, int]] = []  # (address of block 0, bytes a block): K, V
