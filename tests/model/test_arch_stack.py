@@ -28,14 +28,15 @@ STEPS = 12  # greedy decode steps of the mixed batch
 
 def _on_grid(folder: Path) -> Path:
     """Rewrite the checkpoint's linear weights as their int8-grid values (Q8Groups: groups of
-    32, q * scale + min) and the embeddings / head as fp16 values: what Loom's int8 load keeps."""
+    32, q * scale + min) and the embeddings / head as fp16 values: what Loom's int8 load keeps
+    (a mixture of experts' router and shared-expert gate, `*gate.weight`, stay fp32)."""
     path = folder / "model.safetensors"
     weights = load_file(path)
     for name, w in weights.items():
-        if name.endswith("proj.weight") and w.dim() == 2 and w.shape[1] % 32 == 0:
-            weights[name] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
-        elif "embed_tokens" in name or "lm_head" in name:
+        if "embed_tokens" in name or "lm_head" in name:
             weights[name] = w.half().float()
+        elif w.dim() == 2 and w.shape[1] % 32 == 0 and not name.endswith("gate.weight"):
+            weights[name] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
     save_file(weights, path, metadata={"format": "pt"})
     return folder
 

@@ -8,37 +8,20 @@ the stack's bits."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.q8_decoder import Q8Decoder
-from loom.quant.int8 import Q8Groups, quantize_groups
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_arch_stack import _mixed_batch, _sampling_rows, match_transformers
+from tests.model.test_arch_stack import (_mixed_batch, _on_grid, _sampling_rows,
+                                         match_transformers)
 from tests.tiny_models import make_tiny_model
 
-# the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have
+# the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have (the
+# tiny default, 48, the stack refuses: MoeForCausalLM.c_stack_refusal)
 SHAPES = {"qwen2-moe": dict(shared_expert_intermediate_size=64)}
-
-
-def _on_grid(folder: Path) -> Path:
-    """Every linear weight but the routers' (the router and the shared expert's gate stay fp32)
-    as its int8-grid values, the embeddings and the head as fp16 values: what Loom's int8 load
-    keeps, so transformers runs the int8 path's very weights."""
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    for name, w in weights.items():
-        if "embed_tokens" in name or "lm_head" in name:
-            weights[name] = w.half().float()
-        elif w.dim() == 2 and w.shape[1] % 32 == 0 and not name.endswith("gate.weight"):
-            weights[name] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
-    save_file(weights, path, metadata={"format": "pt"})
-    return folder
 
 
 def stack_and_module(loaded) -> tuple[tuple, tuple, list, list]:
