@@ -103,9 +103,9 @@ class LLMEngine:
             self.tensor_parallel = TensorParallel.start(args, source, device, loaded)
             loaded = self.tensor_parallel.loaded  # rank 0's slices; config: one rank's heads
         self.model_config = loaded.config
-        self.tokenizer = (Tokenizer.from_source(source, loaded.config.eos_token_ids)
-                          if tokenizer is None else
-                          tokenizer.set_model_eos_token_ids(loaded.config.eos_token_ids))
+        if tokenizer is None:  # a GGUF's tokenizer not converted yet: now, after the weights
+            tokenizer = Tokenizer.from_source(source)
+        self.tokenizer = tokenizer.set_model_eos_token_ids(loaded.config.eos_token_ids)
         if args.chat_template is not None:
             self.tokenizer.hf.chat_template = args.chat_template
         self.eos_token_ids = self.tokenizer.eos_token_ids
