@@ -256,7 +256,10 @@ def iter_gguf_tensors(
             continue
         names = _expert_names(t)
         if names:  # one tensor an expert, in the format the others of its kind get
-            yield from zip(names, _read_experts(t, q8, names[0] in kq))
+            experts = _read_experts(t, q8, names[0] in kq)
+            yield from zip(names, experts)
+            if isinstance(experts[0], Q8Groups):
+                _drop_read(t)
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -275,8 +278,14 @@ def iter_gguf_tensors(
         if arch in _GEMMAS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
-        if isinstance(w, Q8Groups):  # converted (a copy): the file's pages are read for good
-            drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+        if isinstance(w, Q8Groups):
+            _drop_read(t)
+
+
+def _drop_read(t: Any) -> None:
+    """Tensor `t` was converted onto the int8 grid (a copy), and its consumer has loaded it:
+    the file's pages are read for good (loom.loader.release; most of the map's bytes)."""
+    drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
 
 
 def _expert_names(t: Any) -> list[str]:
