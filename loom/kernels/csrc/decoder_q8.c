@@ -392,6 +392,7 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
                            b.pair_weight, b.token_pairs);
     sync_team(t);
     const int64_t p0 = t ? P * t->tid / t->team : 0, p1 = t ? P * (t->tid + 1) / t->team : P;
+#pragma omp parallel for num_threads(s->nt) if (!t)  // op by op: on the step's threads
     for (int64_t p = p0; p < p1; p++)  // each pair's row, grouped by expert
         memcpy(b.rows + p * H, s->buf_h + b.pair_token[p] * H, (size_t)H * sizeof(float));
     sync_team(t);
@@ -409,11 +410,14 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
             (rc = linear(s, t, s->buf_h, H, &X->shared_gate, NULL, 1, b.gate)))
             return rc;
     }
+    const float *shared = X->shared_inter ? b.shared : NULL;
+    const float *gate = X->shared_inter ? b.gate : NULL;
     int64_t r0, r1;
-    if (small_op_rows(s, t, &r0, &r1))
-        moe_combine_rows(b.y, b.pair_weight, b.token_pairs, k, H,
-                         X->shared_inter ? b.shared : NULL, X->shared_inter ? b.gate : NULL,
-                         s->buf_h, r0, r1);
+    if (!t)  // op by op: every row on the step's threads
+        loom_moe_combine_f32(b.y, b.pair_weight, b.token_pairs, M, k, H, shared, gate, s->buf_h,
+                             s->nt);
+    else if (small_op_rows(s, t, &r0, &r1))
+        moe_combine_rows(b.y, b.pair_weight, b.token_pairs, k, H, shared, gate, s->buf_h, r0, r1);
     sync_team(t);
     return 0;
 }
