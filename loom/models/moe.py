@@ -50,14 +50,14 @@ class SparseMoeBlock(nn.Module):
 
     def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [pairs, hidden] grouped by expert (`counts[e]` rows of expert e, in order) ->
-        each row through its expert [pairs, hidden]: one call an active expert."""
-        out = torch.empty_like(rows)
+        each row through its expert, in its place (as the C stack's scratch): one call an
+        active expert."""
         start = 0
         for e, n in enumerate(counts):
             if n:
-                out[start: start + n] = self.experts[e](rows[start: start + n])
+                rows[start: start + n] = self.experts[e](rows[start: start + n])
                 start += n
-        return out
+        return rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [num_tokens, num_experts]

@@ -323,26 +323,26 @@ void loom_moe_combine_f32(const float *y, const float *pair_weight, const int64_
 }
 
 // The scratch's parts, in order: int64 counts [E], pair_token [P], token_pairs [P]; fp32
-// pair_weight [P], logits [M, E], rows [P, H], y [P, H], gu [M, 2 I], act [M, I], shared
-// [M, H], gate [M] (P = M top_k pairs; I the wider of the expert's and the shared one's).
+// pair_weight [P], logits [M, E], rows [P, H] (each pair's row, then its expert's output in its
+// place), gu [M, 2 I], act [M, I], shared [M, H], gate [M] (P = M top_k pairs; I the wider of
+// the expert's and the shared one's).
 typedef struct {
     int64_t *counts, *pair_token, *token_pairs;
-    float *pair_weight, *logits, *rows, *y, *gu, *act, *shared, *gate;
+    float *pair_weight, *logits, *rows, *gu, *act, *shared, *gate;
 } MoeBufs;
 
 static int64_t moe_bufs(void *buf, int64_t M, int64_t H, int64_t E, int64_t k, int64_t I,
                         MoeBufs *b)
 {
-    const int64_t P = M * k;
-    int64_t *i64 = buf;
-    float *f = (float *)(i64 + E + 2 * P);
-    if (b) *b = (MoeBufs){i64, i64 + E, i64 + E + P, f, f + P, f + P + M * E,
-                          f + P + M * E + P * H, f + P + M * E + 2 * P * H,
-                          f + P + M * E + 2 * P * H + 2 * M * I,
-                          f + P + M * E + 2 * P * H + 3 * M * I,
-                          f + P + M * E + 2 * P * H + 3 * M * I + M * H};
-    return (E + 2 * P) * (int64_t)sizeof(int64_t) +
-           (P + M * E + 2 * P * H + 3 * M * I + M * H + M) * (int64_t)sizeof(float);
+    const int64_t P = M * k, rows = P + M * E, gu = rows + P * H, act = gu + 2 * M * I;
+    const int64_t shared = act + M * I, gate = shared + M * H;  // fp32 offsets
+    if (b) {
+        int64_t *i64 = buf;
+        float *f = (float *)(i64 + E + 2 * P);
+        *b = (MoeBufs){i64, i64 + E, i64 + E + P, f, f + P, f + rows, f + gu, f + act,
+                       f + shared, f + gate};
+    }
+    return (E + 2 * P) * (int64_t)sizeof(int64_t) + (gate + M) * (int64_t)sizeof(float);
 }
 
 int64_t loom_moe_scratch_bytes(int64_t M, int64_t H, int64_t E, int64_t top_k, int64_t inter)
@@ -397,10 +397,10 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
         memcpy(b.rows + p * H, s->buf_h + b.pair_token[p] * H, (size_t)H * sizeof(float));
     sync_team(t);
     Step es = *s;  // an expert's rows as a step of their own (its linears' kernels by count)
-    for (int64_t e = 0, start = 0; e < E; e++) {
+    for (int64_t e = 0, start = 0; e < E; e++) {  // its output in its rows' place
         if (!(es.M = b.counts[e])) continue;
         if ((rc = gated_mlp(&es, t, L->act, b.rows + start * H, H, X->inter, &X->gu[e],
-                            &X->d[e], b.gu, b.act, b.y + start * H)))
+                            &X->d[e], b.gu, b.act, b.rows + start * H)))
             return rc;
         start += es.M;
     }
@@ -414,10 +414,11 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
     const float *gate = X->shared_inter ? b.gate : NULL;
     int64_t r0, r1;
     if (!t)  // op by op: every row on the step's threads
-        loom_moe_combine_f32(b.y, b.pair_weight, b.token_pairs, M, k, H, shared, gate, s->buf_h,
-                             s->nt);
+        loom_moe_combine_f32(b.rows, b.pair_weight, b.token_pairs, M, k, H, shared, gate,
+                             s->buf_h, s->nt);
     else if (small_op_rows(s, t, &r0, &r1))
-        moe_combine_rows(b.y, b.pair_weight, b.token_pairs, k, H, shared, gate, s->buf_h, r0, r1);
+        moe_combine_rows(b.rows, b.pair_weight, b.token_pairs, k, H, shared, gate, s->buf_h, r0,
+                         r1);
     sync_team(t);
     return 0;
 }
