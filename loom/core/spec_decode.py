@@ -334,7 +334,8 @@ class SpecDecoder:
             state.backoff = 1
 
     def drop(self, req_id: str) -> None:
-        """Forget a finished or preempted request."""
+        """Forget a request that finished, was aborted or failed (a preempted one keeps its
+        state: it comes back)."""
         self._adaptive.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.drop(req_id)

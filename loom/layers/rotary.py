@@ -119,7 +119,7 @@ class RotaryEmbedding(nn.Module):
 
     def ensure(self, positions: torch.Tensor) -> None:
         """Fill the table up to `positions`' largest (at least doubling what is filled); called
-        before any step reads it (Rope, the C stack's callers). Positions past the table are
+        before any step reads it (Rope, Q8Decoder.forward). Positions past the table are
         left for check_positions to refuse."""
         if self.filled >= self.max_position or not positions.numel():
             return
