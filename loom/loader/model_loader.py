@@ -79,13 +79,18 @@ def default_quantization(reader: object, device: torch.device, dtype: torch.dtyp
     `dtype` (None), said in one log line where the file is quantized."""
     if reader is None:
         return None
-    linear = {t.tensor_type.name for t in reader.tensors
-              if len(t.shape) == 2 and t.name not in ("token_embd.weight", "output.weight")}
+    # every matrix: a mixture's [experts, rows, cols] tensors as the [experts * rows, cols] the
+    # loader reads them as (a file of F16 dense layers and Q4_K experts keeps its experts)
+    matrices = [(t.name, t.tensor_type, tuple(t.shape) if len(t.shape) == 2
+                 else (t.shape[0] * t.shape[1], t.shape[2]))
+                for t in reader.tensors if len(t.shape) in (2, 3)]
+    linear = {qtype.name for name, qtype, _ in matrices
+              if name not in ("token_embd.weight", "output.weight")}
     quantized = linear - set(FLOAT_TYPES)
     if not quantized:
         return None
-    native = {t.tensor_type.name for t in reader.tensors
-              if groupable(t.tensor_type, t.shape) or kquant_native(t.tensor_type, t.shape)}
+    native = {qtype.name for _, qtype, shape in matrices
+              if groupable(qtype, shape) or kquant_native(qtype, shape)}
     if quantized <= native and dtype == torch.float32 and grouped_available(device, GROUP):
         return "int8"
     others = ", ".join(sorted(quantized - native)) or ", ".join(sorted(quantized))

@@ -176,3 +176,28 @@ def test_legacy_mixtral_layout(tmp_path) -> None:
     assert isinstance(b.model.model.layers[1].mlp.experts[3].gate_up_proj, Int8Linear)
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     assert torch.equal(PagedBatch(a).step({"r": ids})["r"], PagedBatch(b).step({"r": ids})["r"])
+
+
+@pytest.mark.slow
+def test_float_dense_layers_keep_quantized_experts(tmp_path) -> None:
+    """A file of F16 attention and quantized experts (the experts are most of a mixture's
+    bytes) runs its experts from their blocks by default, not expanded to fp32 with the rest:
+    the dense layers then take the int8 grid too (8 bits a weight, as --quantization int8 gives
+    them), within int8's tolerance of the fp32 reference."""
+    require_cpu_kernels()
+    folder = make_tiny_model("qwen3-moe", tmp_path / "qwen3-moe")
+    path = write_moe_gguf(folder, tmp_path / "f16.gguf", "qwen3moe", T.F16,
+                          (T.Q4_0, T.Q4_0, T.Q8_0), ffn_gate_inp=T.F32)
+    loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
+    assert loaded.quantization == "int8"
+    block = next(m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock))
+    assert all(isinstance(e.gate_up_proj, Int8Linear) and e.gate_up_proj.grouped
+               and e.gate_up_proj.bits == 4 for e in block.experts)
+    q = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(q, Int8Linear) and q.bits == 8
+    prompts, logits, _ = _run(loaded)
+    reference = load_model(resolve_model(str(path)), "float32", quantization="none")
+    _, ref_logits, _ = _run(reference)
+    for rid in ("a", "b"):  # their prompts' positions (a tiny random model's greedy tokens may
+        n = len(prompts[rid])  # part on near-ties, and then so do the positions after them)
+        assert rel_err(logits[rid][:n], ref_logits[rid][:n]) < 3e-2

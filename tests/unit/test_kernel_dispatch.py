@@ -144,13 +144,21 @@ def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(capl
     assert default_quantization(_gguf("IQ4_NL", "Q4_K", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("F16", "F32"), cpu, f32) is None
     assert default_quantization(None, cpu, f32) is None
+    experts = SimpleNamespace(name="blk.0.ffn_gate_exps.weight", tensor_type=Q.Q4_K,
+                              shape=(4, 64, 256))  # [experts, rows, cols]
+    moe = _gguf("F16", "F32")
+    moe.tensors.append(experts)  # F16 dense layers, K-quant experts: the experts stay blocks
+    assert default_quantization(moe, cpu, f32) == "int8"
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="loom.loader.model_loader"):
         assert default_quantization(_gguf("Q2_K", "Q4_K", "Q8_0", cols=256), cpu, f32) is None
         assert default_quantization(_gguf("Q4_0"), cpu, torch.bfloat16) is None
-    first, second = (r.getMessage() for r in caplog.records)
+        experts.tensor_type = Q.Q2_K
+        assert default_quantization(moe, cpu, f32) is None
+    first, second, third = (r.getMessage() for r in caplog.records)
     assert "Q2_K have no native kernel yet" in first and "--quantization int8" in first
     assert "float32 activations only" in second
+    assert "Q2_K have no native kernel yet" in third
 
 
 def test_the_flag_offers_every_build() -> None:
