@@ -15,7 +15,8 @@
 #
 # Env: LOOM_PEERS (default ~/.cache/loom-peers), PYTHON (default python3),
 #      IK_LLAMA_CPP_PYTHON_VERSION (default 0.1.5), IK_LLAMA_CPP_SRC (default: from the sdist),
-#      JOBS (default: one per core), NICE (default 19).
+#      JOBS (default: one per core), NICE (default 19), ISA (default native; "avx2": AVX2 + FMA
+#      only, for side-by-sides of the AVX2 code paths on a machine that has more).
 set -euo pipefail
 PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
 DEST="$PEERS/ik-llama-cpp"
@@ -60,11 +61,20 @@ configure_file("${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in"
 CMAKE
 fi
 
+ISA="${ISA:-native}"
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if [ "$ISA" = avx2 ]; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_AVX512=OFF)
+elif [ "$ISA" != native ]; then
+    echo "install_ik_llama_cpp: ISA must be native or avx2, not $ISA" >&2
+    exit 1
+fi
 BUILD="$DEST/build"
 nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_IQK_FA_ALL_QUANTS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON
+    "${ISA_FLAGS[@]}"
 nice -n "$NICE" cmake --build "$BUILD" --config Release -j "$JOBS" \
     --target llama-server llama-quantize
 mkdir -p "$DEST/bin"

