@@ -14,6 +14,7 @@ from tqdm import tqdm
 from loom.heap import trim as trim_heap
 from loom.config import ConfigError, ModelConfig
 from loom.loader import gguf as gguf_loader
+from loom.loader import pagein
 from loom.loader.hf import iter_safetensors, model_config_from_hf
 from loom.loader.release import release_unused
 from loom.loader.resolve import ModelSource
@@ -266,6 +267,7 @@ def load_model(
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unsupported quantization {quantization!r}; choose from {QUANTIZATIONS}")
     start = time.perf_counter()
+    pagein.readahead(source.path)  # `loom serve` started it before importing torch
     device = torch.device(device)
     kernels = _select_kernels(device, cpu_kernels, batch_invariant)
     torch_dtype = resolve_dtype(dtype, device)
@@ -322,6 +324,7 @@ def load_model(
     if reader is not None:  # the file's pages read once at load (converted tensors) go back
         release_unused(reader, model)
     trim_heap()  # conversion temporaries freed inside the heap go back too
+    pagein.wait(source.path)  # the weights the first request reads are in memory (pagein.py)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s, quantization %s) in %.2f s", source.path, config.architecture,
                 torch_dtype, quantization or "none", seconds)

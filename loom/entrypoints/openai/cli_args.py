@@ -33,6 +33,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
 
 
 def _serve(ns: argparse.Namespace) -> None:
+    _readahead(ns.model)  # before the imports below (torch): the disk reads while they run
     from loom.entrypoints.openai.api_server import run_server
 
     server_args = from_namespace(ServerArgs, ns)
@@ -44,3 +45,14 @@ def _serve(ns: argparse.Namespace) -> None:
         run_data_parallel(from_namespace(EngineArgs, ns), server_args)
         return
     run_server(from_namespace(EngineArgs, ns), server_args)
+
+
+def _readahead(model: str | None) -> None:
+    """Start reading the model's files into the page cache (loom.loader.pagein)."""
+    from loom.loader.pagein import readahead
+    from loom.loader.resolve import ModelNotFoundError, resolve_model
+
+    try:
+        readahead(resolve_model(model).path)
+    except (ModelNotFoundError, OSError):
+        pass  # the engine reports it with its own message
