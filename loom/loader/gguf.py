@@ -258,7 +258,7 @@ def iter_gguf_tensors(
         if names:  # one tensor an expert, in the format the others of its kind get
             experts = _read_experts(t, q8, names[0] in kq)
             yield from zip(names, experts)
-            if isinstance(experts[0], Q8Groups):
+            if _copied(t, experts[0]):
                 _drop_read(t)
             continue
         name = hf_name(t.name, arch)
@@ -278,8 +278,14 @@ def iter_gguf_tensors(
         if arch in _GEMMAS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
-        if isinstance(w, Q8Groups):
+        if _copied(t, w):
             _drop_read(t)
+
+
+def _copied(t: Any, w: torch.Tensor | Q8Groups | KBlocks) -> bool:
+    """Whether `w` holds tensor `t`'s values in memory of its own, not the file's pages: int8
+    groups, or K-quant blocks rewritten in another format (Q3_K as Q6_K)."""
+    return isinstance(w, Q8Groups) or (isinstance(w, KBlocks) and w.qtype != t.tensor_type)
 
 
 def _drop_read(t: Any) -> None:

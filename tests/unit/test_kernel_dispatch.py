@@ -142,6 +142,7 @@ def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(capl
     assert default_quantization(_gguf("Q4_0", "Q5_0", "Q5_1"), cpu, f32) == "int8"
     assert default_quantization(_gguf("Q4_K", "Q6_K", "Q5_K", "Q8_0", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("IQ4_NL", "Q4_K", cols=256), cpu, f32) == "int8"
+    assert default_quantization(_gguf("Q3_K", "Q5_K", "Q6_K", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("F16", "F32"), cpu, f32) is None
     assert default_quantization(None, cpu, f32) is None
     experts = SimpleNamespace(name="blk.0.ffn_gate_exps.weight", tensor_type=Q.Q4_K,
