@@ -11,11 +11,17 @@ Block states (a block is in exactly one):
 
 A cached block is in `BlockPool.cached_block_hash_to_block` under its hash; at most one block per
 hash is cached (a duplicate full block simply stays uncached).
+
+Blocks never handed out yet ("fresh") are not objects: the free queue holds them as one run, a
+placeholder node, and a block's object is made when it is first handed out, peeked at or looked
+up (the default CPU pool has ~50k blocks: building them all took 0.2-0.8 s of every start). On
+the CPU a fresh block is also memory the process has never touched; `resident_blocks` bounds
+how many blocks the pool touches for the prefix cache's sake (see BlockPool).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from loom.block_hash import BlockHash
@@ -50,17 +56,74 @@ class FreeKVCacheBlockQueue:
     (its first blocks) survives longest. Across requests the order is least recently freed first
     (LRU). Blocks with no cached content are put at the head: reusing them costs nothing.
     A cached block revived by a prefix hit is removed from the middle in O(1).
+
+    Fresh blocks (`fresh` ids, made by `make` when first reached) sit after `blocks` as one
+    run: blocks put at the head come before it, blocks put at the tail after it, so the order is
+    the same as if every fresh block had been queued. `park_fresh` moves the run to the end for
+    good (blocks appended later go before it): every freed block is then reused, cached ones
+    evicted, before a fresh one is taken.
     """
 
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def __init__(
+        self, blocks: Sequence[KVCacheBlock], fresh: range = range(0),
+        make: Callable[[int], KVCacheBlock] = KVCacheBlock,
+    ) -> None:
         # Sentinels: every queued block has a non-None prev and next.
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free_block = self._tail
         self._tail.prev_free_block = self._head
         self.num_free_blocks = 0
+        # The fresh run: a placeholder node, linked while fresh ids remain.
+        self._fresh = KVCacheBlock(-2)
+        self._fresh_next, self._fresh_stop = fresh.start, fresh.stop
+        self._make = make
+        self._parked = False
         for block in blocks:
             self.append(block)
+        if len(fresh):
+            self._insert_after(self._tail.prev_free_block, self._fresh)  # type: ignore[arg-type]
+            self.num_free_blocks += len(fresh) - 1
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        return self._fresh_stop - self._fresh_next
+
+    def _take_fresh(self) -> KVCacheBlock:
+        block = self._make(self._fresh_next)
+        self._fresh_next += 1
+        self.num_free_blocks -= 1
+        if not self.num_fresh_blocks:  # the run is used up: its node leaves the queue
+            self._unlink(self._fresh)
+        return block
+
+    def park_fresh(self) -> None:
+        """From now on, hand out a fresh block only when no other block is free."""
+        if self._parked:
+            return
+        self._parked = True
+        if self.num_fresh_blocks:
+            self._unlink(self._fresh)
+            self._insert_after(self._tail.prev_free_block, self._fresh)  # type: ignore[arg-type]
+            self.num_free_blocks -= 1  # _insert_after counted the node once more
+
+    def _unlink(self, node: KVCacheBlock) -> None:
+        prev, nxt = node.prev_free_block, node.next_free_block
+        assert prev is not None and nxt is not None
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        node.prev_free_block = node.next_free_block = None
+
+    def _walk(self) -> Iterator[KVCacheBlock]:
+        """Queued blocks, head first; the fresh run's blocks made as they are reached."""
+        block = self._head.next_free_block
+        while block is not None and block is not self._tail:
+            if block is self._fresh:
+                for i in range(self._fresh_next, self._fresh_stop):
+                    yield self._make(i)
+            else:
+                yield block
+            block = block.next_free_block
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -70,6 +133,8 @@ class FreeKVCacheBlockQueue:
         block = self._head.next_free_block
         if block is None or block is self._tail:
             raise ValueError("no free blocks left")
+        if block is self._fresh:
+            return self._take_fresh()
         self.remove(block)
         return block
 
@@ -80,17 +145,17 @@ class FreeKVCacheBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block` from anywhere in the queue."""
-        prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is None or nxt is None:
+        if block.prev_free_block is None or block.next_free_block is None:
             raise ValueError(f"{block} is not in the free queue")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
+        self._unlink(block)
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        """Put `block` at the tail: it will be reused last."""
-        self._insert_after(self._tail.prev_free_block, block)  # type: ignore[arg-type]
+        """Put `block` at the tail (before a parked fresh run): it will be reused last."""
+        last = self._tail.prev_free_block
+        if last is self._fresh and self._parked:
+            last = self._fresh.prev_free_block
+        self._insert_after(last, block)  # type: ignore[arg-type]
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put `block` at the head: it will be reused first."""
@@ -108,21 +173,40 @@ class FreeKVCacheBlockQueue:
 
     def peek(self, n: int) -> list[KVCacheBlock]:
         """The first `n` queued blocks (fewer if fewer are queued): the next handed out."""
-        out = []
-        block = self._head.next_free_block
-        while len(out) < n and block is not None and block is not self._tail:
-            out.append(block)
-            block = block.next_free_block
+        out: list[KVCacheBlock] = []
+        if n > 0:
+            for block in self._walk():
+                out.append(block)
+                if len(out) == n:
+                    break
         return out
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All queued blocks, head (next reused) first. O(n): for tests and integrity checks."""
-        out = []
-        block = self._head.next_free_block
-        while block is not None and block is not self._tail:
-            out.append(block)
-            block = block.next_free_block
-        return out
+        """All queued blocks, head (next reused) first. O(n), and makes every fresh block: for
+        tests and integrity checks."""
+        return list(self._walk())
+
+
+class _Blocks(Sequence[KVCacheBlock]):
+    """`BlockPool.blocks`: every block by id, each made on first access."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._made: list[KVCacheBlock | None] = [None] * num_blocks
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        block = self._made[i]
+        if block is None:
+            block = self._made[i] = KVCacheBlock(range(len(self))[i])
+        return block
+
+    def made(self) -> Iterator[KVCacheBlock]:
+        """The blocks made so far (the others are fresh: free, uncached, ref_cnt 0)."""
+        return (b for b in self._made if b is not None)
 
 
 class BlockPool:
@@ -130,19 +214,36 @@ class BlockPool:
 
     Block 0 is the null/padding block: it is never in the free queue and never handed out, so
     `num_blocks - 1` blocks are usable.
+
+    `resident_blocks`: once that many blocks have been handed out at least once, a freed block
+    (cached ones evicted, least recently freed first) is reused before a fresh one is taken, so
+    the blocks ever written (on the CPU, the KV cache's resident memory) stay within
+    max(resident_blocks, the most blocks in use at once). None: fresh blocks first until none is
+    left (every free block stays cached as long as possible).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, resident_blocks: int | None = None
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
             )
+        if resident_blocks is not None and resident_blocks < 1:
+            raise ValueError(f"resident_blocks must be positive, got {resident_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.resident_blocks = resident_blocks
+        self.blocks = _Blocks(num_blocks)
         self.null_block = self.blocks[0]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.free_block_queue = FreeKVCacheBlockQueue(
+            (), fresh=range(1, num_blocks), make=self.blocks.__getitem__)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks handed out at least once."""
+        return self.num_usable_blocks - self.free_block_queue.num_fresh_blocks
 
     @property
     def num_usable_blocks(self) -> int:
@@ -169,6 +270,8 @@ class BlockPool:
             assert block.ref_cnt == 0, f"{block} was in the free queue"
             self._evict(block)
             block.ref_cnt = 1
+        if self.resident_blocks is not None and self.num_touched_blocks >= self.resident_blocks:
+            self.free_block_queue.park_fresh()
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:

@@ -33,6 +33,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def default_resident_blocks(device_type: str, max_model_len: int, block_size: int) -> int | None:
+    """The pool's resident bound by default (BlockPool): on the CPU, one full context's blocks,
+    so the prefix cache keeps at most that much idle history in memory (the KV cache is a lazily
+    touched allocation there: without a bound a server's RSS grew with every token it saw,
+    up to the whole pool); elsewhere none (the device's pool is allocated up front)."""
+    return _cdiv(max_model_len, block_size) if device_type == "cpu" else None
+
+
 class KVCacheManager:
     """Maps requests to their KV blocks.
 
@@ -44,8 +52,10 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int
+        self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
+        resident_blocks: int | None = None,
     ) -> None:
+        """`resident_blocks`: see BlockPool (None: no bound)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -53,7 +63,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         # Width of a block table row: the most blocks one request can hold.
         self.max_num_blocks_per_req = _cdiv(max_model_len, block_size)
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, resident_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -211,13 +221,13 @@ class KVCacheManager:
                 fail(f"{block} is in the free queue with ref_cnt {block.ref_cnt}")
             if block is pool.null_block:
                 fail("null block 0 is in the free queue")
-        in_use = [block for block in pool.blocks if block.ref_cnt > 0]
+        in_use = [block for block in pool.blocks.made() if block.ref_cnt > 0]
         if len(free) + len(in_use) != pool.num_blocks - 1:
             fail(
                 f"free ({len(free)}) + in use ({len(in_use)}) != total - 1 ({pool.num_blocks - 1})"
             )
         holders = Counter(id(block) for blocks in self.req_to_blocks.values() for block in blocks)
-        for block in pool.blocks:
+        for block in pool.blocks.made():  # a block not made yet is fresh: ref_cnt 0
             if block.ref_cnt < 0 or block.ref_cnt != holders.get(id(block), 0):
                 fail(
                     f"{block} has ref_cnt {block.ref_cnt} but {holders.get(id(block), 0)} "
