@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.config import CacheConfig, ConfigError, SchedulerConfig
-from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.kv_cache_manager import KVCacheManager, default_resident_blocks
 from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import RequestRejectedError, Scheduler
 from loom.engine.args import EngineArgs
@@ -136,7 +136,8 @@ class LLMEngine:
         )
         self._log_cache(num_blocks, cache_config, loaded, max_model_len)
         kv_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len,
+            default_resident_blocks(device.type, max_model_len, cache_config.block_size),
         )
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
                                    spec_decoder(args, max_model_len, loaded.config,
