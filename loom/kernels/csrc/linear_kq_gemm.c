@@ -316,6 +316,43 @@ static void panel_rows(const panel_t *xp, int64_t ldp, int64_t M, int64_t K, con
             for (int64_t j = 0; j < nb; j++) y[m * ldy + n0 + j] += bias[n0 + j];
 }
 
+// A thread's panel buffer for loom_linear_kq_gemm_team (panels hold at most KC columns, so any
+// K): 0, or -2 if it cannot be allocated. Every thread of a team calls it before the team form.
+int loom_linear_kq_gemm_reserve(void)
+{
+    // blocking's rows are at most `most` rounded up to TN, and a panel pads them by TN
+    return loom_scratch(1, PANEL_BYTES + (size_t)(2 * TN * KC) * sizeof(panel_t)) ? 0 : -2;
+}
+
+// loom_linear_kq_gemm past 8 rows (K and fmt as loom_kq_check takes: the caller checks) for a
+// thread of an OpenMP team that is already running (decoder_q8.c's one region a step): every
+// thread calls it with the same arguments and `next` zeroed, after loom_linear_kq_gemm_reserve
+// succeeded in it, and takes (x chunk, panel block) units from *next; the caller's barrier ends
+// the op. xp: x as the tiles read it, rows ldp values apart: in the bf16 build (loom_kq_gemm_isa
+// 2) x in bf16 (loom_bf16_rows_team, then a barrier), else x itself. The same bits as
+// loom_linear_kq_gemm, which is this in a region of its own.
+void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
+                              const uint8_t *w, int fmt, const float *bias, int64_t N, float *y,
+                              int64_t ldy, int64_t *next, int team)
+{
+    const int64_t kc = K < KC ? K : KC;
+    int64_t nb_rows;
+    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / (int64_t)sizeof(panel_t) / kc, TN,
+                                              team, &nb_rows);
+    // past m_chunk rows, passes of m_chunk rows over all panels (each dequantized once a pass):
+    // x's chunk stays in cache while the panels stream past it
+    int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
+    m_chunk = m_chunk < 16 ? 16 : m_chunk;
+    const int64_t units = (M + m_chunk - 1) / m_chunk * blocks;
+    panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));  // reserved
+    const panel_t *xs = xp;
+    for (int64_t u; (u = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < units;) {
+        const int64_t m0 = u / blocks * m_chunk, mc = M - m0 < m_chunk ? M - m0 : m_chunk;
+        const int64_t n0 = u % blocks * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+        panel_rows(xs + m0 * ldp, ldp, mc, K, w, fmt, bias, n0, nb, y + m0 * ldy, ldy, pb);
+    }
+}
+
 // As loom_linear_kq (same arguments, which it runs for up to 8 rows): past 8 rows, panels of
 // dequantized weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt;
 // -2 when a buffer cannot be allocated.
@@ -325,46 +362,33 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 {
     if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
     if (loom_kq_check(K, fmt)) return -1;
-    const int64_t kc = K < KC ? K : KC;
-    int64_t nb_rows;
-    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / (int64_t)sizeof(panel_t) / kc, TN,
-                                              num_threads, &nb_rows);
-    int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
-    m_chunk = m_chunk < 16 ? 16 : m_chunk;
 #if defined(KG_BF16)  // x in bf16, shared by the team
-    // (loom_scratch's slots as linear_bf16.c's: 0 the calling thread's x, 1 each thread's block)
+    // (loom_scratch's slots as linear_bf16.c's: 0 the calling thread's x, 1 each thread's panel)
     panel_t *xp = loom_scratch(0, (size_t)(M * K) * sizeof(panel_t));
     if (!xp) return -2;
-    const panel_t *xs = xp;
     const int64_t ldp = K;
 #else
-    const panel_t *xs = x;
+    const float *xp = x;
     const int64_t ldp = ldx;
 #endif
+    int64_t next = 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
+        const int team = omp_get_num_threads();
 #if defined(KG_BF16)  // x to bf16 (nearest even), a share of the rows a thread
-        loom_bf16_rows_team(x, M, K, ldx, xp, omp_get_thread_num(), omp_get_num_threads());
-#pragma omp barrier
+        loom_bf16_rows_team(x, M, K, ldx, xp, omp_get_thread_num(), team);
 #endif
-        panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));
-        if (!pb) {
+        if (loom_linear_kq_gemm_reserve()) {
 #pragma omp atomic write
             failed = 1;
         }
-        // past m_chunk rows, passes of m_chunk rows over all panels (each dequantized once a
-        // pass): x's chunk stays in cache while the panels stream past it
-        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
-            const int64_t mc = M - m0 < m_chunk ? M - m0 : m_chunk;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-                if (pb)
-                    panel_rows(xs + m0 * ldp, ldp, mc, K, w, fmt, bias, n0, nb, y + m0 * ldy,
-                               ldy, pb);
-            }
-        }
+#pragma omp barrier
+        int skip;
+#pragma omp atomic read
+        skip = failed;
+        if (!skip)
+            loom_linear_kq_gemm_team(xp, ldp, M, K, w, fmt, bias, N, y, ldy, &next, team);
     }
     return failed ? -2 : 0;
 }

@@ -158,6 +158,12 @@ int loom_kq_gemm_isa(void);  // 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32
 int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                         int num_threads);
+// The same in a thread of a running team (every thread, `next` zeroed, after the reserve in
+// each): x as the tiles read it (bf16 [M, K] where loom_kq_gemm_isa is 2, else x), the same bits.
+int loom_linear_kq_gemm_reserve(void);
+void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
+                              const uint8_t *w, int fmt, const float *bias, int64_t N, float *y,
+                              int64_t ldy, int64_t *next, int team);
 
 // ---- the decoder stack in one call (decoder_q8.c) ----------------------------------------
 // The stack runs a description of the model that the Python model definition builds
