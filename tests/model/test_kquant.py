@@ -37,21 +37,25 @@ def reference(blocks: KBlocks) -> np.ndarray:
     return dequantize(blocks.data.numpy().reshape(-1), blocks.qtype).reshape(rows, cols)
 
 
-def bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+def bound(w: np.ndarray, x: np.ndarray, digits: int = 2) -> np.ndarray:
     """The kernel's error bound [M, N]: each x value within d / 256 of itself (d = max|x| / 127
-    of its run of 16; d / 512 but where the second digit saturates), plus fp32 rounding."""
+    of its run of 16; d / 512 but where the second digit saturates), d / 2 with one digit, plus
+    fp32 rounding."""
     m, k = x.shape
     d = np.abs(x.reshape(m, k // 16, 16)).max(-1) / 127  # [M, runs]
-    err_x = np.repeat(d / 256, 16, axis=1)  # [M, K]
+    err_x = np.repeat(d / (256 if digits == 2 else 2), 16, axis=1)  # [M, K]
     return err_x @ np.abs(w).T.astype(np.float64) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
+ONE_DIGIT = 0x100  # loom.h's LOOM_KQ_ONE_DIGIT, or'ed into the format
+
+
 def kq_linear(blocks: KBlocks, x: torch.Tensor, bias: torch.Tensor | None = None,
-              threads: int = 2) -> torch.Tensor:
+              threads: int = 2, flags: int = 0) -> torch.Tensor:
     rows, cols = blocks.shape
     y = torch.full((x.shape[0], rows), float("nan"))
     rc = cpu_kernels().loom_linear_kq(
-        x.data_ptr(), x.shape[0], cols, x.stride(0), blocks.data.data_ptr(), blocks.fmt,
+        x.data_ptr(), x.shape[0], cols, x.stride(0), blocks.data.data_ptr(), blocks.fmt | flags,
         None if bias is None else bias.data_ptr(), rows, y.data_ptr(), rows, threads)
     assert rc == 0
     return y
@@ -85,6 +89,32 @@ def test_kernel_within_bound_of_float64(qtype, m) -> None:
     # a row's bits do not depend on the other rows of the call
     alone = kq_linear(blocks, xt[-1:].contiguous(), bias)
     assert torch.equal(alone[0], torch.from_numpy(got[-1]).float())
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_one_digit_within_its_bound(qtype) -> None:
+    """LOOM_KQ_ONE_DIGIT (x in one digit a run: llama.cpp's activations with a scale a run of 16,
+    not the default, see docs/kquants.md): within its d / 2 bound, above the two digits' error,
+    a row's bits those of its batch."""
+    require_cpu_kernels()
+    rng = np.random.default_rng(11)
+    blocks = random_blocks(qtype, 29, 512, rng)
+    w = reference(blocks).astype(np.float64)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    x[:, 3] *= 40
+    xt = torch.from_numpy(x)
+    want = x.astype(np.float64) @ w.T
+    for m in (1, 3, 8, 9):  # decode rows, and past 8 in chunks
+        one = kq_linear(blocks, xt[:m], flags=ONE_DIGIT).double().numpy()
+        assert (np.abs(one - want[:m]) <= bound(w, x[:m], digits=1)).all()
+        assert torch.equal(kq_linear(blocks, xt[m - 1:m], flags=ONE_DIGIT)[0],
+                           torch.from_numpy(one[-1]).float())
+    two = kq_linear(blocks, xt).double().numpy()
+    assert np.abs(two - want).max() < np.abs(one - want).max()
+    y = torch.empty((1, 29))
+    assert cpu_kernels().loom_linear_kq(  # an unknown flag bit is refused
+        xt.data_ptr(), 1, 512, 512, blocks.data.data_ptr(), blocks.fmt | 0x200, None, 29,
+        y.data_ptr(), 29, 1) == -1
 
 
 def test_rows_with_a_stride_and_one_thread() -> None:

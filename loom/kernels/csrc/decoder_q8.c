@@ -157,8 +157,11 @@ void loom_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64
 }
 
 // y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8, KQ or F32).
+// join: end with the team's barrier; without it (a K-quant part before another part of the same
+// linear: it reads x and writes its own columns, as the next does) a thread goes on to the next
+// part's rows at once instead of waiting out the other's last chunk.
 static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
-                      const float *bias, int64_t N, float *y, int64_t ldy)
+                      const float *bias, int64_t N, float *y, int64_t ldy, int join)
 {
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
@@ -174,7 +177,7 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
             return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
                 x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
-        sync_team(t);
+        if (join) sync_team(t);
         return 0;
     }
     if (!t) {
@@ -207,11 +210,12 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
 static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
                   const float *bias, int64_t N, float *y)
 {
-    if (W->kind != LOOM_LINEAR_PARTS) return linear_one(s, t, x, K, W, bias, N, y, N);
+    if (W->kind != LOOM_LINEAR_PARTS) return linear_one(s, t, x, K, W, bias, N, y, N, 1);
     for (int64_t i = 0; i < W->num_parts; i++) {  // KQuantLinear.forward's order
         const LoomLinearQ8 *P = &W->parts[i];
         const int kq = P->kind == LOOM_LINEAR_KQ;
-        int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N);
+        int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N,
+                            i == W->num_parts - 1);
         if (rc) return rc;
         if (bias && !kq) {  // the Q8 part's product, then its bias (torch's `part + bias`)
             int64_t r0, r1;

@@ -18,8 +18,8 @@
 // scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K: x~ summed over each
 // block of 32) and the -32's (Q6_K: over each run) terms take one fma a super-block. x's layout
 // (quantize_row) is the kernel's own per build and format, so the blocks are read as stored
-// with few shuffles. One digit (llama.cpp's) measured 96.5% top-1 on Loom's default model for
-// its int8 grid; two: 99.9% (docs/cpu_kernels.md, docs/kquants.md).
+// with few shuffles. One digit (llama.cpp's; a format or'ed with LOOM_KQ_ONE_DIGIT) falls below
+// the accuracy bar on every projection of Gemma 3 270M, two do not (docs/kquants.md).
 // Every output is summed in the same order whatever M (up to 8 rows at once, more in chunks of
 // 8 over blocks of weight rows), so a row's bits do not depend on its batch within a build.
 //
@@ -71,10 +71,14 @@ int loom_kq_isa(void)
 #endif
 }
 
-// 0 if the kernels take rows of K weights in `fmt`; -1 if not.
+// 0 if the kernels take rows of K weights in `fmt` (a format, or'ed with LOOM_KQ_ONE_DIGIT or
+// not); -1 if not.
 int loom_kq_check(int64_t K, int fmt)
 {
-    return K <= 0 || K % QK != 0 || !loom_kq_block_bytes(fmt) ? -1 : 0;
+    return K <= 0 || K % QK != 0 || (fmt & ~(0xff | LOOM_KQ_ONE_DIGIT)) ||
+                   !loom_kq_block_bytes(fmt & 0xff)
+               ? -1
+               : 0;
 }
 
 // ---- the blocks' integers (their scales: kquant_blocks.h) --------------------------------
@@ -150,8 +154,9 @@ static inline int run_of(int fmt, int r)
 
 // One run's digits from t = x * 127 / max|x| (|t| <= 127): a = t to nearest even, b = (t - a)
 // 256 (t - a exact) to nearest even, 128 -> 127. The same values in every build. Returns the
-// run's sum of 256 a + b (exact); *dr = d / 256.
-static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float *dr)
+// run's sum of 256 a + b (exact); *dr = d / 256. With `one` digit: a alone (b left unwritten),
+// its sum, *dr = d.
+static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float *dr, int one)
 {
 #if defined(KQ_AVX512)
     const __m512 v = _mm512_loadu_ps(xr);
@@ -162,6 +167,10 @@ static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float 
         _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(ai)), _mm512_set1_ps(256.0f)));
     const __m512i bc = _mm512_min_epi32(bi, _mm512_set1_epi32(127));
     _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(ai));
+    if (one) {
+        *dr = amax / 127.0f;
+        return _mm512_reduce_add_epi32(ai);
+    }
     _mm_storeu_si128((__m128i *)b, _mm512_cvtepi32_epi8(bc));
     const int32_t tot = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ai, 8), bc));
 #else
@@ -174,8 +183,16 @@ static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float 
         float bf = rintf((t - ai) * 256.0f);
         bf = bf > 127.0f ? 127.0f : bf;
         a[i] = (int8_t)ai;
+        if (one) {
+            tot += (int32_t)ai;
+            continue;
+        }
         b[i] = (int8_t)bf;
         tot += 256 * (int32_t)ai + (int32_t)bf;
+    }
+    if (one) {
+        *dr = amax / 127.0f;
+        return tot;
     }
 #endif
     *dr = amax / 127.0f / 256.0f;
@@ -196,7 +213,7 @@ static inline int dr_slot(int r)
 #endif
 }
 
-static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf)
+static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int one)
 {
     int8_t *a = (int8_t *)buf, *b = a + K;
     float *dr = (float *)(buf + 2 * K), *sm = dr + K / RUN;
@@ -206,7 +223,7 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf)
             const int h = run_of(fmt, r);
             const int64_t at = s * QK + r * RUN;
             float *d = dr + s * 16 + dr_slot(r);
-            sx[h] = (float)quantize_run(x + s * QK + h * RUN, a + at, b + at, d) * *d;
+            sx[h] = (float)quantize_run(x + s * QK + h * RUN, a + at, b + at, d, one) * *d;
         }
         float *o = sm + s * 16;
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
@@ -301,15 +318,20 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
     }
 }
 
-// 256 A + B in each int32 lane (4 products of a 64-weight vector): exact, |.| < 2^23.
+// 256 A + B in each int32 lane (4 products of a 64-weight vector): exact, |.| < 2^23; with
+// `one` digit A alone.
 static inline __attribute__((always_inline)) __m512i dot64(__m512i w, const int8_t *a,
-                                                           const int8_t *b)
+                                                           const int8_t *b, const int one)
 {
-    const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
+    const __m512i va = _mm512_loadu_si512(a);
 #ifdef __AVX512VNNI__
     const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, va);
+    if (one) return da;
+    const __m512i vb = _mm512_loadu_si512(b);
     return _mm512_dpbusd_epi32(_mm512_slli_epi32(da, 8), w, vb);
 #else
+    if (one) return _mm512_madd_epi16(_mm512_maddubs_epi16(w, va), _mm512_set1_epi16(1));
+    const __m512i vb = _mm512_loadu_si512(b);
     const __m512i da = _mm512_madd_epi16(_mm512_maddubs_epi16(w, va), _mm512_set1_epi16(256));
     const __m512i db = _mm512_madd_epi16(_mm512_maddubs_epi16(w, vb), _mm512_set1_epi16(1));
     return _mm512_add_epi32(da, db);
@@ -318,8 +340,8 @@ static inline __attribute__((always_inline)) __m512i dot64(__m512i w, const int8
 
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
                                                          int64_t xs, const uint8_t *wr,
-                                                         const int fmt, int64_t K, float *out,
-                                                         int64_t ldy)
+                                                         const int fmt, const int one, int64_t K,
+                                                         float *out, int64_t ldy)
 {
     const int bb = loom_kq_block_bytes(fmt);
     __m512 acc[M_MAX][2];
@@ -342,8 +364,9 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             const __m512 sh = _mm512_mul_ps(sw, _mm512_loadu_ps(dr));  // dr_slot order
 #define KQ_V(v, imm)                                                                          \
-    acc[m][v & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64(W[v], a + 64 * v, b + 64 * v)), \
-                                    _mm512_permute_ps(sh, imm), acc[m][v & 1])
+    acc[m][v & 1] = _mm512_fmadd_ps(                                                          \
+        _mm512_cvtepi32_ps(dot64(W[v], a + 64 * v, b + 64 * v, one)), _mm512_permute_ps(sh, imm), \
+        acc[m][v & 1])
             KQ_V(0, 0x00);
             KQ_V(1, 0x55);
             KQ_V(2, 0xAA);
@@ -415,10 +438,13 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     }
 }
 
-// 256 A + B in each int32 lane (4 products of a 32-weight vector): exact.
+// 256 A + B in each int32 lane (4 products of a 32-weight vector): exact; with `one` digit A.
 static inline __attribute__((always_inline)) __m256i dot32(__m256i w, const int8_t *a,
-                                                           const int8_t *b)
+                                                           const int8_t *b, const int one)
 {
+    if (one)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)),
+                                 _mm256_set1_epi16(1));
     const __m256i da = _mm256_madd_epi16(
         _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)), _mm256_set1_epi16(256));
     const __m256i db = _mm256_madd_epi16(
@@ -428,8 +454,8 @@ static inline __attribute__((always_inline)) __m256i dot32(__m256i w, const int8
 
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
                                                          int64_t xs, const uint8_t *wr,
-                                                         const int fmt, int64_t K, float *out,
-                                                         int64_t ldy)
+                                                         const int fmt, const int one, int64_t K,
+                                                         float *out, int64_t ldy)
 {
     const int bb = loom_kq_block_bytes(fmt);
     __m256 acc[M_MAX][2];
@@ -447,7 +473,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                 const __m256 sh = _mm256_mul_ps(sw[i], _mm256_loadu_ps(dr + 8 * i));
 #define KQ_V(v, imm)                                                                           \
     acc[m][v & 1] = _mm256_fmadd_ps(                                                          \
-        _mm256_cvtepi32_ps(dot32(W[4 * i + v], a + 32 * (4 * i + v), b + 32 * (4 * i + v))), \
+        _mm256_cvtepi32_ps(dot32(W[4 * i + v], a + 32 * (4 * i + v), b + 32 * (4 * i + v), one)), \
         _mm256_permute_ps(sh, imm), acc[m][v & 1])
                 KQ_V(0, 0x00);
                 KQ_V(1, 0x55);
@@ -471,8 +497,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 // Portable (and NEON's, with sdot on q as signed bytes: every q is below 64).
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
                                                          int64_t xs, const uint8_t *wr,
-                                                         const int fmt, int64_t K, float *out,
-                                                         int64_t ldy)
+                                                         const int fmt, const int one, int64_t K,
+                                                         float *out, int64_t ldy)
 {
     const int bb = loom_kq_block_bytes(fmt);
     float acc[M_MAX][16];
@@ -494,15 +520,16 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 #if defined(KQ_NEON)
                 const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
                 const int32_t ia = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(a + RUN * h)));
-                const int32_t ib = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(b + RUN * h)));
+                const int32_t ib =
+                    one ? 0 : vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(b + RUN * h)));
 #else
                 int32_t ia = 0, ib = 0;
                 for (int i = 0; i < RUN; i++) {
                     ia += q[RUN * h + i] * a[RUN * h + i];
-                    ib += q[RUN * h + i] * b[RUN * h + i];
+                    ib += one ? 0 : q[RUN * h + i] * b[RUN * h + i];
                 }
 #endif
-                acc[m][h] += (float)(256 * ia + ib) * (sw[h] * dr[h]) - mt;
+                acc[m][h] += (float)(one ? ia : 256 * ia + ib) * (sw[h] * dr[h]) - mt;
             }
         }
     }
@@ -514,23 +541,27 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 }
 #endif
 
-// Weight row n for M <= M_MAX quantized rows (M and fmt constants in each case).
+// Weight row n for M <= M_MAX quantized rows (M, fmt and the digits constants in each case).
 static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int fmt, int64_t K,
                     int64_t n, const float *bias, float *y, int64_t ldy)
 {
+    const int one = fmt & LOOM_KQ_ONE_DIGIT;
+    fmt &= 0xff;
     const uint8_t *wr = w + n * (K / QK) * loom_kq_block_bytes(fmt);
-#define ROW(m, f) row_kq(xq, m, xs, wr, f, K, y + n, ldy)
-#define CASES(f) switch (M) { \
-    case 1: ROW(1, f); break; case 2: ROW(2, f); break; case 3: ROW(3, f); break; \
-    case 4: ROW(4, f); break; case 5: ROW(5, f); break; case 6: ROW(6, f); break; \
-    case 7: ROW(7, f); break; default: ROW(8, f); break; }
+#define ROW(m, f, o) row_kq(xq, m, xs, wr, f, o, K, y + n, ldy)
+#define CASES(f, o) switch (M) { \
+    case 1: ROW(1, f, o); break; case 2: ROW(2, f, o); break; case 3: ROW(3, f, o); break; \
+    case 4: ROW(4, f, o); break; case 5: ROW(5, f, o); break; case 6: ROW(6, f, o); break; \
+    case 7: ROW(7, f, o); break; default: ROW(8, f, o); break; }
+#define DIGITS(f) if (one) { CASES(f, 1) } else { CASES(f, 0) }
     if (fmt == Q4_K) {
-        CASES(Q4_K)
+        DIGITS(Q4_K)
     } else if (fmt == Q5_K) {
-        CASES(Q5_K)
+        DIGITS(Q5_K)
     } else {
-        CASES(Q6_K)
+        DIGITS(Q6_K)
     }
+#undef DIGITS
 #undef CASES
 #undef ROW
     if (bias)
@@ -586,7 +617,8 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     uint8_t *xq = x_buffer(M, K);
     if (!xq) return -2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > M_MAX)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, fmt, xq + m * xs);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, fmt & 0xff, xq + m * xs, fmt & LOOM_KQ_ONE_DIGIT);
     const int64_t units = units_of(M, N), least = M <= M_MAX ? 16 : 1;
     // guided chunks (as linear_q8.c): a thread the OS lends away leaves its rows to the others
 #pragma omp parallel for schedule(guided, least) num_threads(num_threads)
@@ -613,7 +645,8 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     if (M <= 0) return;
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);  // reserved: no failure
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, fmt, xq + m * xs);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, fmt & 0xff, xq + m * xs, fmt & LOOM_KQ_ONE_DIGIT);
     for (int64_t u0, u1; loom_take_units(next, N, 16, team, &u0, &u1);)
         for (int64_t u = u0; u < u1; u++) row_any(xq, (int)M, xs, w, fmt, K, u, bias, y, ldy);
 }

@@ -1,0 +1,142 @@
+"""The K-quant decode kernel's activation digits on every projection kind of a real model.
+
+    .venv/bin/python benchmarks/bench_kquant_digits.py [--configs "all;qkv_proj;o_proj"]
+
+Gemma 3 270M (the packaged Q4_K_M GGUF, loaded as the fp32 reference) with every linear — qkv,
+o, gate_up, down and the head — re-quantized to Q4_K (even layers) or Q6_K (odd layers and the
+head) by tests/kquant_quantize.py. Its widths are not multiples of 256, so x and the weights are
+padded with zeros to the next one (a zero run adds exactly 0 in the kernel). Reference: the
+same model with those blocks dequantized into fp32 linears, so only the kernel's quantization of
+x differs. Teacher-forced top-1 agreement over tests/model/test_engine.py's 16 chats and 24 greedy
+tokens of the reference (as tests/model/test_kquant.py's bar), the prompts and the decode on
+linear_kquant.c's integer kernel: two digits a run of 16 (the default), then one digit
+(LOOM_KQ_ONE_DIGIT) on the projections each config names ("all": every one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from loom.kernels import cpu_kernels
+from loom.loader.model_loader import load_model
+from loom.loader.resolve import resolve_model
+from loom.tokenizer.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.gguf_files import gemma3_gguf_path  # noqa: E402
+from tests.kquant_quantize import QUANTIZERS  # noqa: E402
+from tests.model.test_engine import chats  # noqa: E402
+from tests.paged_batch import PagedBatch  # noqa: E402
+
+ONE_DIGIT = 0x100  # loom.h's LOOM_KQ_ONE_DIGIT
+STEPS = 24
+
+
+class PaddedKQ(torch.nn.Module):
+    """A linear on K-quant blocks of its weight padded to K' (a multiple of 256) columns."""
+
+    def __init__(self, kind: str, blocks: np.ndarray, qtype: T, k: int, n: int) -> None:
+        super().__init__()
+        self.kind, self.k, self.n = kind, k, n
+        self.blocks, self.fmt = torch.from_numpy(blocks), {T.Q4_K: 12, T.Q6_K: 14}[qtype]
+        self.kp = -(-k // 256) * 256
+        self.one = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.k)
+        xp = torch.zeros((rows.shape[0], self.kp))  # [num_tokens, K']
+        xp[:, :self.k] = rows
+        y = torch.empty((rows.shape[0], self.n))
+        rc = cpu_kernels().loom_linear_kq(
+            xp.data_ptr(), rows.shape[0], self.kp, self.kp, self.blocks.data_ptr(),
+            self.fmt | (ONE_DIGIT if self.one else 0), None, self.n, y.data_ptr(), self.n,
+            torch.get_num_threads())
+        assert rc == 0, rc
+        return y.reshape(*x.shape[:-1], self.n)
+
+
+def requantize(ref_parent: torch.nn.Module, kq_parent: torch.nn.Module, name: str,
+               qtype: T) -> PaddedKQ:
+    """ref_parent.name's weight -> its blocks' dequantized values; kq_parent.name -> the
+    blocks on the kernel."""
+    linear = getattr(ref_parent, name)
+    w = linear.weight.detach().numpy()
+    n, k = w.shape
+    padded = np.zeros((n, -(-k // 256) * 256), np.float32)
+    padded[:, :k] = w
+    blocks = QUANTIZERS[qtype](padded)
+    back = dequantize(blocks.reshape(-1), qtype).reshape(padded.shape)[:, :k]
+    linear.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(back)),
+                                       requires_grad=False)
+    module = PaddedKQ(name, blocks, qtype, k, n)
+    setattr(kq_parent, name, module)
+    return module
+
+
+def teacher_forced(loaded, prompts: dict[str, list[int]],
+                   seqs: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Top-1 at every position of the prompts and of `seqs`' continuations, decode in two groups
+    of 8 a step (as the engine runs 16 streams' decode on the kernel up to 8 rows)."""
+    batch = PagedBatch(loaded, num_blocks=160)
+    got = {k: v.argmax(-1) for k, v in batch.step(prompts).items()}
+    keys = list(prompts)
+    for t in range(STEPS - 1):
+        for group in (keys[:8], keys[8:]):
+            out = batch.step({k: [seqs[k][len(prompts[k]) + t]] for k in group})
+            for k in group:
+                got[k] = torch.cat([got[k], out[k].argmax(-1)])
+    return got
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="all;qkv_proj;o_proj;gate_up_proj;down_proj;lm_head",
+                   help="';'-separated sets of ','-separated projections on one digit")
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    source = resolve_model(str(gemma3_gguf_path()))
+    ref = load_model(source, "float32", quantization="none")
+    kq = load_model(source, "float32", quantization="none")
+    ref.model.lm_head.weight = torch.nn.Parameter(  # untied: the head gets its own blocks
+        ref.model.lm_head.weight.detach().clone(), requires_grad=False)
+    modules = []
+    for i, (lr, lk) in enumerate(zip(ref.model.model.layers, kq.model.model.layers)):
+        qtype = T.Q4_K if i % 2 == 0 else T.Q6_K
+        for parent_r, parent_k, names in ((lr.self_attn, lk.self_attn, ("qkv_proj", "o_proj")),
+                                          (lr.mlp, lk.mlp, ("gate_up_proj", "down_proj"))):
+            modules += [requantize(parent_r, parent_k, n, qtype) for n in names]
+    modules.append(requantize(ref.model, kq.model, "lm_head", T.Q6_K))
+    print(f"re-quantized {len(modules)} linears in {time.perf_counter() - t0:.0f} s")
+
+    tok = Tokenizer.from_source(source, ref.config.eos_token_ids)
+    prompts = {str(i): tok.encode_chat(c) for i, c in enumerate(chats())}
+    gen = PagedBatch(ref, num_blocks=160)
+    want = {k: v.argmax(-1) for k, v in gen.step(prompts).items()}
+    seqs = {k: list(v) for k, v in prompts.items()}
+    for _ in range(STEPS - 1):  # the reference's greedy continuation, teacher-forced
+        for k in seqs:
+            seqs[k].append(int(want[k][-1]))
+        out = gen.step({k: [seqs[k][-1]] for k in seqs})
+        want = {k: torch.cat([want[k], out[k].argmax(-1)]) for k in seqs}
+    total = sum(len(v) for v in want.values())
+
+    for config in ["two digits everywhere", *a.configs.split(";")]:
+        kinds = set(config.split(","))
+        for m in modules:
+            m.one = "all" in kinds or m.kind in kinds
+        got = teacher_forced(kq, prompts, seqs)
+        agree = sum(int((got[k] == want[k]).sum()) for k in want)
+        label = config if config.startswith("two") else f"one digit on {config}"
+        print(f"{label:40s} top-1 {agree} / {total} ({agree / total:.2%})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
