@@ -89,8 +89,8 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
     if (fmt == Q6_K) {  // block_scales' d sc[h] and 32 d sc[h], 8 runs at a time
         const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         for (int h = 0; h < 16; h += 8) {
-            const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                  _mm_loadl_epi64((const __m128i *)(blk + 192 + h)))));
+            const __m128i sc = _mm_loadl_epi64((const __m128i *)(blk + 192 + h));  // int8
+            const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
             _mm256_storeu_ps(sw + h, s);
             _mm256_storeu_ps(ow + h, _mm256_mul_ps(_mm256_set1_ps(32.0f), s));
         }
