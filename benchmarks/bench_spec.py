@@ -6,7 +6,8 @@ quoting it, copy a list, fix the spelling of a text, rewrite a function with one
 plain chat. Both engines live in this one process and run each prompt in turn (base, then
 speculative, the order swapped every repeat), so a shared machine's load falls on both alike;
 per prompt the median of `--repeats` runs counts. For each workload: tok/s without and with
-`--speculative-config` (adaptive draft length; `--fixed` adds k drafts every step), the speedup,
+`--speculative-config` (adaptive draft length; `--fixed` adds k drafts every step), the speedup
+(and the decode's alone: the time after each request's first token),
 the acceptance rate (overall and per draft position), the draft tokens a verify step and whether
 the outputs are identical (they must be).
 
@@ -75,13 +76,18 @@ CHAT = [
 ]
 
 
-def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float]:
+def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float, float]:
+    """(output tokens, seconds, seconds after the first token: the decode alone)."""
     from loom import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    m = out.metrics
+    decode = (m.finished_time - m.first_token_time if m is not None and m.finished_time
+              is not None and m.first_token_time is not None else float("nan"))
+    return list(out.outputs[0].token_ids), seconds, decode
 
 
 def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int) -> dict:
@@ -90,17 +96,22 @@ def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int) ->
     labels = list(engines)
     outs: dict[str, list[list[int]]] = {label: [] for label in labels}
     seconds = {label: 0.0 for label in labels}
+    decode = {label: 0.0 for label in labels}
     for prompt in prompts:
         times: dict[str, list[float]] = {label: [] for label in labels}
+        decodes: dict[str, list[float]] = {label: [] for label in labels}
         for rep in range(repeats):
             for label in labels if rep % 2 == 0 else labels[::-1]:
-                tokens, t = run_one(engines[label], prompt, max_tokens)
+                tokens, t, d = run_one(engines[label], prompt, max_tokens)
                 times[label].append(t)
+                decodes[label].append(d)
                 if rep == 0:
                     outs[label].append(tokens)
         for label in labels:
             seconds[label] += statistics.median(times[label])
+            decode[label] += statistics.median(decodes[label])
     return {label: {"outputs": outs[label], "seconds": seconds[label],
+                    "decode_seconds": decode[label],
                     "tokens": sum(len(o) for o in outs[label])} for label in labels}
 
 
@@ -114,7 +125,8 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=5, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--row-cost", type=float, default=None,
-                    help="row_cost of the adaptive draft length (default: the config's)")
+                    help="row_cost of the adaptive draft length (default: unset, the engine's "
+                    "measured step times)")
     ap.add_argument("--fixed", action="store_true",
                     help="also run k drafts every step (adaptive off) as a third engine")
     ap.add_argument("--batch-invariant", action="store_true",
@@ -150,6 +162,9 @@ def main() -> None:
             "prompts": len(prompts), "tokens": r["base"]["tokens"],
             "base_tok_s": round(base_tps, 2), "ngram_tok_s": round(spec_tps, 2),
             "speedup": round(spec_tps / base_tps, 3),
+            # the same, after each request's first token (its prompt step, the same work in
+            # both engines, left out)
+            "decode_speedup": round(r["base"]["decode_seconds"] / r["ngram"]["decode_seconds"], 3),
             "acceptance_rate": round(st["accepted"] / st["proposed"], 3) if st["proposed"] else 0.0,
             "accepted_per_verify_step": round(st["accepted"] / st["drafts"], 3)
             if st["drafts"] else 0.0,
@@ -164,6 +179,8 @@ def main() -> None:
             results[name].update({
                 "fixed_k_tok_s": round(fixed_tps, 2),
                 "fixed_k_speedup": round(fixed_tps / base_tps, 3),
+                "fixed_k_decode_speedup": round(
+                    r["base"]["decode_seconds"] / r["fixed"]["decode_seconds"], 3),
                 "fixed_k_identical_output": r["base"]["outputs"] == r["fixed"]["outputs"]})
     dump(args.out, {
         "machine": machine(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),

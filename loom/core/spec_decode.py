@@ -21,9 +21,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from loom.config import ConfigError
+from loom.core.spec_adaptive import (
+    MAX_MATCH, MAX_PAUSE, Cost, MatchAcceptance, RequestAcceptance, StepCosts, StepPlan,
+)
 
 if TYPE_CHECKING:
+    from loom.core.sched_output import SchedulerOutput
     from loom.request import Request
+
+DEFAULT_ROW_COST = 0.3  # the prior cost of a verify row (docs/speculative.md)
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     adaptive: bool = True  # draft length per request and step: its acceptance, the batch
     # With `adaptive`: the cost of one more row in a verify step, as a fraction of a step of
-    # one row (docs/speculative.md: measured on the default model; lower where reading the
-    # weights bounds a step); 0: k drafts in any batch.
-    row_cost: float = 0.3
+    # one row; 0: k drafts in any batch. None: the engine's measured step times, this prior
+    # (DEFAULT_ROW_COST) until measured (loom.core.spec_adaptive).
+    row_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -65,7 +71,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config adaptive must be true or false, got "
                               f"{self.adaptive!r}")
         c = self.row_cost
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 0.0 <= c <= 1.0):
             raise ConfigError(f"speculative_config row_cost must be a number in [0, 1], got "
                               f"{c!r}")
         b = self.disable_by_batch_size
@@ -100,84 +107,40 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the longest
-    suffix n-gram (max_n down to min_n) of `tokens`; [] when none occurs."""
+def ngram_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+    """Prompt lookup: the latest earlier occurrence of the longest suffix n-gram (max_n down to
+    min_n) of `tokens`, as (the index of the token after it, the match length: how many tokens
+    agree backwards from it, up to MAX_MATCH, n or more); (-1, 0) when none occurs."""
     num = len(tokens)
-    if k <= 0 or num < min_n + 1:
-        return []
+    if num < min_n + 1:
+        return -1, 0
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = arr[num - n:]
-        # windows start at 0 .. num-1-n: never the suffix itself, always a token after it
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: num - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
-    return []
+    # ends: where an occurrence of the suffix i + 1 tokens long ends (never the suffix itself,
+    # always a token after it), narrowed as i grows
+    ends = np.flatnonzero(arr[: num - 1] == arr[num - 1])
+    found = ends if min_n <= 1 else ends[:0]
+    for i in range(1, min(max_n, num - 1)):
+        ends = ends[ends >= i]
+        ends = ends[arr[ends - i] == arr[num - 1 - i]]
+        if not len(ends):
+            break
+        if i + 1 >= min_n:
+            found = ends
+    if not len(found):
+        return -1, 0
+    end = int(found[-1])
+    length = 1
+    while (length < MAX_MATCH and end >= length
+           and tokens[end - length] == tokens[num - 1 - length]):
+        length += 1
+    return end + 1, length
 
 
-# A request's acceptance estimate starts at PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES) and each
-# verify step's evidence weighs DECAY times the step's before (a reply moves between quoting
-# and writing its own words).
-PRIOR_HITS, PRIOR_MISSES, DECAY = 4.0, 1.0, 0.7
-MAX_PAUSE = 32  # steps
-
-
-@dataclass(slots=True)
-class _Adaptive:
-    """One request's draft acceptance: each verify step that accepted a of n draft tokens
-    counts a hits and, when a < n, one miss (the token rejected), older steps decayed. The
-    model: each draft token is accepted with probability alpha = hits / (hits + misses) once
-    the ones before it were. When no draft is worth its rows the request pauses 1, 2, 4 ... 32
-    steps, then drafts one token (a probe) to measure again."""
-
-    hits: float = PRIOR_HITS
-    misses: float = PRIOR_MISSES
-    pause: int = 0
-    backoff: int = 1
-    probe: bool = False
-
-    @property
-    def alpha(self) -> float:
-        return self.hits / (self.hits + self.misses)
-
-    def update(self, num_proposed: int, num_accepted: int) -> None:
-        self.hits = DECAY * self.hits + num_accepted
-        self.misses = DECAY * self.misses + (num_accepted < num_proposed)
-
-
-class _StepPlan:
-    """A step's expected tokens and cost (in one-row steps), as drafts are added: a draft's
-    j-th token is worth one more row when its chance alpha^j beats the tokens a unit of cost
-    the step yields so far, times a row's cost (so one more row raises the step's rate). A
-    step of B decoding requests yields B tokens for 1 + row_cost (B - 1): the larger the batch,
-    the surer a draft token must be."""
-
-    def __init__(self, num_running: int, row_cost: float) -> None:
-        self.row_cost = row_cost
-        self.tokens = float(max(num_running, 1))
-        self.cost = 1.0 + row_cost * (self.tokens - 1.0)
-
-    def length(self, alpha: float, k: int) -> int:
-        """The most draft tokens (<= k) worth their rows at acceptance alpha."""
-        tokens, cost, p = self.tokens, self.cost, 1.0
-        for j in range(k):
-            p *= alpha
-            if p <= self.row_cost * tokens / cost:
-                return j
-            tokens += p
-            cost += self.row_cost
-        return k
-
-    def add(self, alpha: float, n: int) -> None:
-        """Count a draft of n tokens in the step."""
-        p = 1.0
-        for _ in range(n):
-            p *= alpha
-            self.tokens += p
-            self.cost += self.row_cost
+def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The k tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    (max_n down to min_n) of `tokens` (ngram_match); [] when none occurs."""
+    start, _ = ngram_match(tokens, min_n, max_n) if k > 0 else (-1, 0)
+    return [] if start < 0 else tokens[start: start + k]
 
 
 @dataclass(slots=True)
@@ -229,9 +192,9 @@ class Drafter(Protocol):
 
 class SpecDecoder:
     """Proposes drafts for the scheduler and adapts their length per request and per step
-    (`_Adaptive`, `_StepPlan`). With a drafter (method "draft_model"), `prepare` runs it once
+    (loom.core.spec_adaptive). With a drafter (method "draft_model"), `prepare` runs it once
     per step for every request that may decode with a draft (batched), before the scheduler
-    asks `propose` per request."""
+    asks `propose` per request. The engine reports each step's time (`observe_step`)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  drafter: Drafter | None = None) -> None:
@@ -239,40 +202,59 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.drafter = drafter
         self.stats = SpecDecodeStats()
-        self._adaptive: dict[str, _Adaptive] = {}
+        self.acceptance = MatchAcceptance()
+        row_cost = DEFAULT_ROW_COST if config.row_cost is None else config.row_cost
+        self.costs = StepCosts(row_cost)
+        self._adaptive: dict[str, RequestAcceptance] = {}
+        self._matches: dict[str, int] = {}  # req_id -> its n-gram draft's match length
         self._drafts: dict[str, list[int]] = {}
-        self._plan = _StepPlan(1, config.row_cost)
+        self._plan = StepPlan(1)
+        self._cost: Cost = self.costs.prior
 
     def prepare(self, running: list[Request]) -> None:
         """Start a step: its plan, and draft-model drafts for its decoding requests."""
         self._drafts = {}
-        self._plan = _StepPlan(len(running), self.config.row_cost)
+        self._matches = {}
+        self._plan = StepPlan(len(running))
+        self._cost = self.costs.prior if self.config.row_cost is not None else (
+            self.costs.measured())
         if self.drafter is None or self._off(len(running)):
             return
         reqs, ks = [], []
-        trial = _StepPlan(len(running), self.config.row_cost)
+        trial = StepPlan(len(running))
         for r in running:
             if r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r):
                 continue
             state = self._state(r)
-            k = 0 if state.pause or self._worthless(state) else self._length(
-                r, state, self.config.num_speculative_tokens, trial)
+            if state.pause or self._worthless(r, state):
+                continue
+            chances = self._alpha_chances(state, self._limit(r, self.config.num_speculative_tokens))
+            k = self._length(r, state, chances, trial)
             if k > 0:
-                trial.add(state.alpha, k)
+                trial.add(chances[:k])
                 reqs.append(r)
                 ks.append(k)
         if reqs:
             self._drafts = self.drafter.propose(reqs, ks)
+
+    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """A step's time, from the engine: counted by rows when every request of it decoded
+        (its last token and its draft)."""
+        drafts = so.scheduled_spec_decode_tokens
+        if so.scheduled_new_reqs or not so.num_scheduled_tokens or any(
+                n != 1 + len(drafts.get(r, ())) for r, n in so.num_scheduled_tokens.items()):
+            return
+        self.costs.observe(so.total_num_scheduled_tokens, seconds)
 
     def _off(self, num_running: int) -> bool:
         """No request speculates in a batch this large."""
         limit = self.config.disable_by_batch_size
         return limit is not None and num_running > limit
 
-    def _state(self, request: Request) -> _Adaptive:
+    def _state(self, request: Request) -> RequestAcceptance:
         state = self._adaptive.get(request.request_id)
         if state is None:
-            state = self._adaptive[request.request_id] = _Adaptive()
+            state = self._adaptive[request.request_id] = RequestAcceptance()
         return state
 
     def _limit(self, request: Request, k: int) -> int:
@@ -280,20 +262,34 @@ class SpecDecoder:
         k = min(k, self.max_model_len - request.num_tokens)
         if request.max_tokens is not None:
             k = min(k, request.max_tokens - request.num_output_tokens - 1)
-        return k
+        return max(k, 0)
 
-    def _length(self, request: Request, state: _Adaptive, k: int, plan: _StepPlan) -> int:
-        """This step's draft length for a request (<= k): with `adaptive`, what its acceptance
-        makes worth the rows in this step (a probe: at least 1)."""
-        k = self._limit(request, k)
-        if k <= 0 or not self.config.adaptive:
-            return k
-        n = plan.length(state.alpha, k)
+    def _cost_of(self, request: Request) -> Cost:
+        """The step costs a request plans with: a seeded sampled request's draws depend on its
+        draft lengths, so it plans with the prior alone (reproducible whatever the timings)."""
+        params = request.sampling_params
+        return self.costs.prior if params.seed is not None and not params.greedy else self._cost
+
+    @staticmethod
+    def _alpha_chances(state: RequestAcceptance, k: int) -> list[float]:
+        return [state.alpha ** j for j in range(1, k + 1)]
+
+    def _length(self, request: Request, state: RequestAcceptance, chances: list[float],
+                plan: StepPlan) -> int:
+        """This step's draft length for a request (<= len(chances)): with `adaptive`, what its
+        chances make worth the rows in this step (a probe: at least 1)."""
+        if not chances or not self.config.adaptive:
+            return len(chances)
+        n = plan.length(chances, self._cost_of(request))
         return max(n, 1) if state.probe else n
 
-    def _worthless(self, state: _Adaptive) -> bool:
-        """Whether even alone in its step a request's drafts cost more than they yield."""
-        return self.config.adaptive and not state.probe and state.alpha <= self.config.row_cost
+    def _worthless(self, request: Request, state: RequestAcceptance) -> bool:
+        """Whether even alone in its step a request's drafts cost more than they yield (its
+        acceptance at most a second row's cost)."""
+        if not self.config.adaptive or state.probe:
+            return False
+        cost = self._cost_of(request)
+        return state.alpha <= cost(2) / cost(1) - 1.0
 
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
@@ -305,37 +301,47 @@ class SpecDecoder:
             state.pause -= 1
             state.probe = state.pause == 0
             return []
-        if self._worthless(state):  # pause; then measure again
+        if self._worthless(request, state):  # pause; then measure again
             state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_PAUSE)
             return []
-        k = self._length(request, state, min(self.config.num_speculative_tokens, token_budget),
-                         self._plan)
+        k = self._limit(request, min(self.config.num_speculative_tokens, token_budget))
         if k <= 0:
             return []
         if self.drafter is not None:
-            draft = self._drafts.get(request.request_id, [])[:k]
+            chances = self._alpha_chances(state, k)
+            draft = self._drafts.get(request.request_id, [])[: self._length(
+                request, state, chances, self._plan)]
         else:
             cfg = self.config
-            draft = ngram_propose(request.all_token_ids, k, cfg.prompt_lookup_min,
-                                  cfg.prompt_lookup_max)
+            tokens = request.all_token_ids
+            start, match = ngram_match(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if start < 0:
+                return []
+            chances = self.acceptance.chances(match, min(k, len(tokens) - start))
+            draft = tokens[start: start + self._length(request, state, chances, self._plan)]
+            self._matches[request.request_id] = match
         if draft and request.grammar is not None:  # up to the first token it forbids
             draft = draft[: request.grammar.num_valid(draft)]
-        self._plan.add(state.alpha, len(draft))
+        self._plan.add(chances[: len(draft)])
         return draft
 
     def on_verified(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
+        match = self._matches.pop(req_id, None)
+        if match is not None:
+            self.acceptance.update(match, num_proposed, num_accepted)
         state = self._adaptive.get(req_id)
         if state is None:
             return
         state.update(num_proposed, num_accepted)
         state.probe = False
-        if state.alpha > self.config.row_cost:
+        if state.alpha > self._cost(2) / self._cost(1) - 1.0:
             state.backoff = 1
 
     def drop(self, req_id: str) -> None:
         """Forget a request that finished, was aborted or failed (a preempted one keeps its
         state: it comes back)."""
         self._adaptive.pop(req_id, None)
+        self._matches.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.drop(req_id)

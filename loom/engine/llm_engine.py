@@ -313,6 +313,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one model step; return an output for every request that changed."""
         touched = self._take_aborted()
+        start = time.perf_counter()
         sched_output = self.scheduler.schedule()
         if not sched_output.is_empty:
             failed: dict[str, str] = {}  # requests whose grammar failed: they fail alone
@@ -331,6 +332,8 @@ class LLMEngine:
                 parent_id = self._process_contained(out)
                 if parent_id is not None and parent_id not in touched:
                     touched.append(parent_id)
+            if self.scheduler.spec is not None:  # the adaptive draft length's step costs
+                self.scheduler.spec.observe_step(sched_output, time.perf_counter() - start)
         return [self._emit(pid) for pid in touched if pid in self.parents]
 
     def _take_aborted(self) -> list[str]:

@@ -8,7 +8,8 @@ import torch
 
 from loom.config import ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
-from loom.core.spec_decode import SpecDecoder, SpeculativeConfig, ngram_propose
+from loom.core.sched_output import CachedRequestData, SchedulerOutput
+from loom.core.spec_decode import SpecDecoder, SpeculativeConfig, ngram_match, ngram_propose
 from loom.request import Request
 from loom.sample.rejection import rejection_sample, verify_greedy
 from loom.sampling_params import SamplingParams
@@ -21,6 +22,11 @@ def test_ngram_finds_the_latest_longest_match() -> None:
     assert ngram_propose([5, 6, 7, 8], 2, 1, 3) == []  # 8 never seen before
     assert ngram_propose([5, 6, 5], 2, 1, 3) == [6, 5]
     assert ngram_propose([5, 6, 5], 2, 2, 3) == []  # shorter than prompt_lookup_min matches
+    # the match length counts every token agreeing backwards, past prompt_lookup_max
+    assert ngram_match(tokens, 1, 2) == (7, 3)  # [2 3] looked up, [1 2 3] agree
+    assert ngram_match(list(range(9)) + [7, 3, 4, 5], 1, 3) == (6, 3)
+    assert ngram_match([8] + list(range(9)) + [8] + list(range(5)), 1, 3) == (6, 6)
+    assert ngram_match([5, 6, 7, 8], 1, 3) == (-1, 0)
 
 
 def test_greedy_verification_keeps_the_target_tokens() -> None:
@@ -76,49 +82,95 @@ def _drafts(spec: SpecDecoder, reqs: list[Request], accept: bool) -> list[int]:
     return [len(d) for d in drafts]
 
 
-def test_adaptive_draft_length_follows_acceptance() -> None:
-    """A request's drafts hold as many tokens as its acceptance pays for (row_cost 0.3): 3 at
-    the prior (0.8), up to k as drafts keep being accepted, fewer as they are not, none once a
-    row costs more than the token is likely to yield; then paused 1, 2, 4 ... steps with a
-    one-token probe after each pause. Fixed length without `adaptive`."""
-    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=2)
-    spec = SpecDecoder(config, max_model_len=100)
-    req = _request(list(range(1, 30)) + [1, 2], max_tokens=90)
-    assert [_drafts(spec, [req], True)[0] for _ in range(4)] == [3, 5, 7, 7]
-    assert spec.propose(req, 1, 100) == list(range(3, 10))  # the draft itself
-    assert [_drafts(spec, [req], False)[0] for _ in range(8)] == [7, 5, 3, 2, 1, 1, 1, 1]
-    # acceptance 0.27 <= 0.3: pauses 1 step, probes 1 token, pauses 2, probes, pauses 4
-    lengths = [_drafts(spec, [req], False)[0] for _ in range(11)]
-    assert lengths == [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0]
-    assert [_drafts(spec, [req], True)[0] for _ in range(2)] == [0, 1]  # the probe is accepted
-    assert [_drafts(spec, [req], True)[0] for _ in range(4)] == [1, 1, 2, 3]  # and grow again
+LONG = list(range(1, 40)) + list(range(1, 20))  # its last 19 tokens occurred before
+SHORT = list(range(1, 40)) + [30, 1, 2, 3, 4]  # its last 4
+
+
+def test_adaptive_draft_length_follows_the_match() -> None:
+    """A draft is as long as its tokens' chances pay for (row_cost's prior 0.3): k where the
+    last 19 tokens occurred before, 3 after a match of 4 (then more as such drafts are kept);
+    a request whose drafts are rejected drafts less, then pauses 1, 2, 4 ... steps with a probe
+    after each pause. Fixed length without `adaptive`."""
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3)
+    assert _drafts(SpecDecoder(config, max_model_len=200), [_request(LONG, 90)], True) == [7]
+    spec = SpecDecoder(config, max_model_len=200)
+    req = _request(SHORT, 90)
+    assert [_drafts(spec, [req], True)[0] for _ in range(6)] == [3, 4, 5, 6, 7, 7]
+    assert spec.propose(req, 1, 100) == [5, 6, 7, 8, 9, 10, 11]  # the draft itself
+    spec = SpecDecoder(config, max_model_len=200)
+    req = _request(LONG, 90)
+    assert [_drafts(spec, [req], False)[0] for _ in range(16)] == [
+        7, 4, 3, 2, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0]
     assert spec.propose(req, 9, 100) == []  # more running than disable_by_batch_size (8)
     assert spec.propose(req, 1, 0) == []  # no budget left
     fixed = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
                                           adaptive=False), max_model_len=100)
-    assert [_drafts(fixed, [req], False)[0] for _ in range(4)] == [4, 4, 4, 4]
-    short = _request([1, 2, 3, 1, 2], max_tokens=3)
-    short.append_output_token_ids(1)  # one of 3 out: at most 1 draft + 1 sampled
-    assert ngram_propose(short.all_token_ids, 4, 1, 2) == [2, 1]
-    assert SpecDecoder(config, max_model_len=100).propose(short, 1, 100) == [2]
+    assert [_drafts(fixed, [_request(SHORT, 90)], False)[0] for _ in range(4)] == [4, 4, 4, 4]
+    short = _request(SHORT, max_tokens=3)
+    short.append_output_token_ids(5)  # one of 3 out: at most 1 draft + 1 sampled
+    assert ngram_propose(short.all_token_ids, 4, 1, 2) == [6, 7, 8, 9]
+    assert SpecDecoder(config, max_model_len=100).propose(short, 1, 100) == [6]
 
 
 def test_adaptive_draft_length_shares_the_step() -> None:
     """Batch-aware: the more requests decode in a step, the surer a draft token must be to be
-    worth its row (at acceptance 0.8: 3 tokens alone, 1 each among four); the requests planned
+    worth its row (a match of 4: 3 tokens alone, 1 each among four); the requests planned
     first in a step leave the later ones fewer rows; past disable_by_batch_size none drafts."""
-    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=2)
-    reqs = [_request(list(range(1, 30)) + [1, 2], 90, f"r{i}") for i in range(9)]
-    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:1], True) == [3]
-    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:3], True) == [2, 2, 1]
-    assert _drafts(SpecDecoder(config, max_model_len=100), reqs[:4], True) == [1, 1, 1, 1]
-    assert _drafts(SpecDecoder(config, max_model_len=100), reqs, True) == [0] * 9
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3)
+    reqs = [_request(SHORT, 90, f"r{i}") for i in range(9)]
+    assert _drafts(SpecDecoder(config, max_model_len=200), reqs[:1], True) == [3]
+    assert _drafts(SpecDecoder(config, max_model_len=200), reqs[:3], True) == [2, 1, 1]
+    assert _drafts(SpecDecoder(config, max_model_len=200), reqs[:4], True) == [1, 1, 1, 1]
+    assert _drafts(SpecDecoder(config, max_model_len=200), reqs, True) == [0] * 9
     with pytest.raises(ConfigError, match="row_cost"):
         SpeculativeConfig(row_cost=1.5)
     with pytest.raises(ConfigError, match="adaptive"):  # JSON "false" is not false
         SpeculativeConfig.parse({"method": "ngram", "adaptive": "false"})
     with pytest.raises(ConfigError, match="row_cost"):  # it would be ignored
         SpeculativeConfig.parse({"method": "ngram", "adaptive": False, "row_cost": 0.1})
+
+
+def _decode_step(rows: int) -> SchedulerOutput:
+    """A step in which one request decoded its last token and rows - 1 draft tokens."""
+    return SchedulerOutput([], CachedRequestData(["r"], [[]], [0]), {"r": rows}, rows, set(),
+                           scheduled_spec_decode_tokens={"r": [0] * (rows - 1)} if rows > 1
+                           else {})
+
+
+def test_adaptive_draft_length_from_measured_step_times() -> None:
+    """Without row_cost the engine's measured step times set a row's cost: where 8 rows take
+    about as long as 1, a match of 4 drafts k; where each row costs a one-row step, none. A
+    seeded sampled request, and a config with row_cost, keep the prior's lengths; steps with a
+    prompt are not counted."""
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3)
+
+    def measured(seconds_per_rows) -> SpecDecoder:
+        spec = SpecDecoder(config, max_model_len=200)
+        for _ in range(3):
+            for rows in (1, 8):
+                spec.observe_step(_decode_step(rows), seconds_per_rows(rows))
+        return spec
+
+    flat = measured(lambda rows: 0.010 + 0.0005 * rows)
+    assert _drafts(flat, [_request(SHORT, 90)], True) == [7]
+    seeded = Request("s", SHORT, SamplingParams(temperature=0.8, seed=3, max_tokens=90))
+    seeded.max_tokens = 90
+    assert _drafts(measured(lambda rows: 0.010 + 0.0005 * rows), [seeded], True) == [3]
+    steep = measured(lambda rows: 0.010 * rows)
+    assert _drafts(steep, [_request(SHORT, 90)], True) == [0]
+    pinned = SpecDecoder(SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3,
+                                           row_cost=0.3), max_model_len=200)
+    for _ in range(3):
+        pinned.observe_step(_decode_step(8), 0.010)
+        pinned.observe_step(_decode_step(1), 0.010)
+    assert _drafts(pinned, [_request(SHORT, 90)], True) == [3]
+    prompt = SpecDecoder(config, max_model_len=200)
+    for _ in range(3):
+        for rows in (1, 8):  # a prompt chunk of `rows` tokens: not a decode step
+            so = _decode_step(rows)
+            so.scheduled_spec_decode_tokens = {}
+            prompt.observe_step(so, 0.010)
+    assert _drafts(prompt, [_request(SHORT, 90)], True) == [3]
 
 
 def test_trim_returns_the_rejected_tokens_blocks() -> None:
