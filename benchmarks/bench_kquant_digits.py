@@ -7,10 +7,10 @@ o, gate_up, down and the head — re-quantized to Q4_K (even layers) or Q6_K (od
 head) by tests/kquant_quantize.py. Its widths are not multiples of 256, so x and the weights are
 padded with zeros to the next one (a zero run adds exactly 0 in the kernel). Reference: the
 same model with those blocks dequantized into fp32 linears, so only the kernel's quantization of
-x differs. Teacher-forced top-1 agreement over tests/model/test_engine.py's 16 chats and 24 greedy
-tokens of the reference (as tests/model/test_kquant.py's bar), the prompts and the decode on
-linear_kquant.c's integer kernel: two digits a run of 16 (the default), then one digit
-(LOOM_KQ_ONE_DIGIT) on the projections each config names ("all": every one).
+x differs. Teacher-forced top-1 agreement over tests/model/test_engine.py's 16 chats and 24
+greedy tokens of the reference (tests/model/test_kquant.py's bar and helpers), the prompts and
+the decode on linear_kquant.c's integer kernel: two digits a run of 16 (the default), then one
+digit (LOOM_KQ_ONE_DIGIT) on the projections each config names ("all": every one).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.gguf_files import gemma3_gguf_path  # noqa: E402
 from tests.kquant_quantize import QUANTIZERS  # noqa: E402
 from tests.model.test_engine import chats  # noqa: E402
-from tests.paged_batch import PagedBatch  # noqa: E402
+from tests.model.test_kquant import reference_continuations, teacher_forced_top1  # noqa: E402
 
 ONE_DIGIT = 0x100  # loom.h's LOOM_KQ_ONE_DIGIT
 STEPS = 24
@@ -81,21 +81,6 @@ def requantize(ref_parent: torch.nn.Module, kq_parent: torch.nn.Module, name: st
     return module
 
 
-def teacher_forced(loaded, prompts: dict[str, list[int]],
-                   seqs: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """Top-1 at every position of the prompts and of `seqs`' continuations, decode in two groups
-    of 8 a step (as the engine runs 16 streams' decode on the kernel up to 8 rows)."""
-    batch = PagedBatch(loaded, num_blocks=160)
-    got = {k: v.argmax(-1) for k, v in batch.step(prompts).items()}
-    keys = list(prompts)
-    for t in range(STEPS - 1):
-        for group in (keys[:8], keys[8:]):
-            out = batch.step({k: [seqs[k][len(prompts[k]) + t]] for k in group})
-            for k in group:
-                got[k] = torch.cat([got[k], out[k].argmax(-1)])
-    return got
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="all;qkv_proj;o_proj;gate_up_proj;down_proj;lm_head",
@@ -118,21 +103,14 @@ def main() -> None:
 
     tok = Tokenizer.from_source(source, ref.config.eos_token_ids)
     prompts = {str(i): tok.encode_chat(c) for i, c in enumerate(chats())}
-    gen = PagedBatch(ref, num_blocks=160)
-    want = {k: v.argmax(-1) for k, v in gen.step(prompts).items()}
-    seqs = {k: list(v) for k, v in prompts.items()}
-    for _ in range(STEPS - 1):  # the reference's greedy continuation, teacher-forced
-        for k in seqs:
-            seqs[k].append(int(want[k][-1]))
-        out = gen.step({k: [seqs[k][-1]] for k in seqs})
-        want = {k: torch.cat([want[k], out[k].argmax(-1)]) for k in seqs}
+    want, seqs = reference_continuations(ref, prompts, STEPS)
     total = sum(len(v) for v in want.values())
 
     for config in ["two digits everywhere", *a.configs.split(";")]:
         kinds = set(config.split(","))
         for m in modules:
             m.one = "all" in kinds or m.kind in kinds
-        got = teacher_forced(kq, prompts, seqs)
+        got = teacher_forced_top1(kq, prompts, seqs, STEPS)
         agree = sum(int((got[k] == want[k]).sum()) for k in want)
         label = config if config.startswith("two") else f"one digit on {config}"
         print(f"{label:40s} top-1 {agree} / {total} ({agree / total:.2%})", flush=True)

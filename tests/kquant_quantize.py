@@ -1,7 +1,8 @@
 """Q4_K and Q6_K blocks of real weights, for tests (the `gguf` package has no K-quant quantizer).
 A plain min / max (Q4_K) and absmax (Q6_K) fit per sub-block, not llama-quantize's search: the
 weights' error is of Q4_K's / Q6_K's size, and the blocks are valid for every reader (checked
-against the `gguf` package's dequantizer in tests/model/test_kquant_digits.py)."""
+against the `gguf` package's dequantizer in tests/model/test_kquant.py). Used by
+benchmarks/bench_kquant_digits.py."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
         q1, q2, q3, q4 = (q[:, 128 * c + 32 * t:128 * c + 32 * t + 32] for t in range(4))
         out[:, 64 * c:64 * c + 32] = (q1 & 15) | (q3 & 15) << 4
         out[:, 64 * c + 32:64 * c + 64] = (q2 & 15) | (q4 & 15) << 4
-        out[:, 128 + 32 * c:160 + 32 * c] = q1 >> 4 | (q2 >> 4) << 2 | (q3 >> 4) << 4 | (q4 >> 4) << 6
+        high = q1 >> 4 | (q2 >> 4) << 2 | (q3 >> 4) << 4 | (q4 >> 4) << 6  # bits 4-5 of each
+        out[:, 128 + 32 * c:160 + 32 * c] = high
     out[:, 192:208] = sc.view(np.uint8)
     out[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
     return out

@@ -117,6 +117,31 @@ def test_one_digit_within_its_bound(qtype) -> None:
         y.data_ptr(), 29, 1) == -1
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],
+                         ids=lambda q: q.name)
+def test_quantizer_for_benchmarks_writes_valid_blocks(qtype) -> None:
+    """tests/kquant_quantize.py (bench_kquant_digits.py's Q4_K / Q6_K blocks of real weights):
+    the `gguf` package reads them back near the weights (a relative RMS error of 4 / 6 bits),
+    zero columns padded on as zeros, and the kernel runs them within its bound."""
+    from tests.kquant_quantize import QUANTIZERS
+
+    require_cpu_kernels()
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((24, 512)).astype(np.float32) * 0.05
+    w[:, 416:] = 0.0  # padding (whole sub-blocks)
+    w[2, 7] = 1.0  # an outlier
+    raw = QUANTIZERS[qtype](w)
+    blocks = KBlocks.from_gguf(raw.reshape(-1), qtype, w.shape)
+    back = reference(blocks)
+    rel = np.sqrt(((back - w) ** 2).mean() / (w**2).mean())
+    assert rel < (0.1 if qtype == GGMLQuantizationType.Q4_K else 0.03), rel
+    assert (back[:, 416:] == 0).all()
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    got = kq_linear(blocks, torch.from_numpy(x)).double().numpy()
+    want = x.astype(np.float64) @ back.astype(np.float64).T
+    assert (np.abs(got - want) <= bound(back.astype(np.float64), x)).all()
+
+
 def test_rows_with_a_stride_and_one_thread() -> None:
     require_cpu_kernels()
     rng = np.random.default_rng(7)
@@ -221,6 +246,41 @@ def test_gemma3_k_quants_stay_native_and_small(gemma3_default) -> None:
     assert before > 3 * ours
 
 
+def reference_continuations(ref, prompts: dict[str, list[int]],
+                            steps: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """The reference's top-1 at each prompt position and along its own greedy continuation of
+    `steps` tokens (fed back as it goes), and each request's tokens with that continuation."""
+    from tests.paged_batch import PagedBatch
+
+    gen = PagedBatch(ref, num_blocks=160)
+    want = {k: v.argmax(-1) for k, v in gen.step(prompts).items()}  # prompt positions
+    seqs = {k: list(p) for k, p in prompts.items()}
+    for _ in range(steps - 1):
+        for k in seqs:
+            seqs[k].append(int(want[k][-1]))
+        out = gen.step({k: [seqs[k][-1]] for k in seqs})
+        want = {k: torch.cat([want[k], out[k].argmax(-1)]) for k in seqs}
+    return want, seqs
+
+
+def teacher_forced_top1(loaded, prompts: dict[str, list[int]], seqs: dict[str, list[int]],
+                        steps: int, kv_dtype: torch.dtype | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """`loaded`'s top-1 at the same positions, run as the engine runs them: the prompts in one
+    step (more than 8 rows), then `seqs`' continuations a token a step in two groups of 8."""
+    from tests.paged_batch import PagedBatch
+
+    batch = PagedBatch(loaded, num_blocks=160, kv_dtype=kv_dtype)
+    got = {k: v.argmax(-1) for k, v in batch.step(prompts).items()}
+    keys = list(seqs)
+    for t in range(steps - 1):
+        for group in (keys[:8], keys[8:]):
+            out = batch.step({k: [seqs[k][len(prompts[k]) + t]] for k in group})
+            for k in group:
+                got[k] = torch.cat([got[k], out[k].argmax(-1)])
+    return got
+
+
 @pytest.mark.slow
 def test_gemma3_default_kernels_agree_with_reference(gemma3_default) -> None:
     """Issue 32's bar on the real Gemma 3 270M Q4_K_M file: teacher-forced top-1 agreement >= 99%
@@ -232,29 +292,14 @@ def test_gemma3_default_kernels_agree_with_reference(gemma3_default) -> None:
     batch-invariant."""
     from loom.tokenizer.tokenizer import Tokenizer
     from tests.model.test_engine import chats
-    from tests.paged_batch import PagedBatch
 
     source, loaded, ref = gemma3_default
     tok = Tokenizer.from_source(source, loaded.config.eos_token_ids)
     prompts = {str(i): tok.encode_chat(c) for i, c in enumerate(chats())}
-    steps = 24
-    gen = PagedBatch(ref, num_blocks=160)
-    want = {k: v.argmax(-1) for k, v in gen.step(prompts).items()}  # prompt positions
-    seqs = {k: list(p) for k, p in prompts.items()}
-    for _ in range(steps - 1):  # the reference's greedy continuation, teacher-forced as it goes
-        for k in seqs:
-            seqs[k].append(int(want[k][-1]))
-        out = gen.step({k: [seqs[k][-1]] for k in seqs})
-        want = {k: torch.cat([want[k], out[k].argmax(-1)]) for k in seqs}
+    want, seqs = reference_continuations(ref, prompts, 24)
     assert loaded.default_kv_cache_dtype() is None  # the model's: q/k norms (see its doc)
-    batch = PagedBatch(loaded, num_blocks=160, kv_dtype=loaded.default_kv_cache_dtype())
-    got = {k: v.argmax(-1) for k, v in batch.step(prompts).items()}
+    got = teacher_forced_top1(loaded, prompts, seqs, 24, loaded.default_kv_cache_dtype())
     keys = list(seqs)
-    for t in range(steps - 1):
-        for group in (keys[:8], keys[8:]):
-            out = batch.step({k: [seqs[k][len(prompts[k]) + t]] for k in group})
-            for k in group:
-                got[k] = torch.cat([got[k], out[k].argmax(-1)])
     agree = sum(int((got[k] == want[k]).sum()) for k in keys)
     total = sum(len(want[k]) for k in keys)
     print(f"Gemma 3 270M Q4_K_M default kernels {loaded.kernels}: top-1 {agree} / {total}")

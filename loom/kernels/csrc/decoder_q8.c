@@ -172,10 +172,21 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
         sync_team(t);
         return 0;
     }
-    if (W->kind == LOOM_LINEAR_KQ) {  // in a team at most 8 rows (run_step's `many` is off)
+    if (W->kind == LOOM_LINEAR_KQ) {  // in a team past 8 rows only with KQ_GEMM (run_step)
         if (!t)  // past 8 rows on linear_kq_gemm.c's kernel with KQ_GEMM
             return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
                 x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
+        if (s->M > loom_linear_q8_direct_rows) {  // x as the GEMM's tiles read it
+            const int xb = loom_kq_gemm_isa() == 2;
+            if (xb) {
+                loom_bf16_rows_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
+                sync_team(t);
+            }
+            loom_linear_kq_gemm_team(xb ? (const void *)s->buf_xb : (const void *)x, K, s->M, K,
+                                     W->w, bits, bias, N, y, ldy, t->next++, t->team);
+            sync_team(t);  // (the next part rewrites the shared buf_xb)
+            return 0;
+        }
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
         if (join) sync_team(t);
         return 0;
@@ -587,7 +598,16 @@ static int64_t linear_ops(const LoomLinearQ8 *W)
     return W->kind == LOOM_LINEAR_PARTS ? W->num_parts : 1;
 }
 
-// Whether a linear runs the K-quant kernel (which has no team form past 8 rows).
+// Whether a linear runs an int8-grid kernel (whose team form past 8 rows is the bf16 one's).
+static int has_q8(const LoomLinearQ8 *W)
+{
+    if (W->kind == LOOM_LINEAR_Q8) return 1;
+    for (int64_t i = 0; W->kind == LOOM_LINEAR_PARTS && i < W->num_parts; i++)
+        if (W->parts[i].kind == LOOM_LINEAR_Q8) return 1;
+    return 0;
+}
+
+// Whether a linear runs the K-quant kernel (whose team form past 8 rows is the GEMM's).
 static int has_kq(const LoomLinearQ8 *W)
 {
     if (W->kind == LOOM_LINEAR_KQ) return 1;
@@ -674,7 +694,7 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     const int few = loom_linear_q8_direct_rows;
     const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
     int64_t ops = 0;  // the team's work counters: one an op (a linear's: one a part)
-    int kq = head && has_kq(&head->w);
+    int kq = head && has_kq(&head->w), q8 = 0;  // the layers' kinds (kq: the head's too)
     int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
     for (int64_t l = 0; l < s.num_layers; l++) {
         ops += 1;  // attention
@@ -682,14 +702,18 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             const LoomLinearQ8 *W = layer_linear(&s, &s.layers[l], i, &K);
             ops += linear_ops(W);
             kq |= has_kq(W);
+            q8 |= has_q8(W);
             k_max = K > k_max ? K : k_max;
         }
     }
     ops += head ? linear_ops(&head->w) : 1;
-    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too (and no
-    // K-quant one: its team form takes up to 8 rows)
-    const int many = M > few && bf16 && !kq &&
-                     (!head || head->num_rows <= few || (head->kernel & 3) == 2);
+    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too (and
+    // K-quant ones only on linear_kq_gemm.c's kernel: the integer one's team form takes up to 8)
+    const int head_many = head && head->num_rows > few;  // the head's team form past few rows
+    const int many = M > few && (bf16 || !q8) && (!kq || (kernel & KQ_GEMM)) &&
+                     (!head_many || ((!has_q8(&head->w) || ((head->kernel & 3) == 2 &&
+                                                            loom_bf16_available())) &&
+                                     (!has_kq(&head->w) || (head->kernel & KQ_GEMM))));
     if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)ops, sizeof(int64_t));
@@ -711,6 +735,8 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             if (many && loom_linear_q8_bf16_reserve(k_max))  // each thread's block buffer
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
             if (kq && loom_linear_kq_reserve(k_max))  // each thread's quantized x buffer
+                __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
+            if (kq && many && loom_linear_kq_gemm_reserve())  // ... and panel buffer
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
             Step own = shared;
             LoomHeadQ8 own_head = head ? *head : (LoomHeadQ8){0};
