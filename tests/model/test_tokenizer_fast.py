@@ -17,6 +17,7 @@ TEXTS = [
     "café naïve 日本語 😀 👨‍👩‍👧 🇫🇷 e\u0301", "def f(x):\n    return x ** 2  # comment",
     "<|im_start|>user\nHi<|im_end|>\n", "<|endoftext|>text<|im_end|>", "1234567890 3.14159",
     "a" * 300, "Ġ weird Ċ bytes \x00\x01",
+    "A long text, encoded on the tokenizers' thread pool. " * 60,  # past 2048 characters
 ]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

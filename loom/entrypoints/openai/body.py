@@ -1,6 +1,6 @@
 """Request bodies: a size limit (413), then JSON parsing, the Unicode and nesting checks and the
-pydantic validation, all on a worker thread, so a large body never stalls the event loop (and
-with it /health and every running stream).
+pydantic validation, on a worker thread unless the body is small (offload.py), so a large body
+never stalls the event loop (and with it /health and every running stream).
 
 Routes take the raw `Request` and call `parse_body(request, Model)`; `openapi_body(Model)` keeps
 the body's schema in the OpenAPI document (`install_openapi` adds the models' schemas to it).
@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
-from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom.entrypoints.openai.errors import APIError, bad_request, validation_error
+from loom.entrypoints.openai.offload import INLINE_BODY_BYTES, run_sized
 from loom.structured.schema import MAX_JSON_DEPTH
 
 M = TypeVar("M", bound=BaseModel)
@@ -72,12 +72,13 @@ class _TooLarge(Exception):
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The validated body of `request` as `model`, parsed and checked off the event loop.
+    """The validated body of `request` as `model`, parsed and checked off the event loop
+    (on it when the body is small: INLINE_BODY_BYTES).
 
     Every failure is an APIError: 400 for malformed JSON, strings that are not valid Unicode
     (lone surrogates), nesting deeper than MAX_JSON_DEPTH, or a field pydantic rejects."""
     raw = await request.body()
-    return await run_in_threadpool(parse_json_body, raw, model)
+    return await run_sized(len(raw), INLINE_BODY_BYTES, parse_json_body, raw, model)
 
 
 def parse_json_body(raw: bytes, model: type[M]) -> M:

@@ -8,14 +8,13 @@ beam search does not combine with are refused with a 400 naming them.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
 from loom.engine.beam_search import BeamSearch, BeamSearchParams
 from loom.entrypoints.openai.errors import bad_request
 from loom.entrypoints.openai.serving_common import (
-    add_requests, collect_final, new_id, tokenize_prompts, usage,
+    add_requests, collect_final, new_id, tokenize_prompts_async, usage,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ def beam_params(req: CompletionRequest) -> tuple[BeamSearchParams, int]:
 async def create_beam_completion(ctx: ServerContext, req: CompletionRequest,
                                  prompts: list[str | list[int]]) -> dict[str, Any]:
     params, n = beam_params(req)
-    ids = await asyncio.to_thread(tokenize_prompts, ctx, prompts)
+    ids = await tokenize_prompts_async(ctx, prompts)
     search = BeamSearch(ids, params, ctx.engine.engine.eos_token_ids)
     request_id = new_id("cmpl")
     created = int(time.time())

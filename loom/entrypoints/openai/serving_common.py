@@ -17,6 +17,7 @@ from fastapi import Request
 
 from loom.engine.async_engine import QueueFullError
 from loom.entrypoints.openai.errors import APIError, bad_request, from_exception
+from loom.entrypoints.openai.offload import INLINE_TEXT_CHARS, run_sized
 from loom.engine.llm_engine import InvalidRequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.params import StructuredOutputsParams
@@ -220,12 +221,21 @@ def check_prompt_sizes(
 
 
 def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of every prompt (worker thread: the tokenizer releases the GIL): every prompt
-    checked by its size before any is tokenized, and by its number of tokens after."""
+    """Token ids of every prompt (a worker thread for long texts: tokenize_prompts_async):
+    every prompt checked by its size before any is tokenized, and by its number of tokens
+    after."""
     check_prompt_sizes(ctx, prompts)
     ids = [ctx.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     check_prompt_sizes(ctx, ids)
     return ids
+
+
+async def tokenize_prompts_async(
+    ctx: ServerContext, prompts: list[str | list[int]]
+) -> list[list[int]]:
+    """`tokenize_prompts` on a worker thread, or on the loop when the texts are short."""
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    return await run_sized(chars, INLINE_TEXT_CHARS, tokenize_prompts, ctx, prompts)
 
 
 async def add_requests(
@@ -238,15 +248,15 @@ async def add_requests(
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
 
-    Text prompts are tokenized here on a worker thread unless `prompt_ids` (one list of ids per
-    prompt) are given. Engine exceptions become APIErrors (400, 429, 503) before any response is
-    sent; an invalid output constraint is a 400 naming `constraint_param` (the field that set
-    it).
+    Text prompts are tokenized here (on a worker thread unless short: offload.py) unless
+    `prompt_ids` (one list of ids per prompt) are given. Engine exceptions become APIErrors
+    (400, 429, 503) before any response is sent; an invalid output constraint is a 400 naming
+    `constraint_param` (the field that set it).
     """
     ctx.check_accepting()
     ctx.check_capacity(len(prompts) * params.n)
     if prompt_ids is None:
-        prompt_ids = await asyncio.to_thread(tokenize_prompts, ctx, prompts)
+        prompt_ids = await tokenize_prompts_async(ctx, prompts)
     if params.structured_outputs is not None:
         # Compile (or find cached) off the event loop and off the engine thread; a bad schema,
         # regex or grammar is a 400 here, before anything reaches the engine.
