@@ -101,7 +101,9 @@ class EngineArgs:
 
     kv_cache_memory: int | None = flag(
         None, "bytes for the KV cache (default: on CUDA --gpu-memory-utilization's rule, "
-              "else half the free memory; capped at need)", CACHE)
+              "else half the free memory, capped at need, of which the CPU keeps at most one "
+              "context of idle prefix history in memory; set, all of it may hold history)",
+        CACHE)
     gpu_memory_utilization: float = flag(
         0.9, "CUDA: the share of the GPU's memory Loom takes: the weights, the peak of a "
              "profiled max-size step, and the KV cache in the rest", CACHE,

@@ -135,9 +135,13 @@ class LLMEngine:
             max_needed_tokens=2 * args.max_num_seqs * max_model_len,
         )
         self._log_cache(num_blocks, cache_config, loaded, max_model_len)
+        # a KV size asked for (--kv-cache-memory) is the user's to fill with prefix history;
+        # the default size, half the free memory, keeps idle history within one context
+        resident = (default_resident_blocks(device.type, max_model_len, cache_config.block_size)
+                    if args.kv_cache_memory is None else None)
         kv_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len,
-            default_resident_blocks(device.type, max_model_len, cache_config.block_size),
+            resident,
         )
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
                                    spec_decoder(args, max_model_len, loaded.config,

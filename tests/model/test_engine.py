@@ -215,6 +215,8 @@ def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
 @pytest.mark.slow
 def test_bad_requests_are_rejected_clearly(make_llm) -> None:
     llm = make_llm(None, max_model_len=64)
+    # the default KV size keeps one context of idle prefix history resident on the CPU
+    assert llm.engine.scheduler.kv_cache_manager.block_pool.resident_blocks == 64 // 16
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate("word " * 100, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="exceeds max_model_len"):
@@ -311,6 +313,8 @@ def test_kv_cache_dtype_is_checked(make_llm) -> None:
 def test_unset_step_budget_is_512_tokens_on_the_cpu(make_llm) -> None:
     llm = make_llm(None, max_num_batched_tokens=None, kv_cache_memory=64 * 2**20)
     assert llm.engine.scheduler.max_num_batched_tokens == 512
+    # a KV size asked for may all hold prefix history: no resident bound
+    assert llm.engine.scheduler.kv_cache_manager.block_pool.resident_blocks is None
     out = llm.generate(["Hello " * 600], SamplingParams(temperature=0, max_tokens=2),
                        use_tqdm=False)[0]  # a prompt over the budget: prefilled in chunks
     assert len(out.prompt_token_ids) > 512 and len(out.outputs[0].token_ids) == 2
