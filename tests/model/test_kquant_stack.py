@@ -28,7 +28,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
 
 
 def _kquant_gguf(tmp_path: Path, name: str, arch: str, overrides: dict[str, T]) -> Path:
-    folder = make_tiny_model(name, tmp_path / name, **SHAPE)
+    folder = make_tiny_model(name.removesuffix("-kq-only"), tmp_path / name, **SHAPE)
     real = gguf_files.quantize
 
     def quantize(a: np.ndarray, qt: T) -> np.ndarray:
@@ -55,23 +55,39 @@ CASES = {
 }
 
 
+def _kernels() -> list[str]:
+    """The default build, and the AVX2 one where this CPU runs it (no bf16: K-quant steps past
+    8 rows on the fp32 GEMM's team form)."""
+    from loom.kernels import dispatch
+
+    return ["auto"] + [v.name for v in dispatch.variants()
+                       if v.name == "avx2" and dispatch.runs_here(v)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_kquant_stack_matches_module_path(tmp_path, name) -> None:
+@pytest.mark.parametrize("name,kernels", [*((n, "auto") for n in CASES),
+                                          *(("llama-kq-only", k) for k in _kernels())])
+def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
     """The stack runs the K-quant model (mixed formats in one fused linear, one run after the
     other into their columns) with the default kernels, prompts and decode, and gives the
-    module path's bits, in a mixed batch and on the sampling rows (the head in the C call)."""
+    module path's bits, in a mixed batch and on the sampling rows (the head in the C call).
+    "llama-kq-only": no int8-grid part at all (a Q4_K_M file's usual make-up), on the default
+    build and the AVX2 one (K-quant steps past 8 rows in the stack's one region on either)."""
     require_cpu_kernels()
-    arch, overrides = CASES[name]
+    kq_only = name == "llama-kq-only"
+    arch, overrides = CASES["llama" if kq_only else name]
+    if kq_only:
+        overrides = {k: v for k, v in overrides.items() if v != T.Q8_0}
     loaded = load_model(resolve_model(str(_kquant_gguf(tmp_path, name, arch, overrides))),
-                        "float32")
+                        "float32", cpu_kernels=kernels)
     layers = loaded.model.model.layers
     kinds = [[LinearQ8.of(p[k]).kind for k in ("qkv", "o", "gate_up", "down")]
              for p in (layer.stack_parts() for layer in layers)]
     assert kinds[0] == [LINEAR_PARTS, LINEAR_KQ, LINEAR_PARTS, LINEAR_KQ]
     qkv = LinearQ8.of(layers[1].stack_parts()["qkv"])
-    assert [qkv.parts[i].kind for i in range(qkv.num_parts)] == [LINEAR_KQ, LINEAR_KQ, LINEAR_Q8]
-    if name == "llama":
+    assert [qkv.parts[i].kind for i in range(qkv.num_parts)] == (
+        [LINEAR_KQ] * 3 if kq_only else [LINEAR_KQ, LINEAR_KQ, LINEAR_Q8])
+    if name.startswith("llama"):
         assert layers[0].stack_parts()["qkv"].formats() == ["Q4_K", "Q4_K", "Q6_K"]
         assert isinstance(loaded.model.lm_head, KQuantLinear)
     else:
@@ -82,7 +98,7 @@ def test_kquant_stack_matches_module_path(tmp_path, name) -> None:
         _, stack, _ = _mixed_batch(loaded, loaded.config.vocab_size)
         stack_rows = _sampling_rows(loaded)
         assert isinstance(loaded.model.model.stack, Q8Decoder), "the C stack did not run"
-        if name == "llama":
+        if name.startswith("llama"):
             assert loaded.model.model.stack.head is not None  # the K-quant head in the call
         loaded.model.model.stack = False  # the per-module path, same weights and kernels
         _, module, _ = _mixed_batch(loaded, loaded.config.vocab_size)

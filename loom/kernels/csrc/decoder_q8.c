@@ -725,6 +725,7 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             return -2;
         }
         Barrier bar = {0, 0, 0};
+        const int q8_parts = q8 || (head && has_q8(&head->w));
         int no_vnni = 0, no_mem = 0;  // a thread could not reserve its buffers
         const int vnni = (kernel & 4) || (head && (head->kernel & 4));
 #pragma omp parallel num_threads(nt)
@@ -732,7 +733,9 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             Team t = {omp_get_thread_num(), omp_get_num_threads(), &bar, next};
             if (vnni && loom_linear_q8_vnni_reserve(k_max))  // each thread's x buffer
                 __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
-            if (many && loom_linear_q8_bf16_reserve(k_max))  // each thread's block buffer
+            // each thread's block buffer, for int8-grid parts past 8 rows (only the bf16
+            // kernel has their team form; K-quant-only steps also run in fp32 builds)
+            if (many && q8_parts && loom_linear_q8_bf16_reserve(k_max))
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
             if (kq && loom_linear_kq_reserve(k_max))  // each thread's quantized x buffer
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
