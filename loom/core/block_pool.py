@@ -83,7 +83,7 @@ class FreeKVCacheBlockQueue:
             self.append(block)
         if len(fresh):
             self._insert_after(self._tail.prev_free_block, self._fresh)  # type: ignore[arg-type]
-            self.num_free_blocks += len(fresh) - 1
+            self.num_free_blocks += len(fresh)
 
     @property
     def num_fresh_blocks(self) -> int:
@@ -105,7 +105,6 @@ class FreeKVCacheBlockQueue:
         if self.num_fresh_blocks:
             self._unlink(self._fresh)
             self._insert_after(self._tail.prev_free_block, self._fresh)  # type: ignore[arg-type]
-            self.num_free_blocks -= 1  # _insert_after counted the node once more
 
     def _unlink(self, node: KVCacheBlock) -> None:
         prev, nxt = node.prev_free_block, node.next_free_block
@@ -156,12 +155,15 @@ class FreeKVCacheBlockQueue:
         if last is self._fresh and self._parked:
             last = self._fresh.prev_free_block
         self._insert_after(last, block)  # type: ignore[arg-type]
+        self.num_free_blocks += 1
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put `block` at the head: it will be reused first."""
         self._insert_after(self._head, block)
+        self.num_free_blocks += 1
 
     def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        """Link `block` after `prev` (counted by the caller, like `_unlink`)."""
         if block.prev_free_block is not None or block.next_free_block is not None:
             raise ValueError(f"{block} is already in the free queue")
         nxt = prev.next_free_block
@@ -169,7 +171,6 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block, block.next_free_block = prev, nxt
         prev.next_free_block = block
         nxt.prev_free_block = block
-        self.num_free_blocks += 1
 
     def peek(self, n: int) -> list[KVCacheBlock]:
         """The first `n` queued blocks (fewer if fewer are queued): the next handed out."""
