@@ -114,9 +114,13 @@ class StepCosts:
     def __init__(self, row_cost: float) -> None:
         self.row_cost = row_cost
         self._seconds: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # rows -> median, once COST_MIN_SAMPLES are kept
 
     def observe(self, rows: int, seconds: float) -> None:
-        self._seconds.setdefault(rows, deque(maxlen=COST_WINDOW)).append(seconds)
+        window = self._seconds.setdefault(rows, deque(maxlen=COST_WINDOW))
+        window.append(seconds)
+        if len(window) >= COST_MIN_SAMPLES:
+            self._medians[rows] = statistics.median(window)
 
     def prior(self, rows: int) -> float:
         return 1.0 + self.row_cost * (rows - 1)
@@ -125,8 +129,7 @@ class StepCosts:
         """The cost function of the steps measured so far: between two measured row counts
         the line through them, past them the prior's shape from the nearest one, and the prior
         itself before any."""
-        known = sorted((r, statistics.median(s)) for r, s in self._seconds.items()
-                       if len(s) >= COST_MIN_SAMPLES)
+        known = sorted(self._medians.items())
         if not known:
             return self.prior
         prior = self.prior
