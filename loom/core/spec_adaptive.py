@@ -49,10 +49,7 @@ COST_MIN_SAMPLES = 3  # before a row count's median replaces the prior
 
 def bucket(match_len: int) -> int:
     """The index of the bucket of a match length (>= 1)."""
-    for i in range(len(BUCKETS) - 1, 0, -1):
-        if match_len >= BUCKETS[i]:
-            return i
-    return 0
+    return max(bisect.bisect_right(BUCKETS, match_len) - 1, 0)
 
 
 class MatchAcceptance:
