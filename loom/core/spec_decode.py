@@ -239,7 +239,10 @@ class SpecDecoder:
 
     def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
         """A step's time, from the engine: counted by rows when every request of it decoded
-        (its last token and its draft)."""
+        (its last token and its draft); not kept where nothing plans with it (row_cost set, or
+        adaptive off)."""
+        if self.config.row_cost is not None or not self.config.adaptive:
+            return
         drafts = so.scheduled_spec_decode_tokens
         if so.scheduled_new_reqs or not so.num_scheduled_tokens or any(
                 n != 1 + len(drafts.get(r, ())) for r, n in so.num_scheduled_tokens.items()):
