@@ -275,7 +275,8 @@ class SpecDecoder:
 
     @staticmethod
     def _alpha_chances(state: RequestAcceptance, k: int) -> list[float]:
-        return [state.alpha ** j for j in range(1, k + 1)]
+        alpha = state.alpha
+        return [alpha ** j for j in range(1, k + 1)]
 
     def _length(self, request: Request, state: RequestAcceptance, chances: list[float],
                 plan: StepPlan) -> int:
