@@ -55,7 +55,7 @@ def _gguf_cache_key(path: Path) -> str:
 
 
 _MAX_CHARS_FILE = "loom_max_token_chars.json"
-_ENCODE_IN_PLACE_CHARS = 2048  # up to this, encode holds the GIL for well under 1 ms
+ENCODE_IN_PLACE_CHARS = 2048  # up to this, encode holds the GIL for well under 1 ms
 
 
 def _file_stamp(path: Path) -> list[int] | None:
@@ -222,7 +222,7 @@ class Tokenizer:
         # tokenized on a worker thread leaves the event loop and the engine thread running.
         # A short one is encoded in place: encode_batch hands it to the tokenizers' thread pool
         # and waits for it, a wake-up that costs more than the work (same ids either way).
-        if len(text) <= _ENCODE_IN_PLACE_CHARS:
+        if len(text) <= ENCODE_IN_PLACE_CHARS:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 

@@ -14,12 +14,16 @@ import asyncio
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from loom.tokenizer.tokenizer import ENCODE_IN_PLACE_CHARS
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
 # Up to these sizes the work runs on the event loop (each well under a millisecond of CPU).
 INLINE_BODY_BYTES = 16 * 1024  # a request body, parsed and validated
-INLINE_TEXT_CHARS = 2048  # text to tokenize or render in the chat template
+# Text to tokenize or render in the chat template: the same bound as the text Tokenizer.encode
+# encodes holding the GIL (past it, encoding releases the GIL, worth a thread's switches).
+INLINE_TEXT_CHARS = ENCODE_IN_PLACE_CHARS
 
 
 async def run_sized(
