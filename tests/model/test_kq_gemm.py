@@ -16,7 +16,7 @@ from loom.kernels import cpu_kernels, kernel_choice
 from loom.quant.int8 import Q8Groups
 from loom.quant.kquant import KBlocks, KQuantLinear
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_kquant import FORMATS, kq_linear, random_blocks, reference
+from tests.model.test_kquant import FORMATS, ONE_DIGIT, kq_linear, random_blocks, reference
 
 
 def gemm(blocks: KBlocks, x: torch.Tensor, bias: torch.Tensor | None = None, threads: int = 2,
@@ -63,7 +63,8 @@ def test_gemm_matches_float64(qtype, m) -> None:
 
 def test_gemm_strides_threads_and_up_to_8_rows() -> None:
     """x rows and y rows wider than K and N, one thread or two: the same bits; up to 8 rows it
-    is linear_kquant.c's kernel itself; bad K or format refused."""
+    is linear_kquant.c's kernel itself; bad K or format refused (LOOM_KQ_ONE_DIGIT too: the
+    integer kernel's alone)."""
     require_cpu_kernels()
     rng = np.random.default_rng(5)
     blocks = random_blocks(GGMLQuantizationType.Q4_K, 19, 512, rng)
@@ -76,8 +77,9 @@ def test_gemm_strides_threads_and_up_to_8_rows() -> None:
     assert torch.equal(gemm(blocks, x[:8]), kq_linear(blocks, x[:8]))
     lib, y = cpu_kernels(), torch.zeros(12, 4)
     w = torch.zeros(4, 200, dtype=torch.uint8)
-    for k, fmt in ((300, 12), (256, 2)):  # K not a multiple of 256; not a K-quant
-        assert lib.loom_linear_kq_gemm(wide.data_ptr(), 12, k, 600, w.data_ptr(), fmt, None, 4,
+    for k, fmt, m in ((300, 12, 12), (256, 2, 12), (256, 12 | ONE_DIGIT, 12),
+                      (256, 12 | ONE_DIGIT, 1)):  # K not a multiple of 256; not a K-quant
+        assert lib.loom_linear_kq_gemm(wide.data_ptr(), m, k, 600, w.data_ptr(), fmt, None, 4,
                                        y.data_ptr(), 4, 1) == -1
 
 

@@ -354,14 +354,15 @@ void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
 }
 
 // As loom_linear_kq (same arguments, which it runs for up to 8 rows): past 8 rows, panels of
-// dequantized weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt;
-// -2 when a buffer cannot be allocated.
+// dequantized weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt
+// (LOOM_KQ_ONE_DIGIT too: the panels take x as it is, at any M); -2 when a buffer cannot be
+// allocated.
 int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                         int num_threads)
 {
-    if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
     if (loom_kq_check(K, fmt)) return -1;
+    if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
 #if defined(KG_BF16)  // x in bf16, shared by the team
     // (loom_scratch's slots as linear_bf16.c's: 0 the calling thread's x, 1 each thread's panel)
     panel_t *xp = loom_scratch(0, (size_t)(M * K) * sizeof(panel_t));

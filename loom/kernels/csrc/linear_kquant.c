@@ -71,14 +71,11 @@ int loom_kq_isa(void)
 #endif
 }
 
-// 0 if the kernels take rows of K weights in `fmt` (a format, or'ed with LOOM_KQ_ONE_DIGIT or
-// not); -1 if not.
+// 0 if the kernels take rows of K weights in `fmt` (a format alone: LOOM_KQ_ONE_DIGIT is
+// loom_linear_kq's, which checks the format without it); -1 if not.
 int loom_kq_check(int64_t K, int fmt)
 {
-    return K <= 0 || K % QK != 0 || (fmt & ~(0xff | LOOM_KQ_ONE_DIGIT)) ||
-                   !loom_kq_block_bytes(fmt & 0xff)
-               ? -1
-               : 0;
+    return K <= 0 || K % QK != 0 || !loom_kq_block_bytes(fmt) ? -1 : 0;
 }
 
 // ---- the blocks' integers (their scales: kquant_blocks.h) --------------------------------
@@ -606,12 +603,12 @@ static int64_t units_of(int64_t M, int64_t N)
 }
 
 // x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (12 Q4_K, 13 Q5_K,
-// 14 Q6_K), rows contiguous; bias: [N] or NULL; y: [M, N] rows ldy floats apart. Returns 0,
-// -1 on bad K or fmt, -2 when the buffer for the quantized x cannot be allocated.
+// 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL; y: [M, N]
+// rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the quantized x cannot be allocated.
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
-    if (loom_kq_check(K, fmt)) return -1;
+    if (loom_kq_check(K, fmt & ~LOOM_KQ_ONE_DIGIT)) return -1;
     if (M <= 0) return 0;  // (row_any takes 1 to 8 rows)
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);

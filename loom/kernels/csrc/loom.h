@@ -138,7 +138,8 @@ int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64
 
 // A format or'ed with LOOM_KQ_ONE_DIGIT: x in one int8 digit a run of 16, not two (llama.cpp's
 // activations, with a scale a run): fewer instructions, 256 times coarser; below the accuracy
-// bar on a real model (docs/kquants.md), so no default runs it.
+// bar on a real model (docs/kquants.md), so no default runs it. loom_linear_kq's alone: the
+// GEMM and the stack refuse it (loom_kq_check takes a format alone).
 #define LOOM_KQ_ONE_DIGIT 0x100
 int loom_kq_block_bytes(int fmt);  // 0 for a format it does not run
 int loom_kq_isa(void);             // 4 AVX512-VNNI, 3 AVX-512 BW, 2 AVX2, 1 NEON dotprod, 0 C
