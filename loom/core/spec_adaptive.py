@@ -85,13 +85,15 @@ class RequestAcceptance:
     """One request's draft acceptance: each verify step that accepted a of n draft tokens
     counts a hits and, when a < n, one miss (the token rejected), older steps decayed. When no
     draft is worth its rows (alpha at most a row's cost) the request pauses 1, 2, 4 ... 32
-    steps, then drafts one token (a probe) to measure again."""
+    steps, then drafts one token (a probe) to measure again. `prior_costs`: the request plans
+    with StepCosts.prior alone, never measured times (a seeded sampled request)."""
 
     hits: float = PRIOR_HITS
     misses: float = PRIOR_MISSES
     pause: int = 0
     backoff: int = 1
     probe: bool = False
+    prior_costs: bool = False
 
     @property
     def alpha(self) -> float:

@@ -226,10 +226,10 @@ class SpecDecoder:
             if r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r):
                 continue
             state = self._state(r)
-            if state.pause or self._worthless(r, state):
+            if state.pause or self._worthless(state):
                 continue
             chances = self._alpha_chances(state, self._limit(r, self.config.num_speculative_tokens))
-            k = self._length(r, state, chances, trial)
+            k = self._length(state, chances, trial)
             if k > 0:
                 trial.add(chances[:k])
                 reqs.append(r)
@@ -257,7 +257,11 @@ class SpecDecoder:
     def _state(self, request: Request) -> RequestAcceptance:
         state = self._adaptive.get(request.request_id)
         if state is None:
-            state = self._adaptive[request.request_id] = RequestAcceptance()
+            # a seeded sampled request's draws depend on its draft lengths: it plans with the
+            # prior costs alone (reproducible whatever the timings)
+            params = request.sampling_params
+            state = self._adaptive[request.request_id] = RequestAcceptance(
+                prior_costs=params.seed is not None and not params.greedy)
         return state
 
     def _limit(self, request: Request, k: int) -> int:
@@ -267,33 +271,35 @@ class SpecDecoder:
             k = min(k, request.max_tokens - request.num_output_tokens - 1)
         return max(k, 0)
 
-    def _cost_of(self, request: Request) -> Cost:
-        """The step costs a request plans with: a seeded sampled request's draws depend on its
-        draft lengths, so it plans with the prior alone (reproducible whatever the timings)."""
-        params = request.sampling_params
-        return self.costs.prior if params.seed is not None and not params.greedy else self._cost
+    def _cost_of(self, state: RequestAcceptance) -> Cost:
+        """The step costs a request plans with (RequestAcceptance.prior_costs)."""
+        return self.costs.prior if state.prior_costs else self._cost
+
+    def _row_cost(self, state: RequestAcceptance) -> float:
+        """A second row's cost, as a fraction of a one-row step, by the costs `state` plans
+        with: the acceptance a draft must beat to be worth anything."""
+        cost = self._cost_of(state)
+        return cost(2) / cost(1) - 1.0
 
     @staticmethod
     def _alpha_chances(state: RequestAcceptance, k: int) -> list[float]:
         alpha = state.alpha
         return [alpha ** j for j in range(1, k + 1)]
 
-    def _length(self, request: Request, state: RequestAcceptance, chances: list[float],
-                plan: StepPlan) -> int:
+    def _length(self, state: RequestAcceptance, chances: list[float], plan: StepPlan) -> int:
         """This step's draft length for a request (<= len(chances)): with `adaptive`, what its
         chances make worth the rows in this step (a probe: at least 1)."""
         if not chances or not self.config.adaptive:
             return len(chances)
-        n = plan.length(chances, self._cost_of(request))
+        n = plan.length(chances, self._cost_of(state))
         return max(n, 1) if state.probe else n
 
-    def _worthless(self, request: Request, state: RequestAcceptance) -> bool:
+    def _worthless(self, state: RequestAcceptance) -> bool:
         """Whether even alone in its step a request's drafts cost more than they yield (its
         acceptance at most a second row's cost)."""
         if not self.config.adaptive or state.probe:
             return False
-        cost = self._cost_of(request)
-        return state.alpha <= cost(2) / cost(1) - 1.0
+        return state.alpha <= self._row_cost(state)
 
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
@@ -305,7 +311,7 @@ class SpecDecoder:
             state.pause -= 1
             state.probe = state.pause == 0
             return []
-        if self._worthless(request, state):  # pause; then measure again
+        if self._worthless(state):  # pause; then measure again
             state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_PAUSE)
             return []
         k = self._limit(request, min(self.config.num_speculative_tokens, token_budget))
@@ -314,7 +320,7 @@ class SpecDecoder:
         if self.drafter is not None:
             chances = self._alpha_chances(state, k)
             draft = self._drafts.get(request.request_id, [])[: self._length(
-                request, state, chances, self._plan)]
+                state, chances, self._plan)]
         else:
             cfg = self.config
             tokens = request.all_token_ids
@@ -322,7 +328,7 @@ class SpecDecoder:
             if start < 0:
                 return []
             chances = self.acceptance.chances(match, min(k, len(tokens) - start))
-            draft = tokens[start: start + self._length(request, state, chances, self._plan)]
+            draft = tokens[start: start + self._length(state, chances, self._plan)]
             self._matches[request.request_id] = match
         if draft and request.grammar is not None:  # up to the first token it forbids
             draft = draft[: request.grammar.num_valid(draft)]
@@ -339,7 +345,7 @@ class SpecDecoder:
             return
         state.update(num_proposed, num_accepted)
         state.probe = False
-        if state.alpha > self._cost(2) / self._cost(1) - 1.0:
+        if state.alpha > self._row_cost(state):
             state.backoff = 1
 
     def drop(self, req_id: str) -> None:

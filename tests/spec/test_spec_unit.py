@@ -173,6 +173,33 @@ def test_adaptive_draft_length_from_measured_step_times() -> None:
     assert _drafts(prompt, [_request(SHORT, 90)], True) == [3]
 
 
+def test_seeded_sampled_draft_lengths_do_not_depend_on_step_times() -> None:
+    """A seeded sampled request drafts the same lengths (so its random draws are the same)
+    whatever the measured step times: its pauses too (a verified draft resets the back-off by
+    the prior costs, not the measured ones)."""
+    config = SpeculativeConfig(num_speculative_tokens=7, prompt_lookup_max=3)
+    accepted = [1, 1, 0, 0, 1, 1, 0, 1] + [0] * 12 + [1, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 1]
+
+    def lengths(spec: SpecDecoder) -> list[int]:
+        req = Request("s", LONG, SamplingParams(temperature=0.8, seed=3, max_tokens=90))
+        req.max_tokens = 90
+        out = []
+        for a in accepted:
+            spec.prepare([req])
+            draft = spec.propose(req, 1, 100)
+            if draft:
+                spec.on_verified("s", len(draft), min(a, len(draft)))
+            out.append(len(draft))
+        return out
+
+    flat = SpecDecoder(config, max_model_len=200)
+    for _ in range(3):
+        for rows in (1, 8):  # a second row nearly free: a greedy request would never pause
+            flat.observe_step(_decode_step(rows), 0.010 + 0.0005 * rows)
+    prior = lengths(SpecDecoder(config, max_model_len=200))
+    assert 0 in prior[8:] and lengths(flat) == prior
+
+
 def test_trim_returns_the_rejected_tokens_blocks() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, max_model_len=64)
     req = _request(list(range(6)))
