@@ -16,7 +16,7 @@ from loom.entrypoints.openai.offload import INLINE_BODY_BYTES, run_sized
 from loom.entrypoints.openai.protocol import CompletionRequest
 
 
-def _thread_of(size: int, limit: int) -> bool:
+def _ran_on_loop(size: int, limit: int) -> bool:
     async def main() -> tuple[int, int]:
         return threading.get_ident(), await run_sized(size, limit, threading.get_ident)
     loop_thread, ran_on = asyncio.run(main())
@@ -24,8 +24,8 @@ def _thread_of(size: int, limit: int) -> bool:
 
 
 def test_small_work_runs_on_the_loop_and_large_on_a_thread() -> None:
-    assert _thread_of(10, 10)
-    assert not _thread_of(11, 10)
+    assert _ran_on_loop(10, 10)
+    assert not _ran_on_loop(11, 10)
 
 
 @pytest.mark.parametrize("size", [0, 100])
