@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.q8_decoder import LINEAR_KQ, LINEAR_PARTS, LINEAR_Q8, LinearQ8, Q8Decoder
+from loom.quant.int8 import Int8Linear
 from loom.quant.kquant import KQuantLinear
 from tests import gguf_files
 from tests.cpu_kernels import require_cpu_kernels
@@ -27,9 +28,17 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 
 
-def _kquant_gguf(tmp_path: Path, name: str, arch: str, overrides: dict[str, T]) -> Path:
-    folder = make_tiny_model(name.removesuffix("-kq-only"), tmp_path / name, **SHAPE)
+def _kquant_gguf(tmp_path: Path, name: str, arch: str, overrides: dict[str, T],
+                 head: T | None = None) -> Path:
+    folder = make_tiny_model(name.split("-")[0], tmp_path / name, **SHAPE)
     real = gguf_files.quantize
+    raw = None
+    if head is not None:  # the embedding's and head's format (`overrides` name layers' tensors)
+        from safetensors.torch import load_file
+
+        hf = load_file(str(folder / "model.safetensors"))
+        raw = {g: (real(hf[n].numpy(), head), head) for g, n in (
+            ("token_embd.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight"))}
 
     def quantize(a: np.ndarray, qt: T) -> np.ndarray:
         if qt not in (T.Q4_K, T.Q5_K, T.Q6_K):
@@ -42,7 +51,7 @@ def _kquant_gguf(tmp_path: Path, name: str, arch: str, overrides: dict[str, T]) 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_files, "quantize", quantize)
         return gguf_files.write_gguf(folder, tmp_path / f"{name}.gguf", arch, T.Q4_K,
-                                     overrides=overrides)
+                                     overrides=overrides, raw=raw)
 
 
 # Llama: layer 0's qkv Q4_K + Q4_K + Q6_K, layer 1's Q4_K + Q4_K + Q8_0 (int8 grid); gate_up
@@ -66,20 +75,25 @@ def _kernels() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,kernels", [*((n, "auto") for n in CASES),
-                                          *(("llama-kq-only", k) for k in _kernels())])
+                                          *(("llama-kq-only", k) for k in _kernels()),
+                                          *(("llama-kq-only-q8-head", k)
+                                            for k in _kernels()[1:])])
 def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
     """The stack runs the K-quant model (mixed formats in one fused linear, one run after the
     other into their columns) with the default kernels, prompts and decode, and gives the
     module path's bits, in a mixed batch and on the sampling rows (the head in the C call).
     "llama-kq-only": no int8-grid part at all (a Q4_K_M file's usual make-up), on the default
-    build and the AVX2 one (K-quant steps past 8 rows in the stack's one region on either)."""
+    build and the AVX2 one (K-quant steps past 8 rows in the stack's one region on either);
+    "-q8-head": its embedding and head on the int8 grid (Q8_0), on the AVX2 one (no bf16: a
+    prompt's step whose head takes up to 8 rows runs in the one region too, the head on its
+    decode kernel)."""
     require_cpu_kernels()
-    kq_only = name == "llama-kq-only"
+    kq_only, q8_head = name.startswith("llama-kq-only"), name.endswith("-q8-head")
     arch, overrides = CASES["llama" if kq_only else name]
     if kq_only:
         overrides = {k: v for k, v in overrides.items() if v != T.Q8_0}
-    loaded = load_model(resolve_model(str(_kquant_gguf(tmp_path, name, arch, overrides))),
-                        "float32", cpu_kernels=kernels)
+    path = _kquant_gguf(tmp_path, name, arch, overrides, head=T.Q8_0 if q8_head else None)
+    loaded = load_model(resolve_model(str(path)), "float32", cpu_kernels=kernels)
     layers = loaded.model.model.layers
     kinds = [[LinearQ8.of(p[k]).kind for k in ("qkv", "o", "gate_up", "down")]
              for p in (layer.stack_parts() for layer in layers)]
@@ -89,7 +103,7 @@ def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
         [LINEAR_KQ] * 3 if kq_only else [LINEAR_KQ, LINEAR_KQ, LINEAR_Q8])
     if name.startswith("llama"):
         assert layers[0].stack_parts()["qkv"].formats() == ["Q4_K", "Q4_K", "Q6_K"]
-        assert isinstance(loaded.model.lm_head, KQuantLinear)
+        assert isinstance(loaded.model.lm_head, Int8Linear if q8_head else KQuantLinear)
     else:
         assert layers[0].stack_parts()["qkv"].bias is not None
     threads = torch.get_num_threads()
@@ -99,7 +113,7 @@ def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
         stack_rows = _sampling_rows(loaded)
         assert isinstance(loaded.model.model.stack, Q8Decoder), "the C stack did not run"
         if name.startswith("llama"):
-            assert loaded.model.model.stack.head is not None  # the K-quant head in the call
+            assert loaded.model.model.stack.head is not None  # the head in the call
         loaded.model.model.stack = False  # the per-module path, same weights and kernels
         _, module, _ = _mixed_batch(loaded, loaded.config.vocab_size)
         module_rows = _sampling_rows(loaded)

@@ -616,6 +616,14 @@ static int has_kq(const LoomLinearQ8 *W)
     return 0;
 }
 
+// Whether a team runs linears of these kinds (q8: with int8-grid parts, kq: with K-quant ones)
+// past loom_linear_q8_direct_rows rows on `kernel`: int8-grid parts only on the bf16 batch
+// kernel, K-quant ones only on linear_kq_gemm.c's (the integer kernel's team form takes up to 8).
+static int team_past_few(int q8, int kq, int kernel)
+{
+    return (!q8 || ((kernel & 3) == 2 && loom_bf16_available())) && (!kq || (kernel & KQ_GEMM));
+}
+
 // A layer's linears one by one (i below layer_linears(L)), each with its K: qkv, o, then the
 // dense MLP's gate_up and down, or the router, each expert's pair and the shared expert's
 // three (gate_up, down, its gate).
@@ -692,9 +700,8 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     memcpy(s.buf_h, s.hidden, (size_t)(M * H) * sizeof(float));
     loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
     const int few = loom_linear_q8_direct_rows;
-    const int bf16 = (kernel & 3) == 2 && loom_bf16_available();
     int64_t ops = 0;  // the team's work counters: one an op (a linear's: one a part)
-    int kq = head && has_kq(&head->w), q8 = 0;  // the layers' kinds (kq: the head's too)
+    int kq = 0, q8 = 0;  // the layers' kinds
     int64_t k_max = H > I ? (H > s.q_n ? H : s.q_n) : (I > s.q_n ? I : s.q_n);
     for (int64_t l = 0; l < s.num_layers; l++) {
         ops += 1;  // attention
@@ -707,13 +714,13 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
         }
     }
     ops += head ? linear_ops(&head->w) : 1;
-    // past `few` rows a team runs only the bf16 kernel: every linear, the head's too (and
-    // K-quant ones only on linear_kq_gemm.c's kernel: the integer one's team form takes up to 8)
-    const int head_many = head && head->num_rows > few;  // the head's team form past few rows
-    const int many = M > few && (bf16 || !q8) && (!kq || (kernel & KQ_GEMM)) &&
-                     (!head_many || ((!has_q8(&head->w) || ((head->kernel & 3) == 2 &&
-                                                            loom_bf16_available())) &&
-                                     (!has_kq(&head->w) || (head->kernel & KQ_GEMM))));
+    // a team past `few` rows: the layers' linears, and the head's past `few` rows of its own
+    const int head_q8 = head && has_q8(&head->w), head_kq = head && has_kq(&head->w);
+    const int head_many = head && head->num_rows > few;
+    const int many = M > few && team_past_few(q8, kq, kernel) &&
+                     (!head_many || team_past_few(head_q8, head_kq, (int)head->kernel));
+    const int q8_many = many && (q8 || (head_many && head_q8));  // int8-grid parts past few
+    kq |= head_kq;
     if ((M <= few || many) && nt > 1) {
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)ops, sizeof(int64_t));
@@ -725,7 +732,6 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
             return -2;
         }
         Barrier bar = {0, 0, 0};
-        const int q8_parts = q8 || (head && has_q8(&head->w));
         int no_vnni = 0, no_mem = 0;  // a thread could not reserve its buffers
         const int vnni = (kernel & 4) || (head && (head->kernel & 4));
 #pragma omp parallel num_threads(nt)
@@ -735,7 +741,7 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
                 __atomic_store_n(&no_vnni, 1, __ATOMIC_RELAXED);
             // each thread's block buffer, for int8-grid parts past 8 rows (only the bf16
             // kernel has their team form; K-quant-only steps also run in fp32 builds)
-            if (many && q8_parts && loom_linear_q8_bf16_reserve(k_max))
+            if (q8_many && loom_linear_q8_bf16_reserve(k_max))
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
             if (kq && loom_linear_kq_reserve(k_max))  // each thread's quantized x buffer
                 __atomic_store_n(&no_mem, 1, __ATOMIC_RELAXED);
