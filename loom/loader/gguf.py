@@ -338,7 +338,7 @@ def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | N
 def q8_tensors(reader: GGUFFile) -> dict[str, int]:
     """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True)` yields as
     int8 groups."""
-    return {name: group_bits(qtype) for name, qtype, shape in _matrices(reader)
+    return {name: group_bits(qtype) for name, qtype, shape in matrices(reader)
             if groupable(qtype, shape)}
 
 
@@ -346,11 +346,11 @@ def kq_tensors(reader: GGUFFile) -> dict[str, str]:
     """Hugging Face name -> K-quant format name, of the 2-D tensors loom.quant.kquant runs as
     stored (the token embedding too: its rows dequantized as looked up, loom.layers.embedding;
     a tied output projection multiplies by its blocks)."""
-    return {name: qtype.name for name, qtype, shape in _matrices(reader)
+    return {name: qtype.name for name, qtype, shape in matrices(reader)
             if native(qtype, shape)}
 
 
-def _matrices(reader: GGUFFile) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
+def matrices(reader: GGUFFile) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
     """(Hugging Face name, type, shape) of every tensor, an expert tensor's experts each as a
     matrix of its own (their rows one under the other: what `_read_experts` reads)."""
     arch = gguf_architecture(reader)

@@ -80,13 +80,11 @@ def default_quantization(reader: object, device: torch.device, dtype: torch.dtyp
     anything else runs in `dtype` (None), said in one log line where the file is quantized."""
     if reader is None:
         return None
-    # every matrix: a mixture's [experts, rows, cols] tensors as the [experts * rows, cols] the
-    # loader reads them as (a file of F16 dense layers and Q4_K experts keeps its experts)
-    matrices = [(t.name, t.tensor_type, tuple(t.shape) if len(t.shape) == 2
-                 else (t.shape[0] * t.shape[1], t.shape[2]))
-                for t in reader.tensors if len(t.shape) in (2, 3)]
+    # every matrix, a mixture's experts each as the one the loader reads (a file of F16 dense
+    # layers and Q4_K experts keeps its experts)
+    matrices = [m for m in gguf_loader.matrices(reader) if len(m[2]) == 2]
     linear = {qtype.name for name, qtype, _ in matrices
-              if name not in ("token_embd.weight", "output.weight")}
+              if name not in (EMBED + ".weight", HEAD + ".weight")}
     quantized = linear - set(FLOAT_TYPES)
     if not quantized:
         return None

@@ -123,12 +123,13 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
 
 
 def _gguf(*types: str, cols: int = 64) -> SimpleNamespace:
-    """A GGUF reader's tensor list: a Q8_0 embedding, F32 norms, linears of `types`."""
+    """A GGUF reader's tensor list (and architecture): a Q8_0 embedding, F32 norms, linears of
+    `types`."""
     t = [SimpleNamespace(name="token_embd.weight", tensor_type=Q.Q8_0, shape=(256, 64)),
          SimpleNamespace(name="blk.0.attn_norm.weight", tensor_type=Q.F32, shape=(64,))]
     t += [SimpleNamespace(name=f"blk.0.w{i}.weight", tensor_type=Q[q], shape=(64, cols))
           for i, q in enumerate(types)]
-    return SimpleNamespace(tensors=t)
+    return SimpleNamespace(tensors=t, get={"general.architecture": "llama"}.get)
 
 
 def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(caplog) -> None:
