@@ -37,29 +37,19 @@ def model_files(path: Path) -> list[Path]:
 
 
 def _stream(files: list[Path]) -> None:
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
+    with open(os.devnull, "wb") as null:
         for path in files:
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                size, offset = os.fstat(fd).st_size, 0
-                while offset < size:
-                    sent = os.sendfile(null, fd, offset, min(_CHUNK, size - offset))
-                    if sent <= 0:
-                        break
-                    offset += sent
-            except OSError as e:  # sendfile refused (some file systems): the load reads it
+                with open(path, "rb") as f:
+                    size, offset = os.fstat(f.fileno()).st_size, 0
+                    while offset < size:
+                        sent = os.sendfile(null.fileno(), f.fileno(), offset,
+                                           min(_CHUNK, size - offset))
+                        if sent <= 0:  # the file shrank under us
+                            break
+                        offset += sent
+            except OSError as e:  # gone, unreadable, or sendfile refused: the load reads it
                 logger.debug("read-ahead of %s stopped: %s", path, e)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(null)
 
 
 def readahead(path: Path) -> None:
