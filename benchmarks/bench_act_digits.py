@@ -45,6 +45,10 @@ def main() -> None:
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--only", default="", help="comma-separated labels of SETS (default: all)")
     a = p.parse_args()
+    only = set(filter(None, a.only.split(",")))
+    unknown = only - {label for label, _ in SETS}
+    if unknown:  # (it would print nothing for them)
+        p.error(f"unknown labels {sorted(unknown)}")
     source, seqs, ref, _ = teacher_forced.__wrapped__()
     model = load_model(source, "float32", quantization="int8", batch_invariant=True)
     model.model.model.stack = False  # the module path: each linear's forward runs
@@ -56,7 +60,6 @@ def main() -> None:
         return forward(self, one_digit(x, a.group) if id(self) in rounded else x)
 
     Int8Linear.forward = rounding_forward  # type: ignore[method-assign]
-    only = set(filter(None, a.only.split(",")))
     total = sum(len(s) for s in seqs.values())
     print(f"one int8 digit a group of {a.group}, {total} positions, teacher-forced")
     for label, pattern in SETS:

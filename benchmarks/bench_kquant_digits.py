@@ -38,6 +38,7 @@ from tests.model.test_kquant import reference_continuations, teacher_forced_top1
 
 ONE_DIGIT = 0x100  # loom.h's LOOM_KQ_ONE_DIGIT
 STEPS = 24
+KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")  # what --configs names
 
 
 class PaddedKQ(torch.nn.Module):
@@ -83,9 +84,12 @@ def requantize(ref_parent: torch.nn.Module, kq_parent: torch.nn.Module, name: st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="all;qkv_proj;o_proj;gate_up_proj;down_proj;lm_head",
+    p.add_argument("--configs", default=";".join(("all", *KINDS)),
                    help="';'-separated sets of ','-separated projections on one digit")
     a = p.parse_args()
+    unknown = {k for c in a.configs.split(";") for k in c.split(",")} - {"all", *KINDS}
+    if unknown:  # (it would run as two digits, labelled one)
+        p.error(f"unknown projections {sorted(unknown)}; choose from all, {', '.join(KINDS)}")
     t0 = time.perf_counter()
     source = resolve_model(str(gemma3_gguf_path()))
     ref = load_model(source, "float32", quantization="none")
