@@ -41,6 +41,17 @@ def _on_grid(folder: Path) -> Path:
     return folder
 
 
+def transformers_model(folder: Path):  # -> transformers' model
+    """`folder`'s checkpoint in transformers: fp32, eager attention, every greedy token (an eos
+    among them or not)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    ref.generation_config.eos_token_id = None
+    return ref
+
+
 def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor],
                                                dict[str, list[int]]]:
     """a prefills whole while b prefills a first chunk; then a decodes, b finishes, c starts
@@ -77,13 +88,9 @@ def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None
     projections, LongRoPE): the C stack runs each, its logits
     are transformers' on the same weights, its tokens transformers' greedy ones, and the
     module path gives its bits."""
-    from transformers import AutoModelForCausalLM
-
     require_cpu_kernels()
     folder = _on_grid(make_tiny_model(name, tmp_path / name))
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
-    ref.generation_config.eos_token_id = None  # every greedy token, an eos among them or not
+    ref = transformers_model(folder)
     # the fp32 kernels (batch-invariant): the bf16 batch kernel rounds activations
     loaded = load_model(resolve_model(str(folder)), "float32", quantization="int8",
                         batch_invariant=True)

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
@@ -20,7 +19,7 @@ from loom.models.moe import SparseMoeBlock
 from loom.quant.int8 import Int8Linear
 from loom.tokenizer.tokenizer import Tokenizer
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_arch_stack import _mixed_batch, match_transformers
+from tests.model.test_arch_stack import _mixed_batch, match_transformers, transformers_model
 from tests.paged_batch import rel_err
 from tests.tiny_models import make_tiny_model
 
@@ -48,21 +47,12 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
 def test_converted_files_match_transformers(tmp_path, name) -> None:
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
-    hf = _transformers(folder)
+    hf = transformers_model(folder)
     loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
     assert loaded.config.architecture == hf.config.architectures[0]
     assert any(isinstance(m, SparseMoeBlock) for m in loaded.model.modules())
     prompts, logits, seqs = _mixed_batch(loaded, loaded.config.vocab_size)
     match_transformers(hf, prompts, logits, seqs, 1e-4)
-
-
-def _transformers(folder: Path):  # -> the checkpoint in transformers
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None
-    return hf
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from loom.quant.int8 import Int8Linear
 from loom.quant.kquant import KQuantLinear
 from tests import gguf_files
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_arch_stack import _mixed_batch, match_transformers
+from tests.model.test_arch_stack import _mixed_batch, match_transformers, transformers_model
 from tests.model.test_kquant import random_blocks
 from tests.paged_batch import rel_err
 from tests.tiny_models import make_tiny_model
@@ -78,8 +78,6 @@ def transformers_on_gguf(path: Path, folder: Path, tmp_path: Path):  # -> a tran
     """transformers' model of `folder`'s config on the GGUF file's weights, dequantized (by
     the fp32 path of Loom's GGUF reader: the `gguf` package's values), under the checkpoint's
     own names."""
-    from transformers import AutoModelForCausalLM
-
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.model_config_from_gguf(reader, path)
     arch = gguf_loader.gguf_architecture(reader)
@@ -97,10 +95,7 @@ def transformers_on_gguf(path: Path, folder: Path, tmp_path: Path):  # -> a tran
     ref_folder.mkdir()
     (ref_folder / "config.json").write_text((folder / "config.json").read_text())
     save_file(state, str(ref_folder / "model.safetensors"), metadata={"format": "pt"})
-    ref = AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
-    ref.generation_config.eos_token_id = None
-    return ref
+    return transformers_model(ref_folder)
 
 
 def _run(loaded) -> tuple[dict, dict, dict]:

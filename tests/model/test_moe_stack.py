@@ -16,7 +16,7 @@ from loom.loader.resolve import resolve_model
 from loom.models.q8_decoder import Q8Decoder
 from tests.cpu_kernels import require_cpu_kernels
 from tests.model.test_arch_stack import (_mixed_batch, _on_grid, _sampling_rows,
-                                         match_transformers)
+                                         match_transformers, transformers_model)
 from tests.tiny_models import make_tiny_model
 
 # the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have (the
@@ -47,13 +47,9 @@ def _same_bits(stack, module, stack_rows, module_rows) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
-    from transformers import AutoModelForCausalLM
-
     require_cpu_kernels()
     folder = _on_grid(make_tiny_model(name, tmp_path / name, **SHAPES.get(name, {})))
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
-    ref.generation_config.eos_token_id = None
+    ref = transformers_model(folder)
     loaded = load_model(resolve_model(str(folder)), "float32", quantization="int8",
                         batch_invariant=True)
     stack, module, stack_rows, module_rows = stack_and_module(loaded)
