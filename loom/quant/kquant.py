@@ -31,10 +31,8 @@ QK = 256  # weights a super-block
 # the formats the kernel runs -> its code (ggml's type id)
 KQ_TYPES = {GGMLQuantizationType.Q4_K: 12, GGMLQuantizationType.Q5_K: 13,
             GGMLQuantizationType.Q6_K: 14}
-
-
-# formats rewritten at load as one the kernel runs, exactly (loom.quant.kquant_repack)
-REPACKED = {GGMLQuantizationType.Q3_K: GGMLQuantizationType.Q6_K}
+# formats rewritten at load as one the kernel runs, exactly -> (that format, the rewrite)
+REPACKED = {GGMLQuantizationType.Q3_K: (GGMLQuantizationType.Q6_K, q3_k_as_q6_k)}
 
 
 def native(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
@@ -57,8 +55,9 @@ class KBlocks:
                   shape: tuple[int, ...]) -> KBlocks:
         rows, cols = shape
         raw = np.asarray(data).view(np.uint8)
-        if qtype == GGMLQuantizationType.Q3_K:  # as Q6_K blocks of the same weights
-            raw, qtype = q3_k_as_q6_k(raw.reshape(rows, -1)), REPACKED[qtype]
+        if qtype in REPACKED:  # as blocks of a format the kernel runs, the same weights
+            qtype, repack = REPACKED[qtype]
+            raw = repack(raw.reshape(rows, -1))
         t = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
         return cls(t.reshape(rows, -1), qtype, cols)
 

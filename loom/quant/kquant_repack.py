@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-QK = 256
 Q3_K_BYTES = 110  # hmask 32, qs 64, scales 12, d 2
 Q6_K_BYTES = 210  # ql 128, qh 64, scales 16, d 2
 
