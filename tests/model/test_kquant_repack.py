@@ -37,8 +37,9 @@ def test_q3_k_is_held_as_q6_k_with_the_same_weights() -> None:
 def test_q3_k_products_within_the_kernels_bound() -> None:
     require_cpu_kernels()
     rng = np.random.default_rng(3)
-    blocks = KBlocks.from_gguf(_q3_k(37, 512, 1), T.Q3_K, (37, 512))
-    w = dequantize(_q3_k(37, 512, 1), T.Q3_K).reshape(37, 512).astype(np.float64)
+    raw = _q3_k(37, 512, 1)
+    blocks = KBlocks.from_gguf(raw, T.Q3_K, (37, 512))
+    w = dequantize(raw, T.Q3_K).reshape(37, 512).astype(np.float64)
     for m in (1, 5, 12):
         x = rng.standard_normal((m, 512)).astype(np.float32)
         got = kq_linear(blocks, torch.from_numpy(x)).double().numpy()
