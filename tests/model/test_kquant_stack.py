@@ -37,8 +37,9 @@ def _kquant_gguf(tmp_path: Path, name: str, arch: str, overrides: dict[str, T],
         from safetensors.torch import load_file
 
         hf = load_file(str(folder / "model.safetensors"))
-        raw = {g: (real(hf[n].numpy(), head), head) for g, n in (
-            ("token_embd.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight"))}
+        raw = {g: (real(hf[n].numpy(), head), head)
+               for g, n in (("token_embd.weight", "model.embed_tokens.weight"),
+                            ("output.weight", "lm_head.weight"))}
 
     def quantize(a: np.ndarray, qt: T) -> np.ndarray:
         if qt not in (T.Q4_K, T.Q5_K, T.Q6_K):

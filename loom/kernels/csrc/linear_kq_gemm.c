@@ -199,7 +199,8 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 #if defined(KG_BF16)
         for (int h = 0; h < 16; h += 2) {
             const __m512 a = _mm512_fmsub_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(q + 16 * h)))),
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_load_si128((const __m128i *)(q + 16 * h)))),
                 _mm512_set1_ps(sw[h]), _mm512_set1_ps(ow[h]));
             const __m512 b = _mm512_fmsub_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(

@@ -604,7 +604,8 @@ static int64_t units_of(int64_t M, int64_t N)
 
 // x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (12 Q4_K, 13 Q5_K,
 // 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL; y: [M, N]
-// rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the quantized x cannot be allocated.
+// rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the quantized x
+// cannot be allocated.
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
