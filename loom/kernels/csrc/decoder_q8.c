@@ -784,11 +784,12 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
 // The whole stack, and the head, runs in one OpenMP region instead of one per op: the linears
 // and the attention share their work out from counters (loom_linear_q8_team or
 // loom_linear_q8_vnni_team up to loom_linear_q8_direct_rows rows, loom_linear_q8_bf16_team past
-// that, loom_paged_attention_team), the small elementwise ops run on thread 0 at few rows and
-// on each thread's share of the rows past SPLIT_ROWS, and a barrier separates dependent ops.
-// Past the few rows only the bf16 batch kernel has a team form: with the AVX or AMX batch
-// kernel such steps (prompts, many streams) run op by op. The same kernels on the same values
-// in the same order: the same bits either way.
+// that; K-quant ones loom_linear_kq_team, then loom_linear_kq_gemm_team; and
+// loom_paged_attention_team), the small elementwise ops run on thread 0 at few rows and on each
+// thread's share of the rows past SPLIT_ROWS, and a barrier separates dependent ops. Past the
+// few rows int8-grid linears have a team form only on the bf16 batch kernel and K-quant ones
+// only on linear_kq_gemm.c's (team_past_few): otherwise such steps (prompts, many streams) run
+// op by op. The same kernels on the same values in the same order: the same bits either way.
 int loom_decoder_forward_q8(
     const LoomLayerQ8 *layers, int64_t num_layers, const float *final_norm, int64_t H, int64_t I,
     int64_t num_heads, int64_t kv_heads, int64_t D, int64_t block_size, float eps,
