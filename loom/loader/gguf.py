@@ -258,8 +258,7 @@ def iter_gguf_tensors(
         if names:  # one tensor an expert, in the format the others of its kind get
             experts = _read_experts(t, q8, names[0] in kq)
             yield from zip(names, experts)
-            if _copied(t, experts[0]):
-                _drop_read(t)
+            _drop_if_copied(t, experts[0])
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -278,20 +277,15 @@ def iter_gguf_tensors(
         if arch in _GEMMAS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
-        if _copied(t, w):
-            _drop_read(t)
+        _drop_if_copied(t, w)
 
 
-def _copied(t: Any, w: torch.Tensor | Q8Groups | KBlocks) -> bool:
-    """Whether `w` holds tensor `t`'s values in memory of its own, not the file's pages: int8
-    groups, or K-quant blocks rewritten in another format (Q3_K as Q6_K)."""
-    return isinstance(w, Q8Groups) or (isinstance(w, KBlocks) and w.qtype != t.tensor_type)
-
-
-def _drop_read(t: Any) -> None:
-    """Tensor `t` was converted onto the int8 grid (a copy), and its consumer has loaded it:
-    the file's pages are read for good (loom.loader.release; most of the map's bytes)."""
-    drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+def _drop_if_copied(t: Any, w: torch.Tensor | Q8Groups | KBlocks) -> None:
+    """Once its consumer has loaded `w`: where `w` holds tensor `t`'s values in memory of its
+    own (int8 groups, or K-quant blocks rewritten in another format: Q3_K as Q6_K), the file's
+    pages are read for good and go back (loom.loader.release; most of the map's bytes)."""
+    if isinstance(w, Q8Groups) or (isinstance(w, KBlocks) and w.qtype != t.tensor_type):
+        drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
 
 
 def _expert_names(t: Any) -> list[str]:
