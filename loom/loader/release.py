@@ -87,27 +87,31 @@ def _held_spans(start: int, end: int, held: list[tuple[int, int]]) -> Iterator[t
             yield max(a, start), min(b, end)
 
 
+def _advise(lo: int, hi: int, advice: int) -> int:
+    """madvise(`advice`) the pages [lo, hi) (page-aligned); returns the bytes advised, 0 where
+    it failed (the pages stay as they were: only memory or a first read's faults are lost)."""
+    madvise = _madvise()
+    if madvise is None or hi <= lo:
+        return 0
+    if madvise(lo, hi - lo, advice) != 0:
+        logger.debug("madvise(%#x, %d, %d) failed: %s", lo, hi - lo, advice,
+                     os.strerror(ctypes.get_errno()))
+        return 0
+    return hi - lo
+
+
 def drop_pages(start: int, end: int) -> int:
     """madvise(MADV_DONTNEED) the whole pages inside [start, end) of a private file map;
     returns the bytes dropped."""
-    madvise, page = _madvise(), mmap.PAGESIZE
-    lo, hi = -(-start // page) * page, end // page * page
-    if madvise is None or hi <= lo:
-        return 0
-    if madvise(lo, hi - lo, _MADV_DONTNEED) != 0:  # the pages stay: only memory is lost
-        logger.debug("madvise(%#x, %d) failed: %s", lo, hi - lo, os.strerror(ctypes.get_errno()))
-        return 0
-    return hi - lo
+    page = mmap.PAGESIZE
+    return _advise(-(-start // page) * page, end // page * page, _MADV_DONTNEED)
 
 
 def populate_pages(start: int, end: int) -> int:
     """madvise(MADV_POPULATE_READ) the pages spanning [start, end) of a file map: read from the
     file where not cached, and mapped, as a first read would; returns the bytes populated."""
-    madvise, page = _madvise(), mmap.PAGESIZE
-    lo, hi = start // page * page, -(-end // page) * page
-    if madvise is None or hi <= lo or madvise(lo, hi - lo, _MADV_POPULATE_READ) != 0:
-        return 0
-    return hi - lo
+    page = mmap.PAGESIZE
+    return _advise(start // page * page, -(-end // page) * page, _MADV_POPULATE_READ)
 
 
 def release_unused(reader: Any, model: nn.Module) -> int:
