@@ -61,14 +61,16 @@ class LoadedModel:
     kernels: KernelChoice | None = None  # the CPU kernels (loom.kernels.dispatch), on the CPU
 
     def default_kv_cache_dtype(self) -> torch.dtype | None:
-        """What kv_cache_dtype "auto" means beside these weights: the kernels' choice (int8,
-        which meets the accuracy bar with int8 weights) for int8 weights on the CPU kernels
-        (head_dim a multiple of 32), but for models with q/k norms, where it does not (Gemma 3
-        270M: 96.8% teacher-forced top-1 with it, 99.8% without; docs/kquants.md); else None,
-        the model's dtype."""
-        if (self.kernels is None or self.quantization != "int8" or self.dtype != torch.float32
-                or self.config.head_dim % GROUP or self.config.qk_norm):
+        """What kv_cache_dtype "auto" means beside these weights: with int8 weights on the CPU
+        kernels (fp32 activations), the kernels' choice (int8, which meets the accuracy bar)
+        where head_dim is a multiple of 32, but fp16 for models with q/k norms, where int8 does
+        not (Gemma 3 270M: 96.8% teacher-forced top-1 with it, fp16 as fp32; docs/kquants.md)
+        and for other head sizes: half the bytes of fp32, read by the same C attention. Else
+        None, the model's dtype."""
+        if self.kernels is None or self.quantization != "int8" or self.dtype != torch.float32:
             return None
+        if self.config.head_dim % GROUP or self.config.qk_norm:
+            return torch.float16
         return getattr(torch, self.kernels.kv_cache_dtype)
 
 
