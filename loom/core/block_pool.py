@@ -184,8 +184,20 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All queued blocks, head (next reused) first. O(n), and makes every fresh block: for
-        tests and integrity checks."""
+        tests."""
         return list(self._walk())
+
+    def queued_made_blocks(self) -> tuple[list[KVCacheBlock], range]:
+        """The queued blocks made so far, head first, and the ids of the fresh run not yet made
+        (none of them is made by this): for integrity checks, which must not build a large
+        pool's every block (tens of thousands of objects) after a failed step."""
+        made: list[KVCacheBlock] = []
+        block = self._head.next_free_block
+        while block is not None and block is not self._tail:
+            if block is not self._fresh:
+                made.append(block)
+            block = block.next_free_block
+        return made, range(self._fresh_next, self._fresh_stop)
 
 
 class _Blocks(Sequence[KVCacheBlock]):

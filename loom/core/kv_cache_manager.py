@@ -213,18 +213,26 @@ class KVCacheManager:
         def fail(msg: str) -> None:
             raise KVCacheIntegrityError(f"KV cache integrity: {msg}")
 
-        free = pool.free_block_queue.get_all_free_blocks()
-        if len(free) != pool.get_num_free_blocks():
-            fail(f"free queue holds {len(free)} blocks but counts {pool.get_num_free_blocks()}")
-        for block in free:
+        # the queue's fresh run (never handed out) is counted, not made: a block of it that
+        # was made since would be in use or queued twice, which the counts below catch
+        queued, fresh = pool.free_block_queue.queued_made_blocks()
+        num_free = len(queued) + len(fresh)
+        if num_free != pool.get_num_free_blocks():
+            fail(f"free queue holds {num_free} blocks but counts {pool.get_num_free_blocks()}")
+        for block in queued:
             if block.ref_cnt != 0:
                 fail(f"{block} is in the free queue with ref_cnt {block.ref_cnt}")
             if block is pool.null_block:
                 fail("null block 0 is in the free queue")
+            if block.block_id in fresh:
+                fail(f"{block} is in the free queue and in its fresh run")
         in_use = [block for block in pool.blocks.made() if block.ref_cnt > 0]
-        if len(free) + len(in_use) != pool.num_blocks - 1:
+        for block in in_use:
+            if block.block_id in fresh:  # (queued, as a fresh block not yet taken)
+                fail(f"{block} is in the free queue with ref_cnt {block.ref_cnt}")
+        if num_free + len(in_use) != pool.num_blocks - 1:
             fail(
-                f"free ({len(free)}) + in use ({len(in_use)}) != total - 1 ({pool.num_blocks - 1})"
+                f"free ({num_free}) + in use ({len(in_use)}) != total - 1 ({pool.num_blocks - 1})"
             )
         holders = Counter(id(block) for blocks in self.req_to_blocks.values() for block in blocks)
         for block in pool.blocks.made():  # a block not made yet is fresh: ref_cnt 0

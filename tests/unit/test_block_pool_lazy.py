@@ -107,3 +107,22 @@ def test_kv_cache_manager_bound_keeps_the_prefix_cache_within_it() -> None:
     assert kv.block_pool.num_touched_blocks <= 8 + 2  # the bound, passed by one allocation
     again = Request("again", [1900 + t for t in range(9)], SamplingParams(max_tokens=1))
     assert kv.get_computed_blocks(again)[1] == 8  # the newest prompt still hits
+
+
+def test_integrity_check_of_a_big_pool_makes_no_fresh_block_and_still_catches_a_leak() -> None:
+    """check_integrity runs after every failed step: on a 100k-block pool it must not build the
+    blocks never handed out, and it still catches a block held by no request."""
+    from loom.core.kv_cache_manager import KVCacheIntegrityError
+
+    kv = KVCacheManager(num_blocks=100_000, block_size=4, enable_caching=True, max_model_len=64)
+    reqs = [Request(f"r{i}", [10 * i + t for t in range(9)], SamplingParams(max_tokens=1))
+            for i in range(3)]
+    for req in reqs:
+        assert kv.allocate_slots(req, 9) is not None
+    kv.free(reqs[0])
+    made = len(list(kv.block_pool.blocks.made()))
+    kv.check_integrity()
+    assert len(list(kv.block_pool.blocks.made())) == made < 20
+    kv.req_to_blocks[reqs[1].request_id].pop()  # a block the request no longer lists: leaked
+    with pytest.raises(KVCacheIntegrityError, match="ref_cnt 1 but 0 requests hold it"):
+        kv.check_integrity()
