@@ -95,6 +95,10 @@ static int64_t argmax_row(const float *x, int64_t n)
 void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
                       int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if (rows >= 2)
+    // A team only for a million values or more (32 rows of a 49k vocabulary: ~0.2 ms alone,
+    // half that on two cores): below, one thread takes under ~0.1 ms, and waking a team for it
+    // saved ~20 us on a quiet 2-core machine but cost a scheduler slice (~12 ms at the 95th
+    // percentile) whenever a core was busy elsewhere, as in a speculative step's 8 rows.
+#pragma omp parallel for num_threads(num_threads) if (rows >= 2 && rows * n >= (1 << 20))
     for (int64_t r = 0; r < rows; r++) out[r] = n > 0 ? argmax_row(x + r * ld, n) : 0;
 }
