@@ -2,7 +2,7 @@
 interleaved call by call: the only A/B that says anything on a shared machine.
 
     .venv/bin/python benchmarks/bench_kquant_ab.py OLD.so NEW.so [--rows 1 --threads 1
-        --repeats 300 --layers 8]
+        --repeats 300 --layers 8 --passes 20]
 
 OLD.so / NEW.so: any two builds of the kernels, e.g. the variant's library from the cache
 (~/.cache/loom/kernels/loom_x86_64_avx2_*.so) copied aside before and after a change to
@@ -10,8 +10,10 @@ csrc/linear_kquant.c and `python -m loom.kernels.build`. Random blocks with a tr
 scales (tests/model/test_kquant.py's), SmolLM2-1.7B's shapes: each shape alone, in cache
 (medians and best of `repeats` calls each, NEW / OLD), then `layers` layers of its linears in
 order, from memory (q, k, o Q4_K 2048 x 2048, v Q6_K, gate and up Q4_K 8192 x 2048, down Q6_K
-2048 x 8192: 43 MB a layer), median and best of 12 passes. `maxdiff`: the largest difference
-between the two builds' outputs (0 when the arithmetic is the same).
+2048 x 8192: 43 MB a layer), `passes` times, each call timed: the sum of the calls' medians.
+`maxdiff`: the largest difference between the two builds' outputs (0 when the arithmetic is the
+same). With two threads on a loaded 2-core machine every OpenMP region waits out other
+processes' time slices: those figures say nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=300)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--passes", type=int, default=20)
     a = p.parse_args()
     libs = [load(a.old), load(a.new)]
     rng = np.random.default_rng(0)
@@ -83,21 +86,20 @@ def main() -> None:
     xs = {k: torch.from_numpy(rng.standard_normal((a.rows, k)).astype(np.float32))
           for k in (2048, 8192)}
     ys = [torch.empty(a.rows, 8192) for _ in libs]
-    ts = [[], []]
-    for _ in range(12):
+    # each call timed alone and a pass summed from the calls' medians: a pass's own time on a
+    # shared machine is mostly whether another process took the core during it
+    ts = [[[] for _ in blocks] for _ in libs]
+    for _ in range(a.passes):
         for i, lib in enumerate(libs):
-            t = time.perf_counter()
-            for b in blocks:
+            for j, b in enumerate(blocks):
+                t = time.perf_counter()
                 call(lib, b, xs[b.shape[1]], ys[i], a.threads)
-            ts[i].append(time.perf_counter() - t)
+                ts[i][j].append(time.perf_counter() - t)
     mb = sum(b.data.numel() for b in blocks) / 1e6
-    med = [statistics.median(t) for t in ts]
-    best = [min(t) for t in ts]
-    print(f"{a.layers} layers ({mb:.0f} MB) from memory: old {med[0] * 1e3:.1f} ms "
-          f"({mb / med[0] / 1e3:.1f} GB/s), new {med[1] * 1e3:.1f} ms "
-          f"({mb / med[1] / 1e3:.1f} GB/s): {med[1] / med[0]:.3f}x; best {best[0] * 1e3:.1f} / "
-          f"{best[1] * 1e3:.1f} ms: {best[1] / best[0]:.3f}x")
-
+    med = [sum(statistics.median(c) for c in t) for t in ts]
+    print(f"{a.layers} layers ({mb:.0f} MB) from memory, sums of each call's median over "
+          f"{a.passes} passes: old {med[0] * 1e3:.1f} ms ({mb / med[0] / 1e3:.1f} GB/s), new "
+          f"{med[1] * 1e3:.1f} ms ({mb / med[1] / 1e3:.1f} GB/s): {med[1] / med[0]:.3f}x")
 
 if __name__ == "__main__":
     main()
