@@ -19,9 +19,12 @@ torch first: then it only says so). It logs once what it did.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import logging
 import os
+import statistics
 import sys
 
 logger = logging.getLogger(__name__)
@@ -75,3 +78,104 @@ def set_num_threads(num_threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
+
+
+class TeamSize:
+    """How many threads the one-call C stack (loom.models.q8_decoder) runs a step on, by
+    measurement: a team waits at a barrier between every two ops for its slowest thread, so when
+    another program holds a core (a compile in another terminal: Linux's autogroups give each
+    session an equal share whatever the nice values), a thread of the team is descheduled for a
+    time slice at a time and every other thread waits it out. On the 2-core Zen 4 VM with two
+    compile jobs in another session, the 135M model decoded 21-32 tok/s on two threads and
+    88-97 on one (143-159 on two with the machine to itself), 2026-12-02.
+
+    Sizes form a ladder (the team, half of it, ... 1). Per bucket of step rows (a decode step
+    and a prompt's chunk differ) each call's time a row is recorded; when the preferred size's
+    recent median rises past SLOW times its best, after the first FIRST_PROBE calls (a start
+    under load has no better best), and every PROBE_EVERY calls anyway (PROBE_UP
+    when below the full team, to come back once the other program is done), the next size down
+    (or up) runs PROBE_CALLS calls, and it becomes the preferred one when its median is under
+    WIN times the current one's. The C kernels give the same bits on any team size (each
+    output is summed by one thread in a fixed order), so only speed changes.
+    `LOOM_ADAPTIVE_THREADS=0` keeps the full team."""
+
+    SLOW = 1.5
+    WIN = 0.85
+    PROBE_CALLS = 3
+    FIRST_PROBE = 64
+    PROBE_EVERY = 512
+    PROBE_UP = 128
+    RECENT = 8
+
+    def __init__(self, threads: int, adaptive: bool | None = None) -> None:
+        if adaptive is None:
+            adaptive = os.environ.get("LOOM_ADAPTIVE_THREADS", "1") != "0"
+        self.sizes = [threads]
+        while adaptive and self.sizes[-1] > 1:
+            self.sizes.append(self.sizes[-1] // 2)
+        self._buckets: dict[int, _Bucket] = {}
+
+    def choose(self, rows: int) -> int:
+        """The team size for a step of `rows` rows."""
+        if len(self.sizes) == 1:
+            return self.sizes[0]
+        b = self._bucket(rows)
+        return self.sizes[b.probe if b.probe_left else b.at]
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        """A call of `rows` rows took `seconds` on `threads` threads (what choose said)."""
+        if len(self.sizes) == 1 or rows <= 0:
+            return
+        b, per_row = self._bucket(rows), seconds / rows
+        if b.probe_left:
+            b.probed.append(per_row)
+            b.probe_left -= 1
+            if not b.probe_left:
+                self._settle(b)
+            return
+        b.recent.append(per_row)
+        b.best = min(b.best, per_row)
+        b.calls += 1
+        due = self.PROBE_UP if b.at else self.PROBE_EVERY if b.settled else self.FIRST_PROBE
+        slow = (len(b.recent) >= 4 and b.at + 1 < len(self.sizes)
+                and statistics.median(b.recent) > self.SLOW * b.best)
+        if slow or b.calls >= due:
+            # down when slow (or steady at the full team), else up toward the full team
+            b.probe = b.at + 1 if (slow or not b.at) and b.at + 1 < len(self.sizes) else b.at - 1
+            b.probe_left, b.probed, b.calls = self.PROBE_CALLS, [], 0
+
+    def _settle(self, b: _Bucket) -> None:
+        b.settled = True
+        theirs = statistics.median(b.probed[1:] or b.probed)  # the first wakes the threads
+        mine = statistics.median(b.recent) if b.recent else float("inf")
+        if theirs < self.WIN * mine:
+            logger.info("CPU stack: %d thread(s) for steps of ~%d rows (%.3g ms a row against "
+                        "%.3g on %d: other programs hold cores)" if b.probe > b.at else
+                        "CPU stack: back to %d thread(s) for steps of ~%d rows (%.3g ms a row "
+                        "against %.3g on %d)", self.sizes[b.probe], 1 << b.key >> 1,
+                        theirs * 1e3, mine * 1e3, self.sizes[b.at])
+            b.at = b.probe
+            b.recent = collections.deque(b.probed[1:] or b.probed, maxlen=self.RECENT)
+            b.best = min(b.recent)
+        elif b.recent:
+            b.best = statistics.median(b.recent)  # slow at every size: today's is the baseline
+
+    def _bucket(self, rows: int) -> _Bucket:
+        key = min(rows.bit_length(), 12)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(key, collections.deque(maxlen=self.RECENT))
+        return b
+
+
+@dataclasses.dataclass
+class _Bucket:
+    key: int
+    recent: collections.deque
+    best: float = float("inf")
+    at: int = 0  # index into TeamSize.sizes: the preferred size
+    calls: int = 0  # calls at `at` since the last probe
+    probe: int = 0
+    probe_left: int = 0
+    probed: list = dataclasses.field(default_factory=list)
+    settled: bool = False  # a probe has run: the first comes after FIRST_PROBE calls

@@ -20,6 +20,7 @@ streamed through the caches runs cold, so each call it makes costs a step far mo
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from loom.layers.activation import ACTIVATIONS
 from loom.layers.router import RouterLinear
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
+from loom.threads import TeamSize
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
@@ -232,6 +234,7 @@ class Q8Decoder:
         self.cache: torch.Tensor | None = None  # the cache the layers point into
         self.ok = False  # whether the kernels take that cache
         self.code = 0  # decoder_q8.c's `kernel`, set with the layers
+        self.team: TeamSize | None = None  # the call's thread count (loom.threads.TeamSize)
         self.scratch: list[torch.Tensor] = []  # the stack's activations, grown, never shrunk
         self.moes: list[MoeQ8] = []
         self.moe_buf: torch.Tensor | None = None
@@ -336,6 +339,11 @@ class Q8Decoder:
             c_head.x, c_head.logits = head_x.data_ptr(), logits.data_ptr()
             c_head = ctypes.byref(c_head)
         assert x.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
+        threads = torch.get_num_threads()
+        if self.team is None or self.team.sizes[0] != threads:
+            self.team = TeamSize(threads)
+        threads = self.team.choose(m)
+        start = time.perf_counter()
         rc = cpu_kernels().loom_decoder_forward_q8(
             ctypes.addressof(self.layers), len(self.layers), self.model.norm.weight.data_ptr(),
             self.hidden, self.inter, self.num_heads, self.kv_heads, self.head_dim,
@@ -344,9 +352,9 @@ class Q8Decoder:
             md.query_start_loc.data_ptr(), md.query_start_loc.shape[0] - 1, self.tile_tokens,
             buf_h.data_ptr(), buf_qkv.data_ptr(), buf_attn.data_ptr(), buf_gu.data_ptr(),
             buf_act.data_ptr(), c_head, None if keep is None else keep.ctypes.data,
-            -1 if keep is None else len(keep), torch.get_num_threads(), kv_type(self.cache),
-            self.code,
+            -1 if keep is None else len(keep), threads, kv_type(self.cache), self.code,
         )
+        self.team.record(m, threads, time.perf_counter() - start)
         if rc == -4:  # the module path's IndexError (past the end of a table)
             for rotary in self.model.rotaries():
                 rotary.check_positions(positions)

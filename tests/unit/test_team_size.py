@@ -1,0 +1,58 @@
+"""loom.threads.TeamSize: the C stack's thread count chosen by measured step times."""
+
+from __future__ import annotations
+
+from loom.threads import TeamSize
+
+
+def drive(team: TeamSize, seconds_on, calls: int, rows: int = 1) -> list[int]:
+    """`calls` steps of `rows` rows, each taking seconds_on(threads, call); the sizes used."""
+    used = []
+    for i in range(calls):
+        n = team.choose(rows)
+        used.append(n)
+        team.record(rows, n, seconds_on(n, i) * rows)
+    return used
+
+
+def test_a_quiet_machine_keeps_the_full_team_but_for_rare_probes() -> None:
+    team = TeamSize(2, adaptive=True)
+    used = drive(team, lambda n, i: 0.006 if n == 2 else 0.010, 2000)
+    assert team.sizes == [2, 1]
+    probes = used.count(1)
+    # the first probe after FIRST_PROBE calls, then one every PROBE_EVERY: 3 calls each
+    assert 0 < probes <= TeamSize.PROBE_CALLS * (1 + 2000 // TeamSize.PROBE_EVERY)
+    assert used[-1] == 2 and used[: TeamSize.FIRST_PROBE] == [2] * TeamSize.FIRST_PROBE
+
+
+def test_a_busy_core_moves_the_team_down_and_back_up_when_it_frees() -> None:
+    team = TeamSize(4, adaptive=True)
+    assert team.sizes == [4, 2, 1]
+
+    def busy(n: int, i: int) -> float:  # another program holds a core for calls 200..1199
+        if 200 <= i < 1200:
+            return {4: 0.030, 2: 0.009, 1: 0.012}[n]
+        return {4: 0.005, 2: 0.008, 1: 0.014}[n]
+
+    used = drive(team, busy, 2000)
+    assert used[150] == 4
+    assert used[1150] == 2  # two threads while the core was busy (one was slower still)
+    assert used[1999] == 4  # the full team once it was free again
+    assert used[190:1200].count(4) < 100  # it moved down soon after the slow-down
+
+
+def test_rows_buckets_are_measured_apart() -> None:
+    team = TeamSize(2, adaptive=True)
+    # decode steps are slow on two threads, prompt chunks (256 rows) fast on them
+    for i in range(400):
+        for rows in (1, 256):
+            n = team.choose(rows)
+            per_row = (0.02 if n == 2 else 0.008) if rows == 1 else (0.001 if n == 2 else 0.0018)
+            team.record(rows, n, per_row * rows)
+    assert team.choose(1) == 1 and team.choose(256) == 2
+
+
+def test_off_or_one_thread_is_always_the_given_count() -> None:
+    assert drive(TeamSize(2, adaptive=False), lambda n, i: 0.1 if n == 2 else 0.001, 300) \
+        == [2] * 300
+    assert drive(TeamSize(1, adaptive=True), lambda n, i: 0.01, 100) == [1] * 100
