@@ -91,20 +91,22 @@ class TeamSize:
 
     Sizes form a ladder (the team, half of it, ... 1). Per bucket of step rows (a decode step
     and a prompt's chunk differ) each call's time a row is recorded; when the preferred size's
-    recent median rises past SLOW times its best, after the first FIRST_PROBE calls (a start
-    under load has no better best), and every PROBE_EVERY calls anyway (PROBE_UP
-    when below the full team, to come back once the other program is done), the next size down
-    (or up) runs PROBE_CALLS calls, and it becomes the preferred one when its median is under
-    WIN times the current one's. The C kernels give the same bits on any team size (each
+    recent median rises past SLOW times its best, after the bucket's first FIRST_PROBE_S seconds
+    of steps (a start under load has no better best), and every PROBE_EVERY_S seconds anyway
+    (PROBE_UP_S when below the full team, to come back once the other program is done), the
+    next size down (or up) runs PROBE_CALLS calls, and it becomes the preferred one when its
+    median is under WIN times the current one's. Probes go by the bucket's time, not its calls,
+    so their cost stays a bounded share (~0.2-1% quiet) and a bucket that runs rarely (a
+    speculative step of 5 rows) probes rarely. The C kernels give the same bits on any team size (each
     output is summed by one thread in a fixed order), so only speed changes.
     `LOOM_ADAPTIVE_THREADS=0` keeps the full team."""
 
     SLOW = 1.5
     WIN = 0.85
     PROBE_CALLS = 3
-    FIRST_PROBE = 64
-    PROBE_EVERY = 512
-    PROBE_UP = 128
+    FIRST_PROBE_S = 2.0  # seconds of a bucket's steps before its first probe
+    PROBE_EVERY_S = 10.0  # ... between probes down from the full team
+    PROBE_UP_S = 1.0  # ... between probes back up while below it
     RECENT = 8
 
     def __init__(self, threads: int, adaptive: bool | None = None) -> None:
@@ -135,14 +137,18 @@ class TeamSize:
             return
         b.recent.append(per_row)
         b.best = min(b.best, per_row)
-        b.calls += 1
-        due = self.PROBE_UP if b.at else self.PROBE_EVERY if b.settled else self.FIRST_PROBE
+        b.spent += seconds
+        due = self.PROBE_UP_S if b.at else self.PROBE_EVERY_S if b.settled else self.FIRST_PROBE_S
         slow = (len(b.recent) >= 4 and b.at + 1 < len(self.sizes)
                 and statistics.median(b.recent) > self.SLOW * b.best)
-        if slow or b.calls >= due:
+        if slow or (b.spent >= due and len(b.recent) >= 4):
             # down when slow (or steady at the full team), else up toward the full team
             b.probe = b.at + 1 if (slow or not b.at) and b.at + 1 < len(self.sizes) else b.at - 1
-            b.probe_left, b.probed, b.calls = self.PROBE_CALLS, [], 0
+            b.probe_left, b.probed, b.spent = self.PROBE_CALLS, [], 0.0
+
+    def preferred(self, rows: int) -> int:
+        """The size steps of `rows` rows run on outside probes."""
+        return self.sizes[self._bucket(rows).at] if len(self.sizes) > 1 else self.sizes[0]
 
     def _settle(self, b: _Bucket) -> None:
         b.settled = True
@@ -174,8 +180,8 @@ class _Bucket:
     recent: collections.deque
     best: float = float("inf")
     at: int = 0  # index into TeamSize.sizes: the preferred size
-    calls: int = 0  # calls at `at` since the last probe
+    spent: float = 0.0  # seconds of calls at `at` since the last probe
     probe: int = 0
     probe_left: int = 0
     probed: list = dataclasses.field(default_factory=list)
-    settled: bool = False  # a probe has run: the first comes after FIRST_PROBE calls
+    settled: bool = False  # a probe has run: the first comes after FIRST_PROBE_S

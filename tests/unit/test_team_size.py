@@ -20,9 +20,10 @@ def test_a_quiet_machine_keeps_the_full_team_but_for_rare_probes() -> None:
     used = drive(team, lambda n, i: 0.006 if n == 2 else 0.010, 2000)
     assert team.sizes == [2, 1]
     probes = used.count(1)
-    # the first probe after FIRST_PROBE calls, then one every PROBE_EVERY: 3 calls each
-    assert 0 < probes <= TeamSize.PROBE_CALLS * (1 + 2000 // TeamSize.PROBE_EVERY)
-    assert used[-1] == 2 and used[: TeamSize.FIRST_PROBE] == [2] * TeamSize.FIRST_PROBE
+    # the first probe after FIRST_PROBE_S seconds of steps, then one every PROBE_EVERY_S
+    assert 0 < probes <= TeamSize.PROBE_CALLS * (1 + 2000 * 0.006 // TeamSize.PROBE_EVERY_S)
+    first = int(TeamSize.FIRST_PROBE_S / 0.006)
+    assert used[-1] == 2 and used[:first] == [2] * first
 
 
 def test_a_busy_core_moves_the_team_down_and_back_up_when_it_frees() -> None:
@@ -49,10 +50,16 @@ def test_rows_buckets_are_measured_apart() -> None:
             n = team.choose(rows)
             per_row = (0.02 if n == 2 else 0.008) if rows == 1 else (0.001 if n == 2 else 0.0018)
             team.record(rows, n, per_row * rows)
-    assert team.choose(1) == 1 and team.choose(256) == 2
+    assert team.preferred(1) == 1 and team.preferred(256) == 2
 
 
 def test_off_or_one_thread_is_always_the_given_count() -> None:
     assert drive(TeamSize(2, adaptive=False), lambda n, i: 0.1 if n == 2 else 0.001, 300) \
         == [2] * 300
     assert drive(TeamSize(1, adaptive=True), lambda n, i: 0.01, 100) == [1] * 100
+
+
+def test_a_bucket_that_runs_rarely_is_not_probed() -> None:
+    """Probes go by a bucket's seconds of steps: 40 verify steps of 5 rows never pay one."""
+    team = TeamSize(2, adaptive=True)
+    assert drive(team, lambda n, i: 0.006 if n == 2 else 0.010, 40, rows=5) == [2] * 40
