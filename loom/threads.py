@@ -86,7 +86,7 @@ class TeamSize:
     another program holds a core (a compile in another terminal: Linux's autogroups give each
     session an equal share whatever the nice values), a thread of the team is descheduled for a
     time slice at a time and every other thread waits it out. On the 2-core Zen 4 VM with two
-    compile jobs in another session, the 135M model decoded 21-32 tok/s on two threads and
+    compile jobs in another session, the 135M model decoded 21-37 tok/s on two threads and
     88-97 on one (143-159 on two with the machine to itself), 2026-12-02.
 
     Sizes form a ladder (the team, half of it, ... 1). Per bucket of step rows (a decode step
@@ -124,8 +124,8 @@ class TeamSize:
         b = self._bucket(rows)
         return self.sizes[b.probe if b.probe_left else b.at]
 
-    def record(self, rows: int, threads: int, seconds: float) -> None:
-        """A call of `rows` rows took `seconds` on `threads` threads (what choose said)."""
+    def record(self, rows: int, seconds: float) -> None:
+        """A call of `rows` rows took `seconds` on the size `choose(rows)` said just before."""
         if len(self.sizes) == 1 or rows <= 0:
             return
         b, per_row = self._bucket(rows), seconds / rows
@@ -148,7 +148,7 @@ class TeamSize:
 
     def preferred(self, rows: int) -> int:
         """The size steps of `rows` rows run on outside probes."""
-        return self.sizes[self._bucket(rows).at] if len(self.sizes) > 1 else self.sizes[0]
+        return self.sizes[self._bucket(rows).at]
 
     def _settle(self, b: _Bucket) -> None:
         b.settled = True

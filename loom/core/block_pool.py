@@ -113,15 +113,16 @@ class FreeKVCacheBlockQueue:
         nxt.prev_free_block = prev
         node.prev_free_block = node.next_free_block = None
 
-    def _walk(self) -> Iterator[KVCacheBlock]:
-        """Queued blocks, head first; the fresh run's blocks made as they are reached."""
+    def _walk(self, make_fresh: bool = True) -> Iterator[KVCacheBlock]:
+        """Queued blocks, head first; the fresh run's blocks made as they are reached (or
+        skipped, with make_fresh=False)."""
         block = self._head.next_free_block
         while block is not None and block is not self._tail:
-            if block is self._fresh:
+            if block is not self._fresh:
+                yield block
+            elif make_fresh:
                 for i in range(self._fresh_next, self._fresh_stop):
                     yield self._make(i)
-            else:
-                yield block
             block = block.next_free_block
 
     def __len__(self) -> int:
@@ -191,13 +192,7 @@ class FreeKVCacheBlockQueue:
         """The queued blocks made so far, head first, and the ids of the fresh run not yet made
         (none of them is made by this): for integrity checks, which must not build a large
         pool's every block (tens of thousands of objects) after a failed step."""
-        made: list[KVCacheBlock] = []
-        block = self._head.next_free_block
-        while block is not None and block is not self._tail:
-            if block is not self._fresh:
-                made.append(block)
-            block = block.next_free_block
-        return made, range(self._fresh_next, self._fresh_stop)
+        return list(self._walk(make_fresh=False)), range(self._fresh_next, self._fresh_stop)
 
 
 class _Blocks(Sequence[KVCacheBlock]):

@@ -354,7 +354,7 @@ class Q8Decoder:
             buf_act.data_ptr(), c_head, None if keep is None else keep.ctypes.data,
             -1 if keep is None else len(keep), threads, kv_type(self.cache), self.code,
         )
-        self.team.record(m, threads, time.perf_counter() - start)
+        self.team.record(m, time.perf_counter() - start)
         if rc == -4:  # the module path's IndexError (past the end of a table)
             for rotary in self.model.rotaries():
                 rotary.check_positions(positions)

@@ -11,7 +11,7 @@ def drive(team: TeamSize, seconds_on, calls: int, rows: int = 1) -> list[int]:
     for i in range(calls):
         n = team.choose(rows)
         used.append(n)
-        team.record(rows, n, seconds_on(n, i) * rows)
+        team.record(rows, seconds_on(n, i) * rows)
     return used
 
 
@@ -49,7 +49,7 @@ def test_rows_buckets_are_measured_apart() -> None:
         for rows in (1, 256):
             n = team.choose(rows)
             per_row = (0.02 if n == 2 else 0.008) if rows == 1 else (0.001 if n == 2 else 0.0018)
-            team.record(rows, n, per_row * rows)
+            team.record(rows, per_row * rows)
     assert team.preferred(1) == 1 and team.preferred(256) == 2
 
 
