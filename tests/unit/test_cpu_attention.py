@@ -96,10 +96,11 @@ def both_backends_match(q, stored, values, md, blocks, computed, qlens, window) 
 
 
 @pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window",
-                         [CASES[1], CASES[2], CASES[4]])
+                         [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]])
 def test_fp16_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size,
                                       window):
-    """--kv-cache-dtype float16: K/V stored in fp16, attention still in fp32."""
+    """--kv-cache-dtype float16: K/V stored in fp16, attention still in fp32; one decode (CASES[0],
+    [5]) runs a part a kv head, each converting its heads alone."""
     cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, block_size)
     half = cache.half()
     both_backends_match(q, half, half.float(), md, blocks, computed, qlens, window)

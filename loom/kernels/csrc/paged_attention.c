@@ -50,17 +50,17 @@ static inline void f16_to_f32(const uint16_t *src, int64_t n, float *dst)
 }
 
 // n int8 cache rows (KV_INT8: each kv head's D uint8 values, then D / 32 fp32 scales and D / 32
-// fp32 minimums, D + D / 4 bytes, so the floats are aligned; rows row_bytes apart) -> fp32 rows
-// of kv_heads * D, kv heads h0 .. h1 - 1 of each: value * scale + minimum (layer_ops.c writes
-// them).
-static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int64_t kv_heads,
-                             int64_t h0, int64_t h1, int D, float *dst)
+// fp32 minimums, D + D / 4 bytes, so the floats are aligned; rows row_bytes apart), kv heads
+// h0 .. h1 - 1 of each -> fp32 rows of (h1 - h0) * D: value * scale + minimum (layer_ops.c
+// writes them).
+static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int64_t h0,
+                             int64_t h1, int D, float *dst)
 {
     for (int64_t j = 0; j < n; j++)
         for (int64_t h = h0; h < h1; h++) {
             const uint8_t *qv = (const uint8_t *)(src + j * row_bytes + h * (D + D / 4));
             const float *sc = (const float *)(qv + D), *mn = sc + D / 32;
-            float *o = dst + (j * kv_heads + h) * D;
+            float *o = dst + (j * (h1 - h0) + h - h0) * D;
             for (int g = 0; g < D / 32; g++) {
 #ifdef __AVX512F__
                 // gcc's own vectorization of the loop below took 8 lanes and two widenings
@@ -100,12 +100,17 @@ static inline __attribute__((always_inline)) void attend_tile(
     float m[rows], l[rows];
     int64_t lo[ntok], hi[ntok];
     float s[KEY_CHUNK];
-    // Bytes between consecutive keys in the cache.
-    const int64_t row_bytes = KT == KV_INT8 ? kv_heads * (D + D / 4) : kv_stride * (KT ? 2 : 4);
+    // Bytes of one kv head in a key's row, and between consecutive keys in the cache.
+    const int64_t head_bytes = KT == KV_INT8 ? D + D / 4 : D * (KT ? 2 : 4);
+    const int64_t row_bytes = kv_heads * head_bytes;
     // An fp16 or int8 cache: each run of keys converted once, for every token and head of the
-    // tile.
-    float kconv[KT ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
-    float vconv[KT ? KEY_CHUNK * kv_stride : 1] __attribute__((aligned(32)));
+    // tile, into rows of the part's kv heads alone (cs floats apart: rows of the whole cache row
+    // 8 KiB apart, each part's 256 bytes of them, fell in the same few L1 sets).
+    const int64_t cs = (h1 - h0) * D;
+    // where a run's rows are read: floats between keys, and the first kv head they hold
+    const int64_t ks = KT ? cs : kv_stride, hb = KT ? h0 : 0;
+    float kconv[KT ? KEY_CHUNK * cs : 1] __attribute__((aligned(32)));
+    float vconv[KT ? KEY_CHUNK * cs : 1] __attribute__((aligned(32)));
 
     for (int64_t t = 0; t < ntok; t++) {
         hi[t] = positions[tok0 + t];
@@ -140,25 +145,40 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (nn > khi + 1 - pj) nn = khi + 1 - pj;
             const char *nk = (const char *)k_cache + (nblk * block_size + nin) * row_bytes;
             const char *nv = (const char *)v_cache + (nblk * block_size + nin) * row_bytes;
-            for (int64_t byte = 0; byte < nn * row_bytes; byte += 64) {
-                if (r == 1) {
-                    __builtin_prefetch(nk + byte, 0, 3);
-                    __builtin_prefetch(nv + byte, 0, 3);
-                }
-                if (r == PF_RUNS || j0 == klo) {
-                    __builtin_prefetch(nk + byte, 0, 2);
-                    __builtin_prefetch(nv + byte, 0, 2);
+            // the part's kv heads of each row (a row whole where the part is the whole tile)
+            const int64_t span = h1 - h0 == kv_heads ? nn * row_bytes : (h1 - h0) * head_bytes;
+            const int64_t rows_pf = h1 - h0 == kv_heads ? 1 : nn;
+            for (int64_t jr = 0; jr < rows_pf; jr++) {
+                const char *rk = nk + jr * row_bytes + h0 * head_bytes;
+                const char *rv = nv + jr * row_bytes + h0 * head_bytes;
+                // every 64-byte line of [0, span): from each line start, and the last byte's
+                for (int64_t byte = 0; byte < span + 63; byte += 64) {
+                    const int64_t at = byte < span ? byte : span - 1;
+                    if (r == 1) {
+                        __builtin_prefetch(rk + at, 0, 3);
+                        __builtin_prefetch(rv + at, 0, 3);
+                    }
+                    if (r == PF_RUNS || j0 == klo) {
+                        __builtin_prefetch(rk + at, 0, 2);
+                        __builtin_prefetch(rv + at, 0, 2);
+                    }
                 }
             }
             pj += nn;
         }
 
-        if (KT == KV_F16) {
+        if (KT == KV_F16 && h1 - h0 == kv_heads) {
             f16_to_f32((const uint16_t *)kraw, (j1 - j0) * kv_stride, kconv);
             f16_to_f32((const uint16_t *)vraw, (j1 - j0) * kv_stride, vconv);
+        } else if (KT == KV_F16) {  // a part's kv heads alone, where the rows are cut by head
+            for (int64_t j = 0; j < j1 - j0; j++) {
+                const int64_t at = j * kv_stride + h0 * D;
+                f16_to_f32((const uint16_t *)kraw + at, cs, kconv + j * cs);
+                f16_to_f32((const uint16_t *)vraw + at, cs, vconv + j * cs);
+            }
         } else if (KT == KV_INT8) {
-            i8_to_f32(kraw, j1 - j0, row_bytes, kv_heads, h0, h1, D, kconv);
-            i8_to_f32(vraw, j1 - j0, row_bytes, kv_heads, h0, h1, D, vconv);
+            i8_to_f32(kraw, j1 - j0, row_bytes, h0, h1, D, kconv);
+            i8_to_f32(vraw, j1 - j0, row_bytes, h0, h1, D, vconv);
         }
         if (KT) {
             kbase = kconv;
@@ -172,14 +192,14 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int64_t n = b - a, off = a - j0;
             for (int64_t head = head0; head < head1; head++) {
                 const int64_t i = t * num_heads + head, h = head / group;
-                const float *kb = kbase + off * kv_stride + h * D;
-                const float *vb = vbase + off * kv_stride + h * D;
+                const float *kb = kbase + off * ks + (h - hb) * D;
+                const float *vb = vbase + off * ks + (h - hb) * D;
                 const float *qi = qs[i];
                 // Four keys at a time: four independent sums, not one long dependent chain.
                 int64_t j = 0;
                 for (; j + 4 <= n; j += 4) {
-                    const float *k0 = kb + j * kv_stride, *k1 = k0 + kv_stride;
-                    const float *k2 = k1 + kv_stride, *k3 = k2 + kv_stride;
+                    const float *k0 = kb + j * ks, *k1 = k0 + ks;
+                    const float *k2 = k1 + ks, *k3 = k2 + ks;
                     float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
                     for (int d = 0; d < D; d++) {
                         d0 += qi[d] * k0[d];
@@ -190,7 +210,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     s[j] = d0; s[j + 1] = d1; s[j + 2] = d2; s[j + 3] = d3;
                 }
                 for (; j < n; j++) {
-                    const float *kr = kb + j * kv_stride;
+                    const float *kr = kb + j * ks;
                     float dot = 0.0f;
                     for (int d = 0; d < D; d++) dot += qi[d] * kr[d];
                     s[j] = dot;
@@ -214,12 +234,12 @@ static inline __attribute__((always_inline)) void attend_tile(
                 if (corr != 1.0f)
                     for (int d = 0; d < D; d++) ai[d] *= corr;
                 for (j = 0; j + 2 <= n; j += 2) {
-                    const float *v0 = vb + j * kv_stride, *v1 = v0 + kv_stride;
+                    const float *v0 = vb + j * ks, *v1 = v0 + ks;
                     const float p0 = s[j], p1 = s[j + 1];
                     for (int d = 0; d < D; d++) ai[d] += p0 * v0[d] + p1 * v1[d];
                 }
                 if (j < n) {
-                    const float *vr = vb + j * kv_stride;
+                    const float *vr = vb + j * ks;
                     const float p = s[j];
                     for (int d = 0; d < D; d++) ai[d] += p * vr[d];
                 }
@@ -272,7 +292,7 @@ static void attend_one(
 // two does not run on one thread while the others wait.
 static int64_t tile_parts(int64_t num_tiles, int64_t kv_heads, int threads)
 {
-    return num_tiles < 2 * threads ? kv_heads : 1;
+    return num_tiles < 2 * threads ? kv_heads / 1 : 1;
 }
 
 // Each request's query tokens (query_start_loc [num_reqs + 1]) cut into runs of at most `tokens`:
