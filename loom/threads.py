@@ -97,7 +97,10 @@ class TeamSize:
     next size down (or up) runs PROBE_CALLS calls, and it becomes the preferred one when its
     median is under WIN times the current one's. Probes go by the bucket's time, not its calls,
     so their cost stays a bounded share (~0.2-1% quiet) and a bucket that runs rarely (a
-    speculative step of 5 rows) probes rarely. The C kernels give the same bits on any team size (each
+    speculative step of 5 rows) probes rarely; and by the calls' length: a probe's PROBE_CALLS
+    calls take at most PROBE_SHARE of the bucket's time since the last (SLOW_SHARE when its steps
+    slowed down). Without that a long prompt's steps (16 s each for 1476 tokens of the 1.7B
+    shape) were probed after every call on a quiet machine: three of every four on one thread. The C kernels give the same bits on any team size (each
     output is summed by one thread in a fixed order), so only speed changes.
     `LOOM_ADAPTIVE_THREADS=0` keeps the full team."""
 
@@ -108,6 +111,8 @@ class TeamSize:
     PROBE_EVERY_S = 10.0  # ... between probes down from the full team
     PROBE_UP_S = 1.0  # ... between probes back up while below it
     RECENT = 8
+    PROBE_SHARE = 0.02  # most of a bucket's time its scheduled probes may take
+    SLOW_SHARE = 0.1  # ... and those a slow-down sets off
 
     def __init__(self, threads: int, adaptive: bool | None = None) -> None:
         if adaptive is None:
@@ -138,10 +143,13 @@ class TeamSize:
         b.recent.append(per_row)
         b.best = min(b.best, per_row)
         b.spent += seconds
+        if len(b.recent) < 4:
+            return
         due = self.PROBE_UP_S if b.at else self.PROBE_EVERY_S if b.settled else self.FIRST_PROBE_S
-        slow = (len(b.recent) >= 4 and b.at + 1 < len(self.sizes)
-                and statistics.median(b.recent) > self.SLOW * b.best)
-        if slow or (b.spent >= due and len(b.recent) >= 4):
+        probe_s = self.PROBE_CALLS * statistics.median(b.recent) * rows  # a probe's time, about
+        slow = (b.at + 1 < len(self.sizes) and statistics.median(b.recent) > self.SLOW * b.best
+                and b.spent >= probe_s / self.SLOW_SHARE)
+        if slow or b.spent >= max(due, probe_s / self.PROBE_SHARE):
             # down when slow (or steady at the full team), else up toward the full team
             b.probe = b.at + 1 if (slow or not b.at) and b.at + 1 < len(self.sizes) else b.at - 1
             b.probe_left, b.probed, b.spent = self.PROBE_CALLS, [], 0.0

@@ -219,7 +219,7 @@ class Q8Decoder:
         self.inter = max((getattr(layer.mlp, "intermediate_size", 0) for layer in model.layers),
                          default=0)
         self.eps = model.norm.eps
-        self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.head_dim)
+        self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.kv_heads, self.head_dim)
         embed = model.embed_tokens
         # an empty tensor of the activations' dtype and device (the embeddings')
         self.activation: torch.Tensor

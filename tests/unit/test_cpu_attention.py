@@ -204,7 +204,8 @@ def test_build_tiles():
     tiles = cpu_kernel.build_tiles(np.array([0, 1, 13]), 8)
     assert tiles.tolist() == [[0, 0, 1], [1, 1, 8], [1, 9, 4]]
     assert tiles.dtype == np.int64 and tiles.flags.c_contiguous
-    assert cpu_kernel.tile_tokens(9, 64) == 7 and cpu_kernel.tile_tokens(128, 128) == 1
+    assert cpu_kernel.tile_tokens(9, 3, 64) == 21 and cpu_kernel.tile_tokens(32, 32, 64) == 64
+    assert cpu_kernel.tile_tokens(128, 1, 128) == 1
 
 
 def test_supported_only_where_the_kernel_runs():

@@ -63,3 +63,24 @@ def test_a_bucket_that_runs_rarely_is_not_probed() -> None:
     """Probes go by a bucket's seconds of steps: 40 verify steps of 5 rows never pay one."""
     team = TeamSize(2, adaptive=True)
     assert drive(team, lambda n, i: 0.006 if n == 2 else 0.010, 40, rows=5) == [2] * 40
+
+
+def test_long_steps_are_probed_by_their_cost() -> None:
+    """A long prompt's steps (16 s each) pay a probe (3 calls, maybe at half speed) at most
+    every PROBE_CALLS / PROBE_SHARE calls, not after each."""
+    team = TeamSize(2, adaptive=True)
+    used = drive(team, lambda n, i: (16.0 if n == 2 else 30.0) / 1476, 400, rows=1476)
+    assert used[:4] == [2] * 4
+    assert 0 < used.count(1) <= TeamSize.PROBE_CALLS * (1 + 400 * TeamSize.PROBE_SHARE
+                                                         / TeamSize.PROBE_CALLS)
+    assert used.count(1) <= 400 * TeamSize.PROBE_SHARE * 1.5
+
+
+def test_long_steps_still_move_down_when_a_core_is_taken() -> None:
+    team = TeamSize(2, adaptive=True)
+
+    def busy(n: int, i: int) -> float:  # a core taken from call 20 on: two threads 4x slower
+        return (2.0 if n == 2 else 3.0) / 512 if i < 20 else (8.0 if n == 2 else 3.2) / 512
+
+    used = drive(team, busy, 120, rows=512)
+    assert used[-1] == 1 and used[20:120].count(2) < 60

@@ -14,8 +14,8 @@ import torch
 from loom.attention.metadata import AttentionMetadata
 from loom.kernels import KV_TYPES, cpu_kernels, kv_pointers, kv_type
 
-ROWS_PER_TILE = 64  # query rows (tokens x heads) that share each K/V read
-MAX_TILE_FLOATS = 65536  # a one-token tile's rows x head_dim must fit the kernel's stack scratch
+ROWS_PER_TILE = 64  # query rows (tokens x one kv head's query heads) that share each K/V read
+MAX_TILE_FLOATS = 65536  # a part's rows x head_dim must fit the kernel's stack scratch
 
 
 def supported(
@@ -33,13 +33,16 @@ def supported(
     )
 
 
-def tile_tokens(num_heads: int, head_dim: int) -> int:
-    return max(1, min(ROWS_PER_TILE // num_heads, MAX_TILE_FLOATS // (num_heads * head_dim)))
+def tile_tokens(num_heads: int, kv_heads: int, head_dim: int) -> int:
+    """Query tokens a tile: the kernel cuts tiles of several tokens by kv head
+    (paged_attention.c's tile_parts), each part's rows a token one kv head's query heads."""
+    group = num_heads // kv_heads
+    return max(1, min(ROWS_PER_TILE // group, MAX_TILE_FLOATS // (group * head_dim)))
 
 
-def step_tiles(md: AttentionMetadata, num_heads: int, head_dim: int) -> np.ndarray:
+def step_tiles(md: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: int) -> np.ndarray:
     """This step's tiles for the model's head shape: built by the first layer, shared by all."""
-    tokens = tile_tokens(num_heads, head_dim)
+    tokens = tile_tokens(num_heads, kv_heads, head_dim)
     tiles = md.tiles.get(tokens)
     if tiles is None:
         tiles = md.tiles[tokens] = build_tiles(md.query_start_loc.numpy(), tokens)
@@ -76,7 +79,7 @@ def paged_attention(
     _, _, block_size, kv_heads, _ = kv_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    tiles = step_tiles(md, num_heads, head_dim)
+    tiles = step_tiles(md, num_heads, kv_heads, head_dim)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
     rc = cpu_kernels().loom_paged_attention_f32(
         q.data_ptr(), q.stride(0), *kv_pointers(kv_cache),

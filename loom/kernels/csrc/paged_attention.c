@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     if (ntok < 1) return;
     const int64_t group = num_heads / kv_heads;
     const int64_t head0 = h0 * group, head1 = h1 * group;  // the query heads of kv heads h0..h1-1
-    const int64_t rows = ntok * num_heads;     // row = token * num_heads + head
+    const int64_t hp = head1 - head0, rows = ntok * hp;  // row = token * hp + head - head0
     const int64_t kv_stride = kv_heads * D;    // floats between consecutive keys of a block
     float qs[rows][D] __attribute__((aligned(32)));
     float acc[rows][D] __attribute__((aligned(32)));
@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         hi[t] = positions[tok0 + t];
         lo[t] = window > 0 && hi[t] - window + 1 > 0 ? hi[t] - window + 1 : 0;
         for (int64_t head = head0; head < head1; head++) {
-            const int64_t i = t * num_heads + head;
+            const int64_t i = t * hp + head - head0;
             const float *src = q + (tok0 + t) * q_tok_stride + head * D;
             for (int d = 0; d < D; d++) { qs[i][d] = src[d] * scale; acc[i][d] = 0.0f; }
             m[i] = 0.0f;
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (a >= b) continue;
             const int64_t n = b - a, off = a - j0;
             for (int64_t head = head0; head < head1; head++) {
-                const int64_t i = t * num_heads + head, h = head / group;
+                const int64_t i = t * hp + head - head0, h = head / group;
                 const float *kb = kbase + off * ks + (h - hb) * D;
                 const float *vb = vbase + off * ks + (h - hb) * D;
                 const float *qi = qs[i];
@@ -250,8 +250,8 @@ static inline __attribute__((always_inline)) void attend_tile(
 
     for (int64_t t = 0; t < ntok; t++)
         for (int64_t head = head0; head < head1; head++) {
-            const int64_t i = t * num_heads + head;
-            float *dst = out + (tok0 * num_heads + i) * D;
+            const int64_t i = t * hp + head - head0;
+            float *dst = out + ((tok0 + t) * num_heads + head) * D;
             const float inv = 1.0f / l[i];
             for (int d = 0; d < D; d++) dst[d] = acc[i][d] * inv;
         }
@@ -286,13 +286,21 @@ static void attend_one(
 #undef ATTEND
 }
 
-// Parts a tile is cut into for `threads` threads: whole tiles where there are enough of them
-// (a tile reads each key's row whole, all kv heads, which the hardware prefetcher follows
-// best), else one part a kv head, so one decode token's attention (one tile) or a prompt's
-// two does not run on one thread while the others wait.
-static int64_t tile_parts(int64_t num_tiles, int64_t kv_heads, int threads)
+// Parts each tile is cut into for `threads` threads: one a kv head where a tile holds several
+// tokens (a prompt's: its tokens share each run of one head's converted keys, the rows of a
+// part fit L1, and the part reads that head's bytes alone; whole tiles of 2 tokens x 32 heads
+// converted every key of every head once per 2 tokens and read the whole context once per 2
+// tokens: ~50 cycles a token, head and key) or where there are fewer tiles than two a thread
+// (one decode token's attention does not run on one thread while the others wait); else
+// (decodes of many streams) whole tiles, each key's row read whole, all kv heads, which the
+// hardware prefetcher follows best.
+static int64_t tile_parts(const int64_t *tiles, int64_t num_tiles, int64_t kv_heads,
+                          int threads)
 {
-    return num_tiles < 2 * threads ? kv_heads / 1 : 1;
+    if (num_tiles < 2 * threads) return kv_heads;
+    for (int64_t it = 0; it < num_tiles; it++)
+        if (tiles[it * 3 + 2] > 1) return kv_heads;
+    return 1;
 }
 
 // Each request's query tokens (query_start_loc [num_reqs + 1]) cut into runs of at most `tokens`:
@@ -317,15 +325,19 @@ int64_t loom_attention_tiles(const int64_t *query_start_loc, int64_t num_reqs, i
     return n;
 }
 
-// 0 if the kernel can take these tiles and shapes; -1 if a tile's scratch (2 x rows x head_dim
-// floats, on the stack) is too big, or the heads or the int8 cache's head size do not fit.
+// 0 if the kernel can take these tiles and shapes; -1 if a part's scratch (2 x rows x head_dim
+// floats, on the stack: a one-token tile's rows are all its heads, a longer tile's one kv head's
+// query heads a token, tile_parts) is too big, or the heads or the int8 cache's head size do not
+// fit.
 int loom_paged_attention_check(const int64_t *tiles, int64_t num_tiles, int64_t num_heads,
                                int64_t kv_heads, int64_t head_dim, int kv_type)
 {
     if (kv_type == KV_INT8 && head_dim % 32 != 0) return -1;
-    for (int64_t it = 0; it < num_tiles; it++)
-        if (tiles[it * 3 + 2] * num_heads * head_dim > 65536) return -1;
     if (kv_heads < 1 || num_heads % kv_heads != 0) return -1;
+    for (int64_t it = 0; it < num_tiles; it++) {
+        const int64_t ntok = tiles[it * 3 + 2];
+        if (ntok * (ntok > 1 ? num_heads / kv_heads : num_heads) * head_dim > 65536) return -1;
+    }
     return 0;
 }
 
@@ -345,7 +357,7 @@ int loom_paged_attention_f32(
 {
     if (loom_paged_attention_check(tiles, num_tiles, num_heads, kv_heads, head_dim, kv_type))
         return -1;
-    const int64_t parts = tile_parts(num_tiles, kv_heads, num_threads);
+    const int64_t parts = tile_parts(tiles, num_tiles, kv_heads, num_threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_tiles * parts > 1)
     for (int64_t it = 0; it < num_tiles * parts; it++)
         attend_one(it, parts, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks,
@@ -364,7 +376,7 @@ void loom_paged_attention_team(
     int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
     int kv_type, float *out, int64_t *next, int team)
 {
-    const int64_t parts = tile_parts(num_tiles, kv_heads, team);
+    const int64_t parts = tile_parts(tiles, num_tiles, kv_heads, team);
     for (int64_t it; (it = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < num_tiles * parts;)
         attend_one(it, parts, q, q_tok_stride, k_cache, v_cache, block_tables, max_blocks,
                    positions, tiles, num_heads, kv_heads, head_dim, block_size, window, scale,
