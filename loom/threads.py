@@ -100,8 +100,9 @@ class TeamSize:
     speculative step of 5 rows) probes rarely; and by the calls' length: a probe's PROBE_CALLS
     calls take at most PROBE_SHARE of the bucket's time since the last (SLOW_SHARE when its steps
     slowed down). Without that a long prompt's steps (16 s each for 1476 tokens of the 1.7B
-    shape) were probed after every call on a quiet machine: three of every four on one thread. The C kernels give the same bits on any team size (each
-    output is summed by one thread in a fixed order), so only speed changes.
+    shape) were probed after every call on a quiet machine: three of every four on one thread.
+    The C kernels give the same bits on any team size (each output is summed by one thread in a
+    fixed order), so only speed changes.
     `LOOM_ADAPTIVE_THREADS=0` keeps the full team."""
 
     SLOW = 1.5
@@ -146,8 +147,9 @@ class TeamSize:
         if len(b.recent) < 4:
             return
         due = self.PROBE_UP_S if b.at else self.PROBE_EVERY_S if b.settled else self.FIRST_PROBE_S
-        probe_s = self.PROBE_CALLS * statistics.median(b.recent) * rows  # a probe's time, about
-        slow = (b.at + 1 < len(self.sizes) and statistics.median(b.recent) > self.SLOW * b.best
+        median = statistics.median(b.recent)
+        probe_s = self.PROBE_CALLS * median * rows  # a probe's time, about
+        slow = (b.at + 1 < len(self.sizes) and median > self.SLOW * b.best
                 and b.spent >= probe_s / self.SLOW_SHARE)
         if slow or b.spent >= max(due, probe_s / self.PROBE_SHARE):
             # down when slow (or steady at the full team), else up toward the full team

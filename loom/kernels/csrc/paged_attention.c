@@ -83,6 +83,18 @@ static inline void i8_to_f32(const char *src, int64_t n, int64_t row_bytes, int6
         }
 }
 
+// Every 64-byte line of [p, p + len) into L1 (l1) or L2.
+static inline __attribute__((always_inline)) void prefetch_lines(const char *p, int64_t len,
+                                                                 const int l1)
+{
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)(p + len); a += 64) {
+        if (l1)
+            __builtin_prefetch((const char *)a, 0, 3);
+        else
+            __builtin_prefetch((const char *)a, 0, 2);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_table, const int64_t *positions, int64_t tok0, int64_t ntok,
@@ -107,8 +119,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     // tile, into rows of the part's kv heads alone (cs floats apart: rows of the whole cache row
     // 8 KiB apart, each part's 256 bytes of them, fell in the same few L1 sets).
     const int64_t cs = (h1 - h0) * D;
-    // where a run's rows are read: floats between keys, and the first kv head they hold
-    const int64_t ks = KT ? cs : kv_stride, hb = KT ? h0 : 0;
+    const int64_t ks = KT ? cs : kv_stride;  // floats between keys where a run's rows are read
     float kconv[KT ? KEY_CHUNK * cs : 1] __attribute__((aligned(32)));
     float vconv[KT ? KEY_CHUNK * cs : 1] __attribute__((aligned(32)));
 
@@ -134,7 +145,6 @@ static inline __attribute__((always_inline)) void attend_tile(
         if (j1 > j0 + KEY_CHUNK) j1 = j0 + KEY_CHUNK;
         const char *kraw = (const char *)k_cache + (blk * block_size + in_blk) * row_bytes;
         const char *vraw = (const char *)v_cache + (blk * block_size + in_blk) * row_bytes;
-        const float *kbase = (const float *)kraw, *vbase = (const float *)vraw;
         // Prefetch while this run computes (without it, loads and arithmetic took turns: one
         // thread, 23 ms for 86 MB of context, 5.7 ms of it arithmetic): the next run into L1,
         // the run PF_RUNS ahead into L2 (at the tile's first run, every run up to it).
@@ -145,32 +155,23 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (nn > khi + 1 - pj) nn = khi + 1 - pj;
             const char *nk = (const char *)k_cache + (nblk * block_size + nin) * row_bytes;
             const char *nv = (const char *)v_cache + (nblk * block_size + nin) * row_bytes;
-            // the part's kv heads of each row (a row whole where the part is the whole tile)
-            const int64_t span = h1 - h0 == kv_heads ? nn * row_bytes : (h1 - h0) * head_bytes;
-            const int64_t rows_pf = h1 - h0 == kv_heads ? 1 : nn;
-            for (int64_t jr = 0; jr < rows_pf; jr++) {
-                const char *rk = nk + jr * row_bytes + h0 * head_bytes;
-                const char *rv = nv + jr * row_bytes + h0 * head_bytes;
-                // every 64-byte line of [0, span): from each line start, and the last byte's
-                for (int64_t byte = 0; byte < span + 63; byte += 64) {
-                    const int64_t at = byte < span ? byte : span - 1;
-                    if (r == 1) {
-                        __builtin_prefetch(rk + at, 0, 3);
-                        __builtin_prefetch(rv + at, 0, 3);
-                    }
-                    if (r == PF_RUNS || j0 == klo) {
-                        __builtin_prefetch(rk + at, 0, 2);
-                        __builtin_prefetch(rv + at, 0, 2);
-                    }
+            // the part's bytes of each key's row; one span for the run where it holds every head
+            const int64_t span = (h1 - h0) * head_bytes, whole = span == row_bytes;
+            for (int64_t jr = 0; jr < (whole ? 1 : nn); jr++) {
+                const int64_t at = jr * row_bytes + h0 * head_bytes, len = whole ? nn * span : span;
+                if (r == 1) {
+                    prefetch_lines(nk + at, len, 1);
+                    prefetch_lines(nv + at, len, 1);
+                }
+                if (r == PF_RUNS || j0 == klo) {
+                    prefetch_lines(nk + at, len, 0);
+                    prefetch_lines(nv + at, len, 0);
                 }
             }
             pj += nn;
         }
 
-        if (KT == KV_F16 && h1 - h0 == kv_heads) {
-            f16_to_f32((const uint16_t *)kraw, (j1 - j0) * kv_stride, kconv);
-            f16_to_f32((const uint16_t *)vraw, (j1 - j0) * kv_stride, vconv);
-        } else if (KT == KV_F16) {  // a part's kv heads alone, where the rows are cut by head
+        if (KT == KV_F16) {
             for (int64_t j = 0; j < j1 - j0; j++) {
                 const int64_t at = j * kv_stride + h0 * D;
                 f16_to_f32((const uint16_t *)kraw + at, cs, kconv + j * cs);
@@ -180,10 +181,9 @@ static inline __attribute__((always_inline)) void attend_tile(
             i8_to_f32(kraw, j1 - j0, row_bytes, h0, h1, D, kconv);
             i8_to_f32(vraw, j1 - j0, row_bytes, h0, h1, D, vconv);
         }
-        if (KT) {
-            kbase = kconv;
-            vbase = vconv;
-        }
+        // the part's first kv head of the run's first key: converted, or the fp32 cache in place
+        const float *kbase = KT ? kconv : (const float *)kraw + h0 * D;
+        const float *vbase = KT ? vconv : (const float *)vraw + h0 * D;
 
         for (int64_t t = 0; t < ntok; t++) {
             const int64_t a = j0 > lo[t] ? j0 : lo[t];
@@ -192,8 +192,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int64_t n = b - a, off = a - j0;
             for (int64_t head = head0; head < head1; head++) {
                 const int64_t i = t * hp + head - head0, h = head / group;
-                const float *kb = kbase + off * ks + (h - hb) * D;
-                const float *vb = vbase + off * ks + (h - hb) * D;
+                const float *kb = kbase + off * ks + (h - h0) * D;
+                const float *vb = vbase + off * ks + (h - h0) * D;
                 const float *qi = qs[i];
                 // Four keys at a time: four independent sums, not one long dependent chain.
                 int64_t j = 0;
