@@ -41,9 +41,12 @@
 #define GROUP 32
 #define M_MAX 8       // x rows a call quantizes at once (more run in chunks of M_MAX)
 #define TILE 4        // x rows at once against a weight row (more: tiles of at most TILE)
-#define UNIT 2        // weight rows a unit of work
-#define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // weight rows at once (two
-                                          // interleaved 8-bit rows read slower at one x row)
+// Weight rows a unit of work: two, read at once. At one x row (one stream's decode step, bound
+// by reading the weights) 4-bit units are rows u and u + N / 2, two streams through memory side
+// by side; neighbouring rows read as one interleaved stream run 0.6x (4-bit, K = 8192) and
+// 8-bit rows run best alone (such pairs took 1.09x the time on Gemma 3): docs/cpu_kernels.md.
+#define UNIT 2
+#define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
 #define PF_S 128      // scales and minimums prefetched ahead
 
@@ -302,14 +305,15 @@ static inline __attribute__((always_inline)) void chunk_vnni(
     }
 }
 
-// M <= TILE x rows (quantized, xq) against R <= UNIT weight rows from q (rows row_bytes apart,
-// fp16 scales and minimums `groups` apart): out[m * ldy + r] (+ bias[r]). M, R and bits are
-// constants at each call site.
+// M <= TILE x rows (quantized, xq) against R <= UNIT weight rows from q, rstep rows apart
+// (row_bytes a row; fp16 scales and minimums `groups` a row): out[m * ldy + r rstep] (+ bias[r
+// rstep]). M, R and bits are constants at each call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
-    const int R, const float *bias, float *out, int64_t ldy)
+    const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
+    const int64_t qs = rstep * row_bytes, ss = rstep * groups;  // from one row to the next
     __m512 acc[TILE * UNIT];  // [m * R + r]
     for (int i = 0; i < M * R; i++) acc[i] = _mm512_setzero_ps();
     const int bg = BG(bits), cg = CG(bits), nv = XV(bits);
@@ -322,17 +326,17 @@ static inline __attribute__((always_inline)) void rows_vnni(
     for (int64_t bk = 0; bk < L.blocks; bk++) {
         for (int r = 0; r < R; r++)
             for (int line = 0; line < 256; line += 64)
-                __builtin_prefetch(q + r * row_bytes + bk * 256 + line + PF_Q);
+                __builtin_prefetch(q + r * qs + bk * 256 + line + PF_Q);
         if (bk % 2 == 0)
             for (int r = 0; r < R; r++) {
-                __builtin_prefetch(sc + r * groups + bk * bg + PF_S);
-                __builtin_prefetch(mn + r * groups + bk * bg + PF_S);
+                __builtin_prefetch(sc + r * ss + bk * bg + PF_S);
+                __builtin_prefetch(mn + r * ss + bk * bg + PF_S);
             }
         __m512i u[UNIT][4];
         __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
-            block_load(q + r * row_bytes + bk * 256, u[r]);
-            const uint16_t *sr = sc + r * groups + bk * bg;
+            block_load(q + r * qs + bk * 256, u[r]);
+            const uint16_t *sr = sc + r * ss + bk * bg;
             const __m512 sg = bits == 4
                 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sr))
                 : _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sr)));
@@ -379,9 +383,9 @@ static inline __attribute__((always_inline)) void rows_vnni(
         __m512i w[UNIT][4];
         __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = q + r * row_bytes + g0 * GROUP * bits / 8;
+            const uint8_t *p = q + r * qs + g0 * GROUP * bits / 8;
             unpack(_mm512_maskz_loadu_epi8(wk, p), bits, w[r]);
-            const __m128i sh = _mm_maskz_loadu_epi16(sk, sc + r * groups + g0);
+            const __m128i sh = _mm_maskz_loadu_epi16(sk, sc + r * ss + g0);
             s[r] = _mm512_permutexvar_ps(csel, _mm512_castps128_ps512(_mm_cvtph_ps(sh)));
         }
         const int64_t at_x = (L.blocks * 4 + c) * nv * 64, at_d = L.dv + (L.blocks + c) * 64;
@@ -393,7 +397,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
     for (int64_t g = 0; g < groups; g += 16) {  // + m_w * sum x~, 16 groups at once
         const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
         for (int r = 0; r < R; r++) {
-            const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + r * groups + g));
+            const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + r * ss + g));
             for (int m = 0; m < M; m++) {
                 const float *sx = (const float *)(xq + m * xstride + L.sx);
                 acc[m * R + r] = _mm512_fmadd_ps(mins, _mm512_load_ps(sx + g), acc[m * R + r]);
@@ -404,21 +408,30 @@ static inline __attribute__((always_inline)) void rows_vnni(
     sum_lanes(acc, M * R, sums);
     for (int m = 0; m < M; m++)
         for (int r = 0; r < R; r++)
-            out[m * ldy + r] = bias ? sums[m * R + r] + bias[r] : sums[m * R + r];
+            out[m * ldy + r * rstep] =
+                bias ? sums[m * R + r] + bias[r * rstep] : sums[m * R + r];
 }
 
-// Weight unit u (rows u UNIT .. u UNIT + UNIT - 1, fewer at the end of N) for M <= M_MAX
-// quantized x rows, with their bias: M, bits and R picked here, so each case runs with
-// constants.
+// Weight unit u (4-bit rows at one x row: u and u + (N + 1) / 2; else rows u UNIT .. u UNIT +
+// UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows, with their bias: M, bits
+// and R picked here, so each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
                       const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, row_bytes = K * bits / 8;
-    const int64_t n0 = u * UNIT, n1 = n0 + UNIT < N ? n0 + UNIT : N;
 #define ROWS(m, b, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
-                                   scales + (n) * groups, mins + (n) * groups, groups, r, \
+                                   scales + (n) * groups, mins + (n) * groups, groups, r, step, \
                                    bias ? bias + (n) : NULL, yt + (n), ldy)
+    if (M == 1 && bits == 4) {  // two streams (UNIT)
+        const int64_t step = (N + 1) / 2;
+        const uint8_t *xt = xq;
+        float *yt = y;
+        if (u + step < N) { ROWS(1, 4, 2, u); } else { ROWS(1, 4, 1, u); }
+        return;
+    }
+    const int64_t step = 1;
+    const int64_t n0 = u * UNIT, n1 = n0 + UNIT < N ? n0 + UNIT : N;
 #define ROWS_R(m, b) \
     if (R_OF(b, m) == UNIT && n1 - n0 == UNIT) { ROWS(m, b, UNIT, n0); } \
     else { for (int64_t n = n0; n < n1; n++) ROWS(m, b, 1, n); }
