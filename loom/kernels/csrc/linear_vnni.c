@@ -41,10 +41,12 @@
 #define GROUP 32
 #define M_MAX 8       // x rows a call quantizes at once (more run in chunks of M_MAX)
 #define TILE 4        // x rows at once against a weight row (more: tiles of at most TILE)
-// Weight rows a unit of work: two, read at once. At one x row (one stream's decode step, bound
-// by reading the weights) 4-bit units are rows u and u + N / 2, two streams through memory side
-// by side; neighbouring rows read as one interleaved stream run 0.6x (4-bit, K = 8192) and
-// 8-bit rows run best alone (such pairs took 1.09x the time on Gemma 3): docs/cpu_kernels.md.
+// Weight rows a unit of work: two, read at once. At one or two x rows (decode steps of one or two
+// streams, bound by reading the weights) 4-bit units are rows u and u + N / 2, two streams
+// through memory side by side: neighbouring rows, one interleaved stream, ran 1.4-1.6x the time
+// on the 1.7B shape in Q4_0 (at three or four x rows the 135M's small rows run better as
+// neighbours); 8-bit rows run best alone at one x row (far pairs took 1.09x the time on Gemma
+// 3). docs/cpu_kernels.md.
 #define UNIT 2
 #define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
@@ -412,8 +414,8 @@ static inline __attribute__((always_inline)) void rows_vnni(
                 bias ? sums[m * R + r] + bias[r * rstep] : sums[m * R + r];
 }
 
-// Weight unit u (4-bit rows at one x row: u and u + (N + 1) / 2; else rows u UNIT .. u UNIT +
-// UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows, with their bias: M, bits
+// Weight unit u (4-bit rows at one or two x rows: u and u + (N + 1) / 2; else rows u UNIT .. u
+// UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows, with their bias: M, bits
 // and R picked here, so each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
@@ -423,11 +425,17 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
 #define ROWS(m, b, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
                                    scales + (n) * groups, mins + (n) * groups, groups, r, step, \
                                    bias ? bias + (n) : NULL, yt + (n), ldy)
-    if (M == 1 && bits == 4) {  // two streams (UNIT)
+    if (M <= 2 && bits == 4) {  // two streams (UNIT)
         const int64_t step = (N + 1) / 2;
         const uint8_t *xt = xq;
         float *yt = y;
-        if (u + step < N) { ROWS(1, 4, 2, u); } else { ROWS(1, 4, 1, u); }
+        if (u + step >= N) {
+            if (M == 1) { ROWS(1, 4, 1, u); } else { ROWS(2, 4, 1, u); }
+        } else if (M == 1) {
+            ROWS(1, 4, 2, u);
+        } else {
+            ROWS(2, 4, 2, u);
+        }
         return;
     }
     const int64_t step = 1;
