@@ -414,35 +414,24 @@ static inline __attribute__((always_inline)) void rows_vnni(
                 bias ? sums[m * R + r] + bias[r * rstep] : sums[m * R + r];
 }
 
-// Weight unit u (4-bit rows at one or two x rows: u and u + (N + 1) / 2; else rows u UNIT .. u
-// UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows, with their bias: M, bits
-// and R picked here, so each case runs with constants.
+// Weight unit u (its rows: n0, n0 + step, ...; 4-bit at one or two x rows u and u + (N + 1) / 2,
+// else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
+// with their bias: M, bits and R picked here, so each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
                       const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, row_bytes = K * bits / 8;
+    const int far = M <= 2 && bits == 4;  // two streams (UNIT)
+    const int64_t step = far ? (N + 1) / 2 : 1, n0 = far ? u : u * UNIT;
+    int64_t rows = 0;  // the unit's rows within N
+    while (rows < UNIT && n0 + rows * step < N) rows++;
 #define ROWS(m, b, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
                                    scales + (n) * groups, mins + (n) * groups, groups, r, step, \
                                    bias ? bias + (n) : NULL, yt + (n), ldy)
-    if (M <= 2 && bits == 4) {  // two streams (UNIT)
-        const int64_t step = (N + 1) / 2;
-        const uint8_t *xt = xq;
-        float *yt = y;
-        if (u + step >= N) {
-            if (M == 1) { ROWS(1, 4, 1, u); } else { ROWS(2, 4, 1, u); }
-        } else if (M == 1) {
-            ROWS(1, 4, 2, u);
-        } else {
-            ROWS(2, 4, 2, u);
-        }
-        return;
-    }
-    const int64_t step = 1;
-    const int64_t n0 = u * UNIT, n1 = n0 + UNIT < N ? n0 + UNIT : N;
 #define ROWS_R(m, b) \
-    if (R_OF(b, m) == UNIT && n1 - n0 == UNIT) { ROWS(m, b, UNIT, n0); } \
-    else { for (int64_t n = n0; n < n1; n++) ROWS(m, b, 1, n); }
+    if (R_OF(b, m) == UNIT && rows == UNIT) { ROWS(m, b, UNIT, n0); } \
+    else { for (int64_t i = 0; i < rows; i++) ROWS(m, b, 1, n0 + i * step); }
 #define CASES(b) switch (tile) { \
     case 1: ROWS_R(1, b) break; case 2: ROWS_R(2, b) break; \
     case 3: ROWS_R(3, b) break; default: ROWS_R(4, b) break; }
