@@ -558,13 +558,14 @@ def test_int8_vnni_kernel_matches_float64(bits) -> None:
     which it reads), 1 to 8 rows, ragged chunks (3 and 18 groups) and rows (an odd N), a bias,
     both widths: x in two int8 digits is within max|x| / 127 / 256 of each value of its group
     (the second digit saturates at 127 at worst), so an output is within that times sum |w| plus
-    fp32's summing. A row's bits are the same alone as among up to 8 (one and two rows pair a
-    4-bit weight row with the one N / 2 past it, more with its neighbour); past 8 rows the batch
+    fp32's summing. A row's bits are the same alone as among up to 8 (a weight row is paired
+    with the one N / 2 past it, 4-bit at one or two x rows or rows of 2048 weights or more,
+    8-bit from two x rows; else with its neighbour); past 8 rows the batch
     kernel runs (here the fp32 one: its bits), and up to 8 the two kernels differ."""
     require_vnni()
     g = torch.Generator().manual_seed(7)
     for m, k, n, bias in [(1, 96, 21, True), (2, 576, 33, True), (3, 576, 101, False),
-                          (8, 1536, 40, True), (5, 64, 7, False)]:
+                          (8, 1536, 40, True), (5, 64, 7, False), (6, 2080, 23, True)]:
         lin, q = _random_int8(k, n, bias, bits, g)
         x = torch.randn(m, k, generator=g)
         x[0, :32] *= 100.0  # a group with a large value: a coarse grid

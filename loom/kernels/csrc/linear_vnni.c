@@ -41,13 +41,17 @@
 #define GROUP 32
 #define M_MAX 8       // x rows a call quantizes at once (more run in chunks of M_MAX)
 #define TILE 4        // x rows at once against a weight row (more: tiles of at most TILE)
-// Weight rows a unit of work: two, read at once. At one or two x rows (decode steps of one or two
-// streams, bound by reading the weights) 4-bit units are rows u and u + N / 2, two streams
-// through memory side by side: neighbouring rows, one interleaved stream, ran 1.4-1.6x the time
-// on the 1.7B shape in Q4_0 (at three or four x rows the 135M's small rows run better as
-// neighbours); 8-bit rows run best alone at one x row (far pairs took 1.09x the time on Gemma
-// 3). docs/cpu_kernels.md.
+// Weight rows a unit of work: two, read at once, as rows u and u + N / 2 (two streams through
+// memory side by side) where that measured faster than neighbouring rows (one interleaved
+// stream), in decode steps bound by reading the weights: 4-bit rows at one or two x rows (the
+// 1.7B shape in Q4_0 took 1.4-1.6x the time as neighbours) and, when rows hold FAR_K weights
+// or more, at any rows (1.1-1.3x at three to eight: 4-8 streams, speculation's verify steps;
+// the 135M's short rows ran as well or better as neighbours there); 8-bit rows from two x rows
+// (Gemma 3 270M's Q5_0 / Q8_0 layers and head at two streams: 1.5x; the 1.7B shape in Q8_0
+// 1.2-1.3x at two to eight). At one x row 8-bit rows run alone (far pairs took 1.09x the time on
+// Gemma 3, and gained nothing on the 1.7B shape). docs/cpu_kernels.md.
 #define UNIT 2
+#define FAR_K 2048
 #define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
 #define PF_S 128      // scales and minimums prefetched ahead
@@ -414,7 +418,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
                 bias ? sums[m * R + r] + bias[r * rstep] : sums[m * R + r];
 }
 
-// Weight unit u (its rows: n0, n0 + step, ...; 4-bit at one or two x rows u and u + (N + 1) / 2,
+// Weight unit u (its rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where UNIT's comment says,
 // else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
 // with their bias: M, bits and R picked here, so each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
@@ -422,7 +426,7 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
                       const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, row_bytes = K * bits / 8;
-    const int far = M <= 2 && bits == 4;  // two streams (UNIT)
+    const int far = bits == 4 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
     const int64_t step = far ? (N + 1) / 2 : 1, n0 = far ? u : u * UNIT;
     int64_t rows = 0;  // the unit's rows within N
     while (rows < UNIT && n0 + rows * step < N) rows++;
