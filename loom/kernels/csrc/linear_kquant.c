@@ -45,16 +45,15 @@
 
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
 #define M_MAX 8       // x rows at once
-// up to KQ_ONE_TILE x rows run in one tile against a weight row, past it even tiles of at most
-// KQ_TILE (rows_kq); the AVX2 build's eight rows ran 1.02-1.05x the time in two tiles: one there
-#if defined(KQ_AVX512)
-#define KQ_ONE_TILE 6
+#if defined(KQ_AVX512)  // x rows against a weight row (rows_kq): up to 6 in one tile, then tiles
+#define KQ_ONE_TILE 6     // of at most 4
+#define KQ_TILE 4
 #else
 #define KQ_ONE_TILE M_MAX
+#define KQ_TILE M_MAX
 #endif
-#define KQ_TILE 4
-#define KQ_BLOCK 8    // weight rows a block, up to M_MAX x rows (rows_kq)
-#define NB_ROWS 16    // weight rows a unit past M_MAX rows (reused from cache by each chunk)
+#define KQ_BLOCK 8    // weight rows a block (rows_kq)
+#define NB_ROWS 16    // weight rows a unit of work
 #define PF 4096       // weight bytes prefetched ahead in a row (0.91x a 1 GB stream against 1 KiB)
 
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
@@ -574,22 +573,23 @@ static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int 
         for (int m = 0; m < M; m++) y[m * ldy + n] += bias[n];
 }
 
-// Weight rows [n0, n1) for M <= M_MAX quantized rows: blocks of KQ_BLOCK weight rows, each run
-// past the x rows in one tile, or past KQ_ONE_TILE rows in even tiles of at most KQ_TILE. At
-// seven or eight x rows their digits (40 KB at K = 2048) and a weight row no longer fit in L1
-// together: two tiles of four ran the 1.7B shape's layers in 0.84-0.94x the time (one thread),
-// its decode step at eight streams 207 -> 181 ms; at four to six rows tiles of two or three ran
-// 1.0-1.2x (each tile unpacks the weights again). An x row's sums do not depend on its tile.
-static void rows_kq(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int fmt, int64_t K,
-                    int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
+// Weight rows [n0, n1) for M quantized rows: blocks of KQ_BLOCK weight rows, each run past the x
+// rows in one tile, or past KQ_ONE_TILE rows in even tiles of at most KQ_TILE (a block stays in
+// cache for all of them). On AVX-512, at seven or eight x rows their digits (40 KB at K = 2048)
+// and a weight row no longer fit in L1 together: two tiles of four ran the 1.7B shape's layers in
+// 0.84-0.94x the time (one thread), its decode step at eight streams 207 -> 181 ms; at four to
+// six rows tiles of two or three ran 1.0-1.2x (each tile unpacks the weights again), and the
+// AVX2 build's eight rows 1.02-1.05x in two tiles. An x row's sums do not depend on its tile.
+static void rows_kq(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int fmt,
+                    int64_t K, int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
 {
+    const int64_t tiles0 = M <= KQ_ONE_TILE ? 1 : (M + KQ_TILE - 1) / KQ_TILE;
     for (int64_t b0 = n0; b0 < n1; b0 += KQ_BLOCK) {
         const int64_t b1 = b0 + KQ_BLOCK < n1 ? b0 + KQ_BLOCK : n1;
-        for (int m0 = 0, tiles = M <= KQ_ONE_TILE ? 1 : (M + KQ_TILE - 1) / KQ_TILE; m0 < M;
-             tiles--) {
-            const int t = (M - m0 + tiles - 1) / tiles;
+        for (int64_t m0 = 0, tiles = tiles0; m0 < M; tiles--) {
+            const int64_t t = (M - m0 + tiles - 1) / tiles;
             for (int64_t n = b0; n < b1; n++)
-                row_any(xq + m0 * xs, t, xs, w, fmt, K, n, bias, y + m0 * ldy, ldy);
+                row_any(xq + m0 * xs, (int)t, xs, w, fmt, K, n, bias, y + m0 * ldy, ldy);
             m0 += t;
         }
     }
@@ -611,22 +611,6 @@ static uint8_t *x_buffer(int64_t rows, int64_t K)
     return buf;
 }
 
-// Unit u's rows for all M quantized rows: a block of NB_ROWS weight rows; up to M_MAX rows
-// rows_kq's way, past that each chunk of M_MAX x rows past the block (it stays in cache).
-static void unit_rows(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int fmt,
-                      int64_t K, int64_t u, int64_t N, const float *bias, float *y, int64_t ldy)
-{
-    const int64_t n1 = (u + 1) * NB_ROWS < N ? (u + 1) * NB_ROWS : N;
-    if (M <= M_MAX) {
-        rows_kq(xq, (int)M, xs, w, fmt, K, u * NB_ROWS, n1, bias, y, ldy);
-        return;
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += M_MAX)
-        for (int64_t n = u * NB_ROWS; n < n1; n++)
-            row_any(xq + m0 * xs, (int)(M - m0 < M_MAX ? M - m0 : M_MAX), xs, w, fmt, K, n, bias,
-                    y + m0 * ldy, ldy);
-}
-
 // x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (12 Q4_K, 13 Q5_K,
 // 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL; y: [M, N]
 // rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the quantized x
@@ -645,7 +629,9 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     const int64_t units = (N + NB_ROWS - 1) / NB_ROWS;
     // guided chunks (as linear_q8.c): a thread the OS lends away leaves its rows to the others
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
-    for (int64_t u = 0; u < units; u++) unit_rows(xq, M, xs, w, fmt, K, u, N, bias, y, ldy);
+    for (int64_t u = 0; u < units; u++)
+        rows_kq(xq, M, xs, w, fmt, K, u * NB_ROWS, (u + 1) * NB_ROWS < N ? (u + 1) * NB_ROWS : N,
+                bias, y, ldy);
     return 0;
 }
 
@@ -671,5 +657,5 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * ldx, K, fmt & 0xff, xq + m * xs, fmt & LOOM_KQ_ONE_DIGIT);
     for (int64_t u0, u1; loom_take_units(next, N, 16, team, &u0, &u1);)
-        rows_kq(xq, (int)M, xs, w, fmt, K, u0, u1, bias, y, ldy);
+        rows_kq(xq, M, xs, w, fmt, K, u0, u1, bias, y, ldy);
 }
