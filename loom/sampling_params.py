@@ -121,6 +121,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the logits before the choice or reports them
+        (penalties, logit_bias, min_tokens, logprobs): the token is the logits' argmax, which
+        the runner takes without building the sampler's batch metadata."""
+        return (self.greedy and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and self.repetition_penalty == 1.0 and not self.logit_bias
+                and self.min_tokens == 0 and self.logprobs is None)
+
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)

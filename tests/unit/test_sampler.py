@@ -275,3 +275,22 @@ def test_compute_prompt_logprobs() -> None:
         assert lp.token_ids[1:] == ref[i].topk(4).indices.tolist()
         assert lp.ranks[1:] == [1, 2, 3, 4]
     assert compute_prompt_logprobs(logits[:0], next_ids[:0], 4) == []
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"temperature": 0.7}, {"presence_penalty": 0.5}, {"frequency_penalty": 2.0},
+    {"repetition_penalty": 1.2}, {"logit_bias": {3: 5.0}}, {"min_tokens": 5}, {"logprobs": 0},
+])
+def test_argmax_only_is_the_samplers_choice(change):
+    """`argmax_only` (the runner then takes the logits' argmax without the sampler) holds
+    exactly when the sampler's token is the argmax of the raw logits with no logprobs: for
+    each parameter that changes the choice or reports logits it is False."""
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **change})
+    assert params.argmax_only == (not change)
+    # a row where the penalties, the bias and the min_tokens ban each move the choice
+    logits = torch.tensor([[4.0, 1.0, 3.9, 3.8, 0.0]])
+    out = sampler(logits, build([params], 5, prompts=[[0, 2]], outputs=[[0, 2]]))
+    if params.argmax_only:
+        assert out.sampled_token_ids.tolist() == [0] and out.logprobs == [None]
+    elif params.greedy and "logprobs" not in change:
+        assert out.sampled_token_ids.tolist() != [0]
