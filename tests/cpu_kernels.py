@@ -50,3 +50,13 @@ def require_vnni() -> None:
     """The VNNI decode kernel needs a CPU with AVX512-VNNI (Ice Lake, Zen 4 on); elsewhere its
     tests skip."""
     _require("vnni", "AVX512-VNNI")
+
+
+def require_int_decode(build: str) -> None:
+    """The integer decode kernel (linear_vnni.c) of `build`: "vnni" (AVX512-VNNI) or "avx2"
+    (its AVX2 form, vpmaddwd), skipping where the CPU lacks it."""
+    if build == "vnni":
+        require_vnni()
+    else:
+        _require(build, build.upper())
+        assert cpu_kernels().loom_vnni_available(), f"the {build} build has no integer kernel"

@@ -49,7 +49,11 @@ def test_loom_generate_jsonl_in_and_out(tmp_path) -> None:
     assert [line["prompt"] for line in lines][:2] == ["Water boils at", "The capital of France is"]
     assert all(len(line["outputs"][0]["token_ids"]) <= 8 for line in lines)
     assert lines[1]["outputs"][0]["text"].startswith(" Paris")
-    assert "Paris" in lines[2]["outputs"][0]["text"]
+    # the chat line's greedy reply starts at a near-tie ("The" vs "L'" within 0.1 in logprob:
+    # AVX-512 builds answer "The capital of France is Paris.", AVX2 ones "L'Étoile, ..."): any
+    # text, through the chat template (its tokens around the question's 7)
+    assert lines[2]["prompt"] == [{"role": "user", "content": "What is the capital of France?"}]
+    assert lines[2]["num_prompt_tokens"] > 20 and lines[2]["outputs"][0]["text"].strip()
     assert lines[0]["outputs"][0]["finish_reason"] in ("length", "stop")
 
 

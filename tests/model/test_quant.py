@@ -30,7 +30,9 @@ from loom.quant.int8 import (
 )
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.kernels.dispatch import runs_here, variants
-from tests.cpu_kernels import require_amx, require_bf16, require_cpu_kernels, require_vnni
+from tests.cpu_kernels import (
+    require_amx, require_bf16, require_cpu_kernels, require_int_decode, require_vnni,
+)
 from tests.paged_batch import BLOCK, PagedBatch, rel_err
 
 TEXTS = [
@@ -531,16 +533,17 @@ def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
 
 
 @pytest.mark.slow
-def test_int8_vnni_kernel_agrees_with_reference(teacher_forced, monkeypatch) -> None:
-    """--cpu-kernels vnni, its decode kernel forced onto every row of the 1495-position prefill
-    (module by module, the head's too: each row's arithmetic is a decode row's). x in two int8
-    digits a group (16 significant bits) and fp16 scales (GGUF's own: exact here). Measured 1494
-    of 1495 top-1, logit error 2.6e-4; with the int8 KV cache as well 1485 (99.3%), 0.018. The
-    same kernel with x in one int8 digit (llama.cpp's Q8 activations), tried first: 1442
-    (96.5%), 0.051."""
-    require_vnni()
+@pytest.mark.parametrize("build", ["vnni", "avx2"])
+def test_int8_vnni_kernel_agrees_with_reference(build, teacher_forced, monkeypatch) -> None:
+    """--cpu-kernels vnni (AVX512-VNNI) and avx2 (the same integers in vpmaddwd), the decode
+    kernel forced onto every row of the 1495-position prefill (module by module, the head's
+    too: each row's arithmetic is a decode row's). x in two int8 digits a group (16 significant
+    bits) and fp16 scales (GGUF's own: exact here). Measured 1494 of 1495 top-1, logit error
+    2.6e-4; with the int8 KV cache as well 1485 (99.3%), 0.018. The same kernel with x in one
+    int8 digit (llama.cpp's Q8 activations), tried first: 1442 (96.5%), 0.051."""
+    require_int_decode(build)
     source, seqs, ref, _ = teacher_forced
-    loaded = load_model(source, "float32", quantization="int8", cpu_kernels="vnni")
+    loaded = load_model(source, "float32", quantization="int8", cpu_kernels=build)
     linears = [m for m in loaded.model.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 121 and all(m.decode_kernel == "vnni" for m in linears)
     monkeypatch.setattr(int8_module, "DECODE_ROWS", 10**9)
@@ -552,8 +555,9 @@ def test_int8_vnni_kernel_agrees_with_reference(teacher_forced, monkeypatch) -> 
         assert err < most, (kv, err)
 
 
+@pytest.mark.parametrize("build", ["vnni", "avx2"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_int8_vnni_kernel_matches_float64(bits) -> None:
+def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
     """The VNNI kernel against float64 sums of the same weights (with fp16 scales and minimums,
     which it reads), 1 to 8 rows, ragged chunks (3 and 18 groups) and rows (an odd N), a bias,
     both widths: x in two int8 digits is within max|x| / 127 / 256 of each value of its group
@@ -561,8 +565,9 @@ def test_int8_vnni_kernel_matches_float64(bits) -> None:
     fp32's summing. A row's bits are the same alone as among up to 8 (a weight row is paired
     with the one N / 2 past it, 4-bit at one or two x rows or rows of 2048 weights or more,
     8-bit from two x rows; else with its neighbour); past 8 rows the batch
-    kernel runs (here the fp32 one: its bits), and up to 8 the two kernels differ."""
-    require_vnni()
+    kernel runs (here the fp32 one: its bits), and up to 8 the two kernels differ. The AVX2
+    build's form (vpmaddwd) the same, its rows paired only at one or two x rows."""
+    require_int_decode(build)
     g = torch.Generator().manual_seed(7)
     for m, k, n, bias in [(1, 96, 21, True), (2, 576, 33, True), (3, 576, 101, False),
                           (8, 1536, 40, True), (5, 64, 7, False), (6, 2080, 23, True)]:

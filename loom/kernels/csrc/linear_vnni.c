@@ -35,7 +35,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
 #define HAVE_VNNI 1
+#define VNNI_512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2 builds (x86-64-v3): the same integers, x's X and the weights' q as int16 pairs, in
+// vpmaddwd (16 products into 8 int32 lanes) and vpaddd: see the AVX2 section below.
+#define HAVE_VNNI 1
+#include <immintrin.h>
+#include "half.h"
 #endif
 
 #define GROUP 32
@@ -52,7 +59,12 @@
 // Gemma 3, and gained nothing on the 1.7B shape). docs/cpu_kernels.md.
 #define UNIT 2
 #define FAR_K 2048
+#ifdef VNNI_512
 #define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
+#else  // AVX2: past two x rows one weight row at a time (16 registers: a pair's sums spilled;
+       // alone 0.82-0.95x the time at three to eight rows, one thread, Zen 4 as AVX2)
+#define R_OF(bits, M) (((bits) == 8 && (M) == 1) || (M) > 2 ? 1 : UNIT)
+#endif
 #define PF_Q 2048     // weight bytes prefetched ahead in each row (as linear_q8.c)
 #define PF_S 128      // scales and minimums prefetched ahead
 
@@ -92,12 +104,40 @@ typedef struct {
 
 static inline XLayout x_layout(int64_t K, int bits)
 {
+#ifdef VNNI_512
     const int64_t groups = K / GROUP, blocks = groups / BG(bits);
+#else  // AVX2: chunks only
+    const int64_t groups = K / GROUP, blocks = 0;
+#endif
     const int64_t chunks = (groups - blocks * BG(bits) + CG(bits) - 1) / CG(bits);
     const int64_t g16 = (groups + 15) / 16 * 16, dv = (blocks * 4 + chunks) * XV(bits) * 64;
     const int64_t sx = dv + (blocks + chunks) * 64;
     return (XLayout){blocks, chunks, dv, sx, sx + g16 * 4};
 }
+
+// Where a value of a group goes in X, as (vector, word) with the vector's 32 words: in a block
+// (group G of it), or in a chunk (group h of it). Value v is byte `at` of the group's bytes
+// (4-bit: v mod 16, low nibble below 16; 8-bit: v), and in its 16-bit lane the byte's place t
+// (at mod 4) picks the unpacked vector (t odd: the odd bytes) and the word (t >= 2: 2k + 1).
+static inline int plane(int bits, int v)
+{
+    return bits == 4 ? (v >= 16 ? 2 : 0) + (v & 1) : (v & 1);
+}
+
+static inline int block_word(int bits, int G, int v)  // word index in the block's X
+{
+    const int at = bits == 4 ? 16 * G + (v & 15) : 32 * G + v;  // byte in the 256
+    const int i = at / 64, b = (at % 64) / 16, j = (at % 16) / 4, t = at % 4;
+    return (j * XV(bits) + plane(bits, v)) * 32 + 2 * (4 * b + i) + (t >> 1);
+}
+
+static inline int chunk_word(int bits, int h, int v)  // word index in the chunk's X
+{
+    const int at = bits == 4 ? 16 * h + (v & 15) : 32 * h + v;
+    return plane(bits, v) * 32 + at / 2;
+}
+
+#ifdef VNNI_512
 
 // A block's lane L (= 4b + i: lane b of v_i) -> its group: 4-bit 4i + b, 8-bit 2i + b / 2.
 static inline int block_group(int bits, int L)
@@ -133,27 +173,6 @@ static inline __attribute__((always_inline)) void unpack(__m512i v, const int bi
     }
 }
 
-// Where a value of a group goes in X, as (vector, word) with the vector's 32 words: in a block
-// (group G of it), or in a chunk (group h of it). Value v is byte `at` of the group's bytes
-// (4-bit: v mod 16, low nibble below 16; 8-bit: v), and in its 16-bit lane the byte's place t
-// (at mod 4) picks the unpacked vector (t odd: the odd bytes) and the word (t >= 2: 2k + 1).
-static inline int plane(int bits, int v)
-{
-    return bits == 4 ? (v >= 16 ? 2 : 0) + (v & 1) : (v & 1);
-}
-
-static inline int block_word(int bits, int G, int v)  // word index in the block's X
-{
-    const int at = bits == 4 ? 16 * G + (v & 15) : 32 * G + v;  // byte in the 256
-    const int i = at / 64, b = (at % 64) / 16, j = (at % 16) / 4, t = at % 4;
-    return (j * XV(bits) + plane(bits, v)) * 32 + 2 * (4 * b + i) + (t >> 1);
-}
-
-static inline int chunk_word(int bits, int h, int v)  // word index in the chunk's X
-{
-    const int at = bits == 4 ? 16 * h + (v & 15) : 32 * h + v;
-    return plane(bits, v) * 32 + at / 2;
-}
 
 // `rows` rows of x (ldx floats apart) into buf (x_layout(K, bits).stride bytes a row). Each
 // group of 32: d = max |x| / 127, x / d = a + b / 256 + e with digits a = round(x / d) and
@@ -417,6 +436,175 @@ static inline __attribute__((always_inline)) void rows_vnni(
             out[m * ldy + r * rstep] =
                 bias ? sums[m * R + r] + bias[r * rstep] : sums[m * R + r];
 }
+#else  // AVX2
+// x is laid out in chunks only (x_layout: no blocks), as the AVX-512 kernel lays out its chunks
+// past the blocks, and each 64-byte chunk of a weight row (four 4-bit groups or two 8-bit ones)
+// is read as two 32-byte halves: a half's bytes unpack into XV(bits) vectors of 16 int16, whose
+// words meet the low (first half) or high 256 bits of the chunk's XV x vectors, and vpmaddwd's
+// int32 lane k sums the half's bytes 4k .. 4k + 3: lanes 0..3 and 4..7 one 4-bit group each, or
+// all eight one 8-bit group. A half's eight lanes are converted and scaled once (each lane by
+// its group's s_w * d / 256) into eight fp32 sums a row, reduced at the end of the row in one
+// fixed order: a row's bits do not depend on M nor on the rows beside it.
+
+// `rows` rows of x into buf, as the AVX-512 quantize_x (the same X, d and sum x~ a group).
+static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int bits,
+                       uint8_t *buf)
+{
+    const XLayout L = x_layout(K, bits);
+    const int64_t groups = K / GROUP;
+    const int cg = CG(bits), lanes = 16 / cg;
+    const __m256 sign = _mm256_set1_ps(-0.0f), k256 = _mm256_set1_ps(256.0f);
+    const __m256i lo8 = _mm256_set1_epi32(-128), hi8 = _mm256_set1_epi32(127);
+    int16_t where[4][32];  // a chunk's group h, value k -> its word in the chunk's X
+    for (int h = 0; h < cg; h++)
+        for (int k = 0; k < 32; k++) where[h][k] = (int16_t)chunk_word(bits, h, k);
+    for (int64_t m = 0; m < rows; m++) {
+        const float *xr = x + m * ldx;
+        int16_t *X = (int16_t *)(buf + m * L.stride);
+        float *dv = (float *)(buf + m * L.stride + L.dv);
+        float *sx = (float *)(buf + m * L.stride + L.sx);
+        memset(X, 0, (size_t)(L.stride));  // X, dv and sx
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xr + g * GROUP + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float d = amax / 127.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            int32_t at[32];
+            __m256i total = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256 t = _mm256_mul_ps(v[i], inv);          // |t| <= 127
+                const __m256i a = _mm256_cvtps_epi32(t);            // nearest even
+                const __m256i b = _mm256_cvtps_epi32(               // t - a exact
+                    _mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(a)), k256));
+                const __m256i xv = _mm256_add_epi32(  // b: 128 -> 127
+                    _mm256_slli_epi32(a, 8), _mm256_max_epi32(_mm256_min_epi32(b, hi8), lo8));
+                _mm256_storeu_si256((__m256i *)(at + 8 * i), xv);
+                total = _mm256_add_epi32(total, xv);
+            }
+            const int64_t c = g / cg;
+            const int h = (int)(g % cg);
+            int16_t *pc = X + c * XV(bits) * 32;
+            for (int k = 0; k < 32; k++) pc[where[h][k]] = (int16_t)at[k];
+            for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
+                dv[c * 16 + lane] = d / 256.0f;
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                       _mm256_extracti128_si256(total, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+            sx[g] = (float)_mm_cvtsi128_si32(t4) * (d / 256.0f);
+        }
+    }
+}
+
+// The 32 weight bytes of a half as XV(bits) vectors of 16 int16, in the order unpack (AVX-512)
+// gives a chunk's: 4-bit: the low nibbles of the even bytes, of the odd bytes, then the high
+// nibbles of the even and of the odd bytes; 8-bit: the even bytes, then the odd ones.
+static inline __attribute__((always_inline)) void unpack_half(__m256i v, const int bits,
+                                                              __m256i *w)
+{
+    if (bits == 4) {
+        const __m256i nib = _mm256_set1_epi16(0x000F);
+        w[0] = _mm256_and_si256(v, nib);
+        w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
+        w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        w[3] = _mm256_srli_epi16(v, 12);
+    } else {
+        w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x00FF));
+        w[1] = _mm256_srli_epi16(v, 8);
+    }
+}
+
+// The sum of v's eight lanes, always in this order.
+static inline __attribute__((always_inline)) float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// M <= TILE x rows against R <= UNIT weight rows, as the AVX-512 rows_vnni.
+static inline __attribute__((always_inline)) void rows_vnni(
+    const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
+    int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
+    const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
+{
+    const int64_t qs = rstep * row_bytes, ss = rstep * groups;
+    const int cg = CG(bits), nv = XV(bits), hg = cg / 2;  // hg: groups a half (32 bytes)
+    __m256 acc[TILE * UNIT];  // [m * R + r]
+    for (int i = 0; i < M * R; i++) acc[i] = _mm256_setzero_ps();
+    // a half's lane -> its group within the half's scales (4-bit: two groups, 8-bit: one)
+    const __m256i hsel = bits == 4 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                                   : _mm256_setzero_si256();
+    for (int64_t c = 0; c < L.chunks; c++) {
+        for (int r = 0; r < R; r++)
+            __builtin_prefetch(q + r * qs + c * 64 + PF_Q);
+        if (c % 4 == 0)
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(sc + r * ss + c * cg + PF_S);
+                __builtin_prefetch(mn + r * ss + c * cg + PF_S);
+            }
+        for (int half = 0; half < 2; half++) {
+            const int64_t g0 = c * cg + half * hg;  // the half's first group
+            if (g0 >= groups) break;
+            const int have = groups - g0 < hg ? (int)(groups - g0) : hg;
+            __m256i w[UNIT][4];
+            __m256 s[UNIT];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = q + r * qs + g0 * GROUP * bits / 8;
+                const __m256i v = have == hg
+                    ? _mm256_loadu_si256((const __m256i *)p)  // one 4-bit group: 16 bytes
+                    : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p));
+                unpack_half(have == hg ? v : _mm256_inserti128_si256(v, _mm_setzero_si128(), 1),
+                            bits, w[r]);
+                const uint16_t *sr = sc + r * ss + g0;
+                int two = sr[0];  // the half's scales (fp16), 0 for a missing second group
+                if (have == 2) memcpy(&two, sr, 4);
+                const __m128 s4 = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+                s[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), hsel);
+            }
+            const int64_t at_x = c * nv * 64 + half * 32, at_d = L.dv + c * 64 + half * 32;
+            for (int m = 0; m < M; m++) {
+                const uint8_t *xm = xq + m * xstride;
+                __m256i x[4];
+                for (int k = 0; k < nv; k++)
+                    x[k] = _mm256_loadu_si256((const __m256i *)(xm + at_x + k * 64));
+                const __m256 d = _mm256_loadu_ps((const float *)(xm + at_d));
+                for (int r = 0; r < R; r++) {
+                    __m256i dot = _mm256_madd_epi16(w[r][0], x[0]);
+                    for (int k = 1; k < nv; k++)
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(w[r][k], x[k]));
+                    acc[m * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                                     _mm256_mul_ps(s[r], d), acc[m * R + r]);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g += 8) {  // + m_w * sum x~, 8 groups at once
+        uint16_t tail[8] = {0};
+        for (int r = 0; r < R; r++) {
+            const uint16_t *mr = mn + r * ss + g;
+            if (groups - g < 8) memcpy(tail, mr, (size_t)(groups - g) * 2);
+            const __m256 mins = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(groups - g < 8 ? tail : mr)));
+            for (int m = 0; m < M; m++) {
+                const float *sx = (const float *)(xq + m * xstride + L.sx);
+                acc[m * R + r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sx + g), acc[m * R + r]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) {
+            const float sum = hsum8(acc[m * R + r]);
+            out[m * ldy + r * rstep] = bias ? sum + bias[r * rstep] : sum;
+        }
+}
+#endif  // VNNI_512
 
 // Weight unit u (its rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where UNIT's comment says,
 // else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
