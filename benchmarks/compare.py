@@ -8,7 +8,8 @@ ignore_eos), sample the memory of its process tree all along, stop it. Loom runs
 over the rounds; beside them the machine's memory read bandwidth, the weight bytes each engine
 reads per token and the share of that bandwidth its one-stream decode sustains, and (--goals)
 the issue's goals against the best peer. Writes benchmarks/results/<date>[-label].md (+ .json
-with every run, + .png).
+with every run, + .png); a second run of a label in one day writes <date>-<label>-2.md beside
+the first (-3, ...), so neither report nor its history.csv rows are lost.
 
     .venv/bin/python benchmarks/compare.py            # 3 rounds, the packaged SmolLM2 Q4_1
     .venv/bin/python benchmarks/compare.py --quick    # 1 round, fewer requests per level
@@ -22,6 +23,7 @@ those not installed are skipped with a note in the report.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -381,7 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = ns.label or (Path(ns.model).stem if ns.model else "")
-    stem = f"{started}-{label}" if label else started  # may hold dots: "...-1.7b-shape"
+    stem = base = f"{started}-{label}" if label else started  # may hold dots: "...-1.7b-shape"
+    for n in itertools.count(2):  # a second run of a label in a day goes beside the first
+        if not (out_dir / f"{stem}.md").exists():  # (fold_results.py keys history by name)
+            break
+        stem = f"{base}-{n}"
     md, data, png = (out_dir / f"{stem}{ext}" for ext in (".md", ".json", ".png"))
     wanted = [e.strip() for e in ns.engines.split(",") if e.strip()]
     ports = {name: free_port() for name in wanted}

@@ -175,6 +175,9 @@ def test_shape_is_smollm2_1_7b_and_its_hf_folder_undoes_the_permutation() -> Non
 
 def test_a_run_with_no_engine_installed_writes_a_report_saying_so(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOOM_PEERS", str(tmp_path / "peers"))
+    real = compare.time.strftime  # one day for both runs, even across midnight
+    monkeypatch.setattr(compare.time, "strftime",
+                        lambda fmt, *t: "2026-12-03" if fmt == "%Y-%m-%d" else real(fmt, *t))
     compare.main(["--engines", "llama.cpp,ik_llama.cpp,vllm", "--quick", "--no-bandwidth",
                   "--wait-quiet", "0", "--label", "m-1.7b-shape", "--out-dir", str(tmp_path)])
     md = next(tmp_path.glob("*-m-1.7b-shape.md"))  # the label's dot is no suffix
@@ -183,3 +186,8 @@ def test_a_run_with_no_engine_installed_writes_a_report_saying_so(tmp_path, monk
         assert f"- {name}: not installed" in text
     data = json.loads(md.with_name(md.name.removesuffix(".md") + ".json").read_text())
     assert len(data["skipped"]) == 3 and data["rounds"] == [{}]
+    # a second run of the label that day goes beside the first, which stays as it was
+    compare.main(["--engines", "vllm", "--quick", "--no-bandwidth", "--wait-quiet", "0",
+                  "--label", "m-1.7b-shape", "--out-dir", str(tmp_path)])
+    second = md.with_name(md.name.removesuffix(".md") + "-2.md")
+    assert "- vllm: not installed" in second.read_text() and md.read_text() == text
