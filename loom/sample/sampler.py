@@ -53,6 +53,12 @@ class Sampler:
     __call__ = forward
 
     @staticmethod
+    def argmax_tokens(logits: torch.Tensor) -> list[int]:
+        """Each row's token for requests whose params are all `argmax_only`: the choice `forward`
+        makes for them (the first max of the fp32 logits), without the batch metadata."""
+        return argmax_rows(logits.to(torch.float32)).tolist()
+
+    @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Token ids [num_reqs] int64 from already-penalized logits; may modify `logits`."""
         # max(dim).indices (the first of ties): in C for fp32 on the CPU (argmax_rows)

@@ -19,7 +19,6 @@ from loom.config import ModelConfig
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
-from loom.kernels.cpu_ops import argmax_rows
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
@@ -243,8 +242,8 @@ class ModelRunner:
         The batch is sampled at once; only if that raises is each row sampled on its own
         (greedy and seeded rows give the tokens they would have given in the batch) to find
         the request that failed."""
-        if all(s.sampling_params.argmax_only for s in states):  # the sampler's own choice
-            return [(token, None) for token in argmax_rows(logits.to(torch.float32)).tolist()]
+        if all(s.sampling_params.argmax_only for s in states):
+            return [(token, None) for token in self.sampler.argmax_tokens(logits)]
         try:
             out = self.sampler.forward(logits, self._metadata(states))
             return list(zip(out.sampled_token_ids.tolist(), out.logprobs))

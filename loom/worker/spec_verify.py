@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from loom.kernels.cpu_ops import argmax_rows
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.penalties import apply_all
 from loom.sample.rejection import rejection_sample, target_probs, verify_greedy
@@ -49,8 +48,8 @@ def verify_draft(logits: torch.Tensor, state: _State, draft: list[int],
     k = len(draft)
     assert logits.size(0) == k + 1
     params = state.sampling_params
-    if params.argmax_only and bitmask is None:  # each row's argmax, as the sampler takes it
-        return verify_greedy(argmax_rows(logits.to(torch.float32)).tolist(), draft), None
+    if params.argmax_only and bitmask is None:
+        return verify_greedy(_SAMPLER.argmax_tokens(logits), draft), None
     md = SamplingMetadata.build(
         [params] * (k + 1), [state.prompt_token_ids] * (k + 1),
         [state.output_token_ids + draft[:j] for j in range(k + 1)], [None] * (k + 1),

@@ -137,6 +137,18 @@ static inline int chunk_word(int bits, int h, int v)  // word index in the chunk
     return plane(bits, v) * 32 + at / 2;
 }
 
+// Group h of chunk c (counted past the blocks) of one x row: its 32 X (value order) into the
+// chunk's words, and d / 256 into the dv lanes that sum it (both forms' quantize_x).
+static inline void put_chunk_group(int16_t *X, float *dv, const XLayout L, int bits, int64_t c,
+                                   int h, const int16_t *at, float d)
+{
+    int16_t *pc = X + (L.blocks * 4 + c) * XV(bits) * 32;
+    for (int k = 0; k < 32; k++) pc[chunk_word(bits, h, k)] = at[k];
+    const int lanes = 16 / CG(bits);
+    for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
+        dv[(L.blocks + c) * 16 + lane] = d / 256.0f;
+}
+
 #ifdef VNNI_512
 
 // A block's lane L (= 4b + i: lane b of v_i) -> its group: 4-bit 4i + b, 8-bit 2i + b / 2.
@@ -232,13 +244,9 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
                 for (int lane = 0; lane < 16; lane++)
                     if (block_group(bits, lane) == G) dv[(g / bg) * 16 + lane] = d / 256.0f;
             } else {
-                const int64_t c = (g - in_blocks) / cg;
-                const int h = (int)((g - in_blocks) % cg), lanes = 16 / cg;
-                int16_t *pc = X + (L.blocks * 4 + c) * XV(bits) * 32;
                 _mm512_storeu_si512((void *)at, words);
-                for (int k = 0; k < 32; k++) pc[chunk_word(bits, h, k)] = at[k];
-                for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
-                    dv[(L.blocks + c) * 16 + lane] = d / 256.0f;
+                put_chunk_group(X, dv, L, bits, (g - in_blocks) / cg, (int)((g - in_blocks) % cg),
+                                at, d);
             }
             sx[g] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(xv[0], xv[1])) *
                     (d / 256.0f);
@@ -452,12 +460,9 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
 {
     const XLayout L = x_layout(K, bits);
     const int64_t groups = K / GROUP;
-    const int cg = CG(bits), lanes = 16 / cg;
+    const int cg = CG(bits);
     const __m256 sign = _mm256_set1_ps(-0.0f), k256 = _mm256_set1_ps(256.0f);
     const __m256i lo8 = _mm256_set1_epi32(-128), hi8 = _mm256_set1_epi32(127);
-    int16_t where[4][32];  // a chunk's group h, value k -> its word in the chunk's X
-    for (int h = 0; h < cg; h++)
-        for (int k = 0; k < 32; k++) where[h][k] = (int16_t)chunk_word(bits, h, k);
     for (int64_t m = 0; m < rows; m++) {
         const float *xr = x + m * ldx;
         int16_t *X = (int16_t *)(buf + m * L.stride);
@@ -475,24 +480,21 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
             const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
             const float d = amax / 127.0f;
             const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            int32_t at[32];
-            __m256i total = _mm256_setzero_si256();
+            __m256i xv[4], total = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const __m256 t = _mm256_mul_ps(v[i], inv);          // |t| <= 127
                 const __m256i a = _mm256_cvtps_epi32(t);            // nearest even
                 const __m256i b = _mm256_cvtps_epi32(               // t - a exact
                     _mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(a)), k256));
-                const __m256i xv = _mm256_add_epi32(  // b: 128 -> 127
+                xv[i] = _mm256_add_epi32(  // b: 128 -> 127
                     _mm256_slli_epi32(a, 8), _mm256_max_epi32(_mm256_min_epi32(b, hi8), lo8));
-                _mm256_storeu_si256((__m256i *)(at + 8 * i), xv);
-                total = _mm256_add_epi32(total, xv);
+                total = _mm256_add_epi32(total, xv[i]);
             }
-            const int64_t c = g / cg;
-            const int h = (int)(g % cg);
-            int16_t *pc = X + c * XV(bits) * 32;
-            for (int k = 0; k < 32; k++) pc[where[h][k]] = (int16_t)at[k];
-            for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
-                dv[c * 16 + lane] = d / 256.0f;
+            int16_t at[32];  // the group's X in value order (packs interleaves 128-bit lanes)
+            for (int i = 0; i < 2; i++)
+                _mm256_storeu_si256((__m256i *)(at + 16 * i), _mm256_permute4x64_epi64(
+                    _mm256_packs_epi32(xv[2 * i], xv[2 * i + 1]), 0xD8));
+            put_chunk_group(X, dv, L, bits, g / cg, (int)(g % cg), at, d);
             __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
                                        _mm256_extracti128_si256(total, 1));
             t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
