@@ -37,6 +37,8 @@
 // PF_S floats ahead (a row's weights, one stream per row, several rows at once: the hardware
 // prefetcher alone left one row through a layer larger than the caches ~20% slower).
 #define PF_Q 2048
+#define PF_FAR 4096         // and into L2 this far ahead in rows of FAR_ROW bytes or more
+#define FAR_ROW 1024        // (prefetcht1, as linear_vnni.c; 0.85x the 1.7B shape's layers)
 #define PF_S 128
 #define R_MAX 2             // weight rows at once there
 // Two 4-bit weight rows at once for one or two x rows (~1.5x, in cache and out); 8-bit rows
@@ -186,7 +188,10 @@ static inline __attribute__((always_inline)) void prefetch_rows(
 {
     const int64_t at = g * GROUP * bits / 8;  // group g's first byte in a row
     if (at % 64 == 0)
-        for (int r = 0; r < R; r++) __builtin_prefetch(q + r * row_bytes + at + PF_Q);
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(q + r * row_bytes + at + PF_Q);
+            if (row_bytes >= FAR_ROW) __builtin_prefetch(q + r * row_bytes + at + PF_FAR, 0, 2);
+        }
     if (g % 16 == 0)
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(sc + r * groups + g + PF_S);
