@@ -65,15 +65,16 @@
        // alone 0.82-0.95x the time at three to eight rows, one thread, Zen 4 as AVX2)
 #define R_OF(bits, M) (((bits) == 8 && (M) == 1) || (M) > 2 ? 1 : UNIT)
 #endif
-// Each row's weights are prefetched PF_Q bytes ahead into L1 and, in rows of FAR_ROW bytes or
-// more, PF_FAR bytes ahead into L2 too (prefetcht1): a core keeps more misses in flight to L2
-// than to L1. One row streaming from memory on two threads (Zen 4, bf16 and avx2 builds): an
-// 8-bit 49152 x 2048 head in 0.77x the time, the 1.7B shape's 4-bit layers 0.81-0.97x; the
-// 135M's and Gemma 3's rows (288-640 bytes) 0.90-1.02x, so they go without. L2 alone 8 KB
+// Each row's weights are prefetched PF_Q bytes ahead into L1 and PF_FAR bytes ahead into L2
+// (prefetcht1): a core keeps more misses in flight to L2 than to L1. One row streaming from
+// memory on two threads (Zen 4, bf16 and avx2 builds): an 8-bit 49152 x 2048 head in 0.77x the
+// time, the 1.7B shape's 4-bit layers 0.81-0.97x. In the stack, in process: Gemma 3's one-stream
+// step 0.90x on the bf16 build (its 640-wide rows too), but on the avx2 build rows under FAR_ROW
+// bytes (the 135M's and Gemma 3's) measured 1.05x with it and go without there. L2 alone 8 KB
 // ahead, without the L1 prefetch, took those narrow rows' heads 1.39-1.64x the time.
 #define PF_Q 2048
 #define PF_FAR 4096
-#define FAR_ROW 1024
+#define FAR_ROW 1024  // the AVX2 form's narrowest row with the L2 prefetch
 #define PF_S 128      // scales and minimums prefetched ahead
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
@@ -355,7 +356,6 @@ static inline __attribute__((always_inline)) void rows_vnni(
     const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
     const int64_t qs = rstep * row_bytes, ss = rstep * groups;  // from one row to the next
-    const int far = row_bytes >= FAR_ROW;
     __m512 acc[TILE * UNIT];  // [m * R + r]
     for (int i = 0; i < M * R; i++) acc[i] = _mm512_setzero_ps();
     const int bg = BG(bits), cg = CG(bits), nv = XV(bits);
@@ -369,7 +369,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
         for (int r = 0; r < R; r++)
             for (int line = 0; line < 256; line += 64) {
                 __builtin_prefetch(q + r * qs + bk * 256 + line + PF_Q);
-                if (far) __builtin_prefetch(q + r * qs + bk * 256 + line + PF_FAR, 0, 2);
+                __builtin_prefetch(q + r * qs + bk * 256 + line + PF_FAR, 0, 2);
             }
         if (bk % 2 == 0)
             for (int r = 0; r < R; r++) {
