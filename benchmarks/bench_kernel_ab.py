@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tokens", type=int, default=48, help="output tokens a stream a round")
     a = p.parse_args()
+    if a.tokens < 2:
+        p.error("--tokens must be at least 2 (the first comes from the prompt's step)")
+    streams = [int(s) for s in a.streams.split(",")]
     llm = LLM(a.model) if a.model else LLM()
     this, choice = kernels._current[0]  # the selection LLM made (private: a benchmark's view)
     other = kernels._load(Path(a.other))
@@ -52,9 +55,9 @@ def main() -> None:
     q8_decoder.Q8Decoder.forward = timed
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
     med: dict[tuple[int, str], list[float]] = {}
+    order = [("this", this), ("other", other)]
     for rnd in range(a.rounds):
-        for n in [int(s) for s in a.streams.split(",")]:
-            order = [("this", this), ("other", other)]
+        for n in streams:
             for name, lib in order if rnd % 2 == 0 else order[::-1]:
                 kernels._current[:] = [(lib, choice)]
                 steps.clear()
@@ -63,7 +66,7 @@ def main() -> None:
                     statistics.median(t for m, t in steps if m == n))  # decode steps only
     kernels._current[:] = [(this, choice)]
     model = Path(a.model).name if a.model else "default model"
-    for n in [int(s) for s in a.streams.split(",")]:
+    for n in streams:
         t, o = med[(n, "this")], med[(n, "other")]
         ratios = [x / y for x, y in zip(t, o)]
         print(f"{model}, {n} stream(s): this build {1e3 * statistics.median(t):.2f} ms, other "

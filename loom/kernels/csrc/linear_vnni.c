@@ -69,7 +69,7 @@
 // (prefetcht1): a core keeps more misses in flight to L2 than to L1. One row streaming from
 // memory on two threads (Zen 4, bf16 and avx2 builds): an 8-bit 49152 x 2048 head in 0.77x the
 // time, the 1.7B shape's 4-bit layers 0.81-0.97x. In the stack, in process: Gemma 3's one-stream
-// step 0.90x on the bf16 build (its 640-wide rows too), but on the avx2 build rows under FAR_ROW
+// step 0.95x on the bf16 build (its 640-wide rows too), but on the avx2 build rows under FAR_ROW
 // bytes (the 135M's and Gemma 3's) measured 1.05x with it and go without there. L2 alone 8 KB
 // ahead, without the L1 prefetch, took those narrow rows' heads 1.39-1.64x the time.
 #define PF_Q 2048
