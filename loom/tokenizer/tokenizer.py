@@ -75,6 +75,44 @@ def _tokenizer_folder(source: ModelSource) -> Path | None:
     return cached if (cached / "tokenizer_config.json").exists() else None
 
 
+# GGUF `general.architecture` -> the `model_type` transformers' GGUF loader gives the config it
+# builds for the file (modeling_gguf_pytorch_utils.load_gguf_checkpoint), for the architectures
+# Loom runs ("mistral" is left to AutoTokenizer: its Mistral backend choice has more rules).
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                     "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe",
+                     "qwen3moe": "qwen3_moe"}
+
+
+def _gguf_tokenizer_class(path: Path) -> Any:
+    """The tokenizer class AutoTokenizer picks for a GGUF file alone in its folder, or None to
+    ask AutoTokenizer. AutoTokenizer first builds the model's config from the file with the
+    `gguf` package's reader, which parses every metadata value in Python: ~30 s of a first start
+    for Gemma 3's 262,144-token vocabulary on a 2-core machine, ~8 s for SmolLM2's 49,152. The
+    class follows from the architecture alone (the model type's registered tokenizer, else
+    the generic backend); the conversion after it is the same call. Tested file for file against
+    AutoTokenizer's (tests/model/test_gguf_tokenizer.py)."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    from loom.loader.gguf_file import read_gguf
+
+    if any((path.parent / name).exists() for name in ("tokenizer_config.json", "config.json")):
+        return None  # AutoTokenizer reads these beside the file
+    meta = read_gguf(path)
+    model_type = _GGUF_MODEL_TYPES.get(meta.get("general.architecture"))
+    if model_type is None:
+        return None
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    if name is None:
+        return TokenizersBackend
+    if name.removesuffix("Fast") in ("TokenizersBackend", "PreTrainedTokenizer"):
+        return None  # not seen for these architectures: let AutoTokenizer decide
+    return tokenizer_class_from_name(name)
+
+
 def _load_hf_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
@@ -83,7 +121,8 @@ def _load_hf_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(str(folder))
     cached = _cache_dir() / _gguf_cache_key(source.path)
     logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", source.path, cached)
-    tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    cls = _gguf_tokenizer_class(source.path) or AutoTokenizer
+    tok = cls.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     if not getattr(tok, "chat_template", None):
         from loom.loader.gguf_file import read_gguf
         from loom.tokenizer.templates import builtin_template

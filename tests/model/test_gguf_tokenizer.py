@@ -1,0 +1,66 @@
+"""A GGUF file's tokenizer, converted once by Loom without transformers' GGUF config (the class
+picked from the architecture, loom.tokenizer.tokenizer._gguf_tokenizer_class), is the tokenizer
+AutoTokenizer builds from the same file: the same class and the same saved files, byte for
+byte. The real files (the packaged SmolLM2, Gemma 3 270M) and llama.cpp's converter's files of
+tiny checkpoints of the other families."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loom.loader.resolve import default_gguf_path
+from loom.tokenizer.tokenizer import _gguf_tokenizer_class
+from tests.gguf_files import gemma3_gguf_path
+
+TEXTS = ["Hello world! <start_of_turn>user\nHi 123  ünïcödé 日本語\t\n  spaces",
+         "def f(x):\n    return x**2  # ok\n\n\n"]
+
+
+def _saved(tok, folder: Path) -> dict[str, bytes]:
+    tok.save_pretrained(str(folder))
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def check_same_as_auto_tokenizer(path: Path, tmp_path: Path, expected_class: str) -> None:
+    from transformers import AutoTokenizer
+
+    cls = _gguf_tokenizer_class(path)
+    assert cls is not None and cls.__name__ == expected_class
+    ours = cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(ours) is type(ref)
+    assert _saved(ours, tmp_path / "ours") == _saved(ref, tmp_path / "ref")
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == ref(text)["input_ids"]
+
+
+@pytest.mark.slow
+def test_packaged_smollm2(tmp_path) -> None:
+    check_same_as_auto_tokenizer(default_gguf_path(), tmp_path, "TokenizersBackend")
+
+
+@pytest.mark.slow
+def test_real_gemma3(tmp_path) -> None:
+    check_same_as_auto_tokenizer(gemma3_gguf_path(), tmp_path, "GemmaTokenizer")
+
+
+@pytest.mark.slow
+def test_converter_file_of_a_registered_tokenizer_class(tmp_path) -> None:
+    from tests.model.test_llama_cpp_converter import convert
+
+    path, _ = convert("qwen3-moe", tmp_path, "f32")
+    alone = tmp_path / "alone"  # the GGUF without the checkpoint's folder beside it
+    alone.mkdir()
+    shutil.move(path, alone / path.name)
+    check_same_as_auto_tokenizer(alone / path.name, tmp_path, "Qwen2Tokenizer")
+
+
+def test_files_beside_the_gguf_leave_it_to_auto_tokenizer(tmp_path) -> None:
+    path = tmp_path / default_gguf_path().name
+    path.symlink_to(default_gguf_path())
+    assert _gguf_tokenizer_class(path) is not None
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert _gguf_tokenizer_class(path) is None
