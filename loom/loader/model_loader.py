@@ -24,7 +24,7 @@ from loom.kernels.dispatch import KernelChoice, KernelChoiceError
 from loom.layers.embedding import KQuantEmbedding
 from loom.layers.linear import Linear
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
-from loom.quant.fp16 import fp16_available
+from loom.quant.fp16 import Fp16Linear, fp16_available
 from loom.quant.gguf_dequant import groupable
 from loom.quant.gptq import Int4Checkpoint
 from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_available
@@ -250,6 +250,8 @@ def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None)
     head = getattr(model, HEAD, None)
     if isinstance(head, Int8Linear) and head.grouped:
         head.reuse_output = True  # logits live until the next step (the runner's use)
+    if isinstance(head, Fp16Linear) and kernels is not None and kernels.batch_invariant:
+        head.row_by_row = True  # fbgemm's bits depend on the rows beside (loom.quant.fp16)
     refusal = model.c_stack_refusal() if quantization == "int8" else None
     if refusal is not None:  # said at load, never a silent fallback
         logger.warning("quantization int8: Loom's one-call C decoder stack cannot run %s; "

@@ -43,12 +43,25 @@ class Fp16Linear(nn.Module):
             for i in range(0, self.out_features, MAX_PACKED_ROWS)
         ]
 
+    # On an AVX2 CPU (a Zen 3) fbgemm's fp16 GEMM gives a row other bits at one row than at
+    # two, and others again at three or more: a row's bits depend on its batch (the suite's
+    # batched-vs-alone tests on the C stack passed on an AVX-512 Zen 4 and failed there). The
+    # batch-invariant mode (loom.loader.model_loader._quantize) sets this: each row is a call
+    # of its own (one-row calls agree whatever the thread count), so the weights are read
+    # once a row.
+    row_by_row = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
+        if self.row_by_row and x2.shape[0] > 1:
+            rows = [self._linear(x2[i : i + 1]) for i in range(x2.shape[0])]
+            return torch.cat(rows).reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return self._linear(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _linear(self, x2: torch.Tensor) -> torch.Tensor:  # [rows, in] fp32 -> [rows, out] fp32
         outs = [torch.ops.quantized.linear_dynamic_fp16(x2, p) for p in self.packed]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [num_tokens, out] fp32
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)  # activations' dtype
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16"

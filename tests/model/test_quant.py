@@ -137,6 +137,32 @@ def test_fp16_linear_matches_float_linear() -> None:
     assert rel_err(q(x[0, :1]), out[0, :1]) < 1e-6  # one row alone, same as in a batch
 
 
+def test_fp16_linear_row_by_row_is_batch_invariant() -> None:
+    """The batch-invariant mode's fp16 head: each row of a call has the bits it has alone (fbgemm
+    alone gives other bits at one, two and more rows on an AVX2 CPU)."""
+    lin = torch.nn.Linear(576, 300, bias=False)
+    q = Fp16Linear(lin)
+    q.row_by_row = True
+    x = torch.randn(11, 576)
+    alone = torch.cat([q(x[i : i + 1]) for i in range(11)])
+    for m in (2, 3, 5, 11):
+        assert torch.equal(q(x[:m]), alone[:m])
+    assert q(x.view(1, 11, 576)).shape == (1, 11, 300)
+
+
+def test_batch_invariant_int8_puts_the_fp16_head_row_by_row(tmp_path) -> None:
+    from loom.loader.model_loader import load_model
+    from loom.loader.resolve import resolve_model
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model("llama", tmp_path / "l")
+    for invariant in (False, True):
+        loaded = load_model(resolve_model(str(folder)), dtype="float32", quantization="int8",
+                            batch_invariant=invariant)
+        head = loaded.model.lm_head
+        assert isinstance(head, Fp16Linear) and head.row_by_row is invariant
+
+
 def test_fp16_linear_packs_wide_layers_in_slices() -> None:
     lin = torch.nn.Linear(64, 20000, bias=True)  # 8192 + 8192 + 3616 rows
     q = Fp16Linear(lin)
