@@ -43,9 +43,8 @@ class Fp16Linear(nn.Module):
             for i in range(0, self.out_features, MAX_PACKED_ROWS)
         ]
 
-    # On an AVX2 CPU (a Zen 3) fbgemm's fp16 GEMM gives a row other bits at one row than at
-    # two, and others again at three or more: a row's bits depend on its batch (the suite's
-    # batched-vs-alone tests on the C stack passed on an AVX-512 Zen 4 and failed there). The
+    # fbgemm's fp16 GEMM sums a row in an order that depends on how many rows its call has
+    # (on an AVX2 Zen 3: one order at one row, another at two, another at three or more). The
     # batch-invariant mode (loom.loader.model_loader._quantize) sets this: each row is a call
     # of its own (one-row calls agree whatever the thread count), so the weights are read
     # once a row.

@@ -83,9 +83,9 @@ _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemm
                      "qwen3moe": "qwen3_moe"}
 
 
-def _gguf_tokenizer_class(path: Path) -> Any:
-    """The tokenizer class AutoTokenizer picks for a GGUF file alone in its folder, or None to
-    ask AutoTokenizer. AutoTokenizer first builds the model's config from the file with the
+def _gguf_tokenizer_class(path: Path, arch: str | None) -> Any:
+    """The tokenizer class AutoTokenizer picks for the GGUF file `path` of architecture `arch`
+    alone in its folder, or None to ask AutoTokenizer. AutoTokenizer first builds the model's config from the file with the
     `gguf` package's reader, which parses every metadata value in Python: ~30 s of a first start
     for Gemma 3's 262,144-token vocabulary on a 2-core machine, ~8 s for SmolLM2's 49,152. The
     class follows from the architecture alone (the model type's registered tokenizer, else
@@ -97,12 +97,9 @@ def _gguf_tokenizer_class(path: Path) -> Any:
         tokenizer_class_from_name,
     )
 
-    from loom.loader.gguf_file import read_gguf
-
     if any((path.parent / name).exists() for name in ("tokenizer_config.json", "config.json")):
-        return None  # AutoTokenizer reads these beside the file
-    meta = read_gguf(path)
-    model_type = _GGUF_MODEL_TYPES.get(meta.get("general.architecture"))
+        return None  # Hugging Face files beside it: AutoTokenizer's own rules weigh them
+    model_type = _GGUF_MODEL_TYPES.get(arch)
     if model_type is None:
         return None
     name = TOKENIZER_MAPPING_NAMES.get(model_type)
@@ -121,13 +118,14 @@ def _load_hf_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(str(folder))
     cached = _cache_dir() / _gguf_cache_key(source.path)
     logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", source.path, cached)
-    cls = _gguf_tokenizer_class(source.path) or AutoTokenizer
+    from loom.loader.gguf_file import read_gguf
+
+    arch = read_gguf(source.path).get("general.architecture")
+    cls = _gguf_tokenizer_class(source.path, arch) or AutoTokenizer
     tok = cls.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     if not getattr(tok, "chat_template", None):
-        from loom.loader.gguf_file import read_gguf
         from loom.tokenizer.templates import builtin_template
 
-        arch = read_gguf(source.path).get("general.architecture")
         tok.chat_template = builtin_template(arch)
         if tok.chat_template is not None:
             logger.info("%s carries no chat template; using %s's turn format", source.path, arch)

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from loom.loader.gguf_file import read_gguf
 from loom.loader.resolve import default_gguf_path
 from loom.tokenizer.tokenizer import _gguf_tokenizer_class
 from tests.gguf_files import gemma3_gguf_path
 
 TEXTS = ["Hello world! <start_of_turn>user\nHi 123  ünïcödé 日本語\t\n  spaces",
          "def f(x):\n    return x**2  # ok\n\n\n"]
+
+
+def _class(path: Path):  # noqa: ANN202
+    return _gguf_tokenizer_class(path, read_gguf(path).get("general.architecture"))
 
 
 def _saved(tok, folder: Path) -> dict[str, bytes]:
@@ -27,7 +32,7 @@ def _saved(tok, folder: Path) -> dict[str, bytes]:
 def check_same_as_auto_tokenizer(path: Path, tmp_path: Path, expected_class: str) -> None:
     from transformers import AutoTokenizer
 
-    cls = _gguf_tokenizer_class(path)
+    cls = _class(path)
     assert cls is not None and cls.__name__ == expected_class
     ours = cls.from_pretrained(str(path.parent), gguf_file=path.name)
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -61,6 +66,6 @@ def test_converter_file_of_a_registered_tokenizer_class(tmp_path) -> None:
 def test_files_beside_the_gguf_leave_it_to_auto_tokenizer(tmp_path) -> None:
     path = tmp_path / default_gguf_path().name
     path.symlink_to(default_gguf_path())
-    assert _gguf_tokenizer_class(path) is not None
+    assert _class(path) is not None
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert _gguf_tokenizer_class(path) is None
+    assert _class(path) is None

@@ -33,7 +33,7 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
     if not CONVERTER.exists():
         pytest.skip(f"no llama.cpp converter at {CONVERTER} (make install-test unpacks it)")
-    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES.get(name, {}))
+    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES[name])
     Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
     out = tmp_path / f"{name}-{outtype}.gguf"
     run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", outtype,
