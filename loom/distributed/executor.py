@@ -48,9 +48,11 @@ def default_threads(num_threads: int | None, world: int, device: torch.device) -
 class TensorParallel:
     """Rank 0's side: the workers (local processes or Ray actors) and `drive`."""
 
-    def __init__(self, loaded: LoadedModel, workers: Any) -> None:
+    def __init__(self, loaded: LoadedModel, workers: Any, threads_before: int) -> None:
         self.loaded = loaded
         self.workers = workers
+        # rank 0 runs in the caller's process: its share of the cores ends with the group
+        self.threads_before = threads_before
 
     @property
     def procs(self) -> list:
@@ -77,6 +79,7 @@ class TensorParallel:
         if device.type == "cuda" and executor == "mp" and torch.cuda.device_count() < world:
             raise ConfigError(f"{world} ranks need {world} GPUs; "
                               f"torch sees {torch.cuda.device_count()}")
+        threads_before = torch.get_num_threads()
         threads = default_threads(args.num_threads, world, device)
         set_num_threads(threads)
         host = "127.0.0.1"
@@ -94,7 +97,7 @@ class TensorParallel:
             from loom.distributed.mp_workers import MPWorkers
 
             workers = MPWorkers(spec)
-        group = cls(loaded, workers)
+        group = cls(loaded, workers, threads_before)
         try:
             workers.wait_started()
             workers.start_join()
@@ -121,6 +124,7 @@ class TensorParallel:
         self.workers.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self.threads_before)
 
 
 class _Driver:

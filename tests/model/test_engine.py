@@ -87,11 +87,12 @@ def test_chunked_vs_whole_prefill(make_llm, tiny, model) -> None:
 @pytest.mark.parametrize("quantization", ["none", "fp16", "int8"])
 @pytest.mark.slow
 def test_batched_vs_alone_smollm2(make_llm, quantization) -> None:
-    prompts = [f"{q} Answer:" for q in QUESTIONS] * 2  # 32 requests
+    unique = [f"{q} Answer:" for q in QUESTIONS]
+    prompts = unique * 2  # 32 requests, each prompt twice
     llm = make_llm(None, quantization=quantization)
     batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
-    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert batched == alone
+    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in unique]
+    assert batched == alone * 2
     llm.engine.check_integrity()
 
 

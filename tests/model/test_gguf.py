@@ -106,16 +106,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM
-
+def smollm2(smollm2_transformers):
     from loom.tokenizer.tokenizer import Tokenizer
 
-    path = default_gguf_path()
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     loaded = load_model(resolve_model(None), dtype="float32", quantization="none")
     tok = Tokenizer.from_source(resolve_model(None), loaded.config.eos_token_ids)
-    return ref.eval(), loaded, tok
+    return smollm2_transformers, loaded, tok
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from loom.engine.beam_search import BeamSearchParams
-from loom.loader.resolve import default_gguf_path
 from tests.engine_fixtures import make_llm  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -18,12 +17,8 @@ PROMPTS = [CHAT, "The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+def hf_model(smollm2_transformers):
+    return smollm2_transformers
 
 
 def _hf(model, ids: list[int], p: BeamSearchParams, eos: tuple[int, ...]):
