@@ -14,7 +14,8 @@
 // Decode (the memory-bound case): x is quantized once a call, each run of 16 values with d =
 // max |x| / 127 and two int8 digits, x / d = a + b / 256 (to 1/512 of d, 1/256 where b
 // saturates); a run's sum of q x is d (256 sum q a + sum q b) / 256 in exact int32 (q unsigned,
-// the digits signed: vpdpbusd's / vpmaddubsw's operands as they are), scaled by the run's weight
+// the digits signed: vpdpbusd's operands as they are; AVX2 takes X = 256 a + b as one int16 into
+// vpmaddwd, the same integers), scaled by the run's weight
 // scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K: x~ summed over each
 // block of 32) and the -32's (Q6_K: over each run) terms take one fma a super-block. x's layout
 // (quantize_row) is the kernel's own per build and format, so the blocks are read as stored
@@ -229,12 +230,26 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int o
     float *dr = (float *)(buf + 2 * K), *sm = dr + K / RUN;
     for (int64_t s = 0; s < K / QK; s++) {
         float sx[16];  // natural order
+#if defined(KQ_AVX2)  // X = 256 a + b (or a), each sub-block of 32's even values, then its odd
+        int8_t ta[QK], tb[QK];
+        (void)a, (void)b;
+        for (int r = 0; r < 16; r++) {
+            float *d = dr + s * 16 + dr_slot(r);
+            sx[r] = (float)quantize_run(x + s * QK + r * RUN, ta + r * RUN, tb + r * RUN, d, one) *
+                    *d;
+        }
+        int16_t *X = (int16_t *)buf + s * QK;
+        for (int j = 0; j < QK; j++)
+            X[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] =
+                (int16_t)(one ? ta[j] : 256 * (int32_t)ta[j] + tb[j]);
+#else
         for (int r = 0; r < 16; r++) {
             const int h = run_of(fmt, r);
             const int64_t at = s * QK + r * RUN;
             float *d = dr + s * 16 + dr_slot(r);
             sx[h] = (float)quantize_run(x + s * QK + h * RUN, a + at, b + at, d, one) * *d;
         }
+#endif
         float *o = sm + s * 16;
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
         for (int h = 0; h < 16; h++) {
@@ -394,13 +409,18 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 }
 
 #elif defined(KQ_AVX2)
-// A super-block's integers as eight vectors of 32 in weight order, its weight scales sw as two
-// halves, and ow, its minimums' terms against x's sm (Q6_K: sw; Q4_K / Q5_K: ow[0] = dmin m).
-static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, const int fmt,
-                                                            __m256i W[8], __m256 sw[2],
-                                                            __m256 ow[2])
+// x as one int16 X = 256 a + b a value (exact: |X| <= 32640), a sub-block of 32's even values
+// then its odd ones (quantize_row): int16 lane l of a 32-byte load of nibbles holds weights 2l
+// and 2l + 1 of a sub-block, so masks and shifts give them as int16 and `vpmaddwd` takes
+// 16 products an instruction, not 32 `vpmaddubsw` products a digit plus a `vpmaddwd` to widen
+// each (5 -> 3 multiply-port ops a 32 weights with the fma). Lane k of the two products' sum
+// holds weights 4k .. 4k + 3, as the byte form's did: the same integers, the same bits.
+
+// A super-block's weight scales sw as two halves, and ow, its minimums' terms against x's sm
+// (Q6_K: sw; Q4_K / Q5_K: ow[0] = dmin m).
+static inline __attribute__((always_inline)) void scales256(const uint8_t *blk, const int fmt,
+                                                            __m256 sw[2], __m256 ow[2])
 {
-    const __m256i nib = _mm256_set1_epi8(15);
     if (fmt == Q6_K) {
         const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
         const __m128i sc = _mm_shuffle_epi8(  // dr_slot order
@@ -410,20 +430,6 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
             sw[i] = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i ? _mm_unpackhi_epi64(sc, sc) : sc)), d);
             ow[i] = sw[i];  // x's sm: 32 sx a run, in the same order
-        }
-        const __m256i b45 = _mm256_set1_epi8(0x30);
-        for (int c = 0; c < 2; c++) {  // weights 128c + 32t + l: qh bits 2t, 2t + 1 to 4-5
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-            const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
-            const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
-            W[4 * c] = _mm256_or_si256(_mm256_and_si256(L0, nib),
-                                       _mm256_and_si256(_mm256_slli_epi16(H, 4), b45));
-            W[4 * c + 1] = _mm256_or_si256(_mm256_and_si256(L1, nib),
-                                           _mm256_and_si256(_mm256_slli_epi16(H, 2), b45));
-            W[4 * c + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), nib),
-                                           _mm256_and_si256(H, b45));
-            W[4 * c + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), nib),
-                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), b45));
         }
         return;
     }
@@ -436,34 +442,57 @@ static inline __attribute__((always_inline)) void unpack256(const uint8_t *blk, 
     sw[0] = _mm256_mul_ps(_mm256_permute2f128_ps(sc, sc, 0x00), d);
     sw[1] = _mm256_mul_ps(_mm256_permute2f128_ps(sc, sc, 0x11), d);
     ow[0] = ow[1] = _mm256_mul_ps(mn, _mm256_set1_ps(f16_at(blk + 2)));
-    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
-    for (int j = 0; j < 4; j++) {
-        const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-        W[2 * j] = _mm256_and_si256(L, nib);
-        W[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), nib);
-    }
-    if (fmt == Q5_K) {
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const __m256i one = _mm256_set1_epi8(1);
-        for (int t = 0; t < 8; t++) {
-            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t)), one);
-            W[t] = _mm256_or_si256(W[t], _mm256_slli_epi16(hb, 4));
-        }
-    }
 }
 
-// 256 A + B in each int32 lane (4 products of a 32-weight vector): exact; with `one` digit A.
-static inline __attribute__((always_inline)) __m256i dot32(__m256i w, const int8_t *a,
-                                                           const int8_t *b, const int one)
+// Half c of a super-block (weights 128c + 32v + j, v < 4) as int16: E[v] its sub-block's even
+// weights (j = 2l in lane l), O[v] its odd ones.
+static inline __attribute__((always_inline)) void unpack_half(const uint8_t *blk, const int fmt,
+                                                              const int c, __m256i E[4],
+                                                              __m256i O[4])
 {
-    if (one)
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)),
-                                 _mm256_set1_epi16(1));
-    const __m256i da = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)a)), _mm256_set1_epi16(256));
-    const __m256i db = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)b)), _mm256_set1_epi16(1));
-    return _mm256_add_epi32(da, db);
+    const __m256i n0 = _mm256_set1_epi16(0x000F);
+    if (fmt == Q6_K) {  // as bytes (ql 64c + j: weights 128c + j low, 128c + 64 + j high;
+        // qh 32c + j: bits 4-5 of 128c + 32v + j in its bits 2v, 2v + 1), then split
+        const __m256i nib = _mm256_set1_epi8(15), b45 = _mm256_set1_epi8(0x30);
+        const __m256i lo = _mm256_set1_epi16(0x00FF);
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+        const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+        const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+        __m256i W[4];
+        W[0] = _mm256_or_si256(_mm256_and_si256(L0, nib),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 4), b45));
+        W[1] = _mm256_or_si256(_mm256_and_si256(L1, nib),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 2), b45));
+        W[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), nib),
+                               _mm256_and_si256(H, b45));
+        W[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), nib),
+                               _mm256_and_si256(_mm256_srli_epi16(H, 2), b45));
+        for (int v = 0; v < 4; v++) {
+            E[v] = _mm256_and_si256(W[v], lo);
+            O[v] = _mm256_srli_epi16(W[v], 8);
+        }
+        return;
+    }
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    for (int j = 0; j < 2; j++) {  // bytes 32(2c + j) + l: weights 64(2c + j) + l and + 32 + l
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 64 * c + 32 * j));
+        E[2 * j] = _mm256_and_si256(L, n0);
+        O[2 * j] = _mm256_and_si256(_mm256_srli_epi16(L, 8), n0);
+        E[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), n0);
+        O[2 * j + 1] = _mm256_srli_epi16(L, 12);
+    }
+    if (fmt == Q5_K) {  // bit t of qh byte j: weight 32t + j's 16
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i b4 = _mm256_set1_epi16(0x0010);
+        for (int v = 0; v < 4; v++) {
+            const int t = 4 * c + v;
+            const __m256i he = t <= 4 ? _mm256_sll_epi16(H, _mm_cvtsi32_si128(4 - t))
+                                      : _mm256_srl_epi16(H, _mm_cvtsi32_si128(t - 4));
+            E[v] = _mm256_or_si256(E[v], _mm256_and_si256(he, b4));
+            O[v] = _mm256_or_si256(
+                O[v], _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t + 4)), b4));
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
@@ -471,6 +500,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                                                          const int fmt, const int one, int64_t K,
                                                          float *out, int64_t ldy)
 {
+    (void)one;  // X holds one digit or two alike
     const int bb = loom_kq_block_bytes(fmt);
     const int far = K / QK * bb >= FAR_ROW;
     __m256 acc[M_MAX][2];
@@ -481,17 +511,21 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             __builtin_prefetch(blk + PF + i);
             if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
         }
-        __m256i W[8];
         __m256 sw[2], ow[2];
-        unpack256(blk, fmt, W, sw, ow);
-        for (int m = 0; m < M; m++) {
-            const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
-            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
-            for (int i = 0; i < 2; i++) {
+        scales256(blk, fmt, sw, ow);
+        for (int i = 0; i < 2; i++) {
+            __m256i E[4], O[4];
+            unpack_half(blk, fmt, i, E, O);
+            for (int m = 0; m < M; m++) {
+                const int16_t *X = (const int16_t *)(xq + m * xs) + s * QK + 128 * i;
+                const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16,
+                            *sm = dr + K / RUN;
                 const __m256 sh = _mm256_mul_ps(sw[i], _mm256_loadu_ps(dr + 8 * i));
-#define KQ_V(v, imm)                                                                           \
-    acc[m][v & 1] = _mm256_fmadd_ps(                                                          \
-        _mm256_cvtepi32_ps(dot32(W[4 * i + v], a + 32 * (4 * i + v), b + 32 * (4 * i + v), one)), \
+#define KQ_V(v, imm)                                                                         \
+    acc[m][v & 1] = _mm256_fmadd_ps(                                                        \
+        _mm256_cvtepi32_ps(_mm256_add_epi32(                                                \
+            _mm256_madd_epi16(E[v], _mm256_loadu_si256((const __m256i *)(X + 32 * v))),      \
+            _mm256_madd_epi16(O[v], _mm256_loadu_si256((const __m256i *)(X + 32 * v + 16))))), \
         _mm256_permute_ps(sh, imm), acc[m][v & 1])
                 KQ_V(0, 0x00);
                 KQ_V(1, 0x55);
