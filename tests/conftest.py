@@ -34,3 +34,15 @@ def smollm2_transformers():
     path = default_gguf_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                 dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_auto_tokenizer():
+    """transformers' AutoTokenizer of the packaged SmolLM2 GGUF (~9 s: its config from the
+    file's metadata first), read once for the whole run. Copy it before changing it."""
+    from transformers import AutoTokenizer
+
+    from loom.loader.resolve import default_gguf_path
+
+    path = default_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

