@@ -11,6 +11,11 @@ x differs. Teacher-forced top-1 agreement over tests/model/test_engine.py's 16 c
 greedy tokens of the reference (tests/model/test_kquant.py's bar and helpers), the prompts and
 the decode on linear_kquant.c's integer kernel: two digits a run of 16 (the default), then one
 digit (LOOM_KQ_ONE_DIGIT) on the projections each config names ("all": every one).
+
+`--int16-groups 256,row`: also x rounded to ONE int16 a group of that many values (one scale
+each, d = max|x| / 32767; "row": the whole padded row) on every projection, multiplied in fp32
+by the same dequantized blocks: the activations an integer GEMM past 8 rows would take if it
+summed a whole super-block (the weights' 6-bit sub-block scales applied as integers) in int32.
 """
 
 from __future__ import annotations
@@ -50,11 +55,18 @@ class PaddedKQ(torch.nn.Module):
         self.blocks, self.fmt = torch.from_numpy(blocks), {T.Q4_K: 12, T.Q6_K: 14}[qtype]
         self.kp = -(-k // 256) * 256
         self.one = False
+        self.int16_group = 0  # > 0: x on one int16 a group of that many, times `weight`
+        self.weight: torch.Tensor | None = None  # the blocks dequantized [n, k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.k)
         xp = torch.zeros((rows.shape[0], self.kp))  # [num_tokens, K']
         xp[:, :self.k] = rows
+        if self.int16_group:
+            g = xp.reshape(rows.shape[0], -1, self.int16_group)
+            d = g.abs().amax(-1, keepdim=True) / 32767.0
+            xr = (torch.round(g / torch.where(d > 0, d, 1.0)) * d).reshape(xp.shape)
+            return (xr[:, :self.k] @ self.weight.T).reshape(*x.shape[:-1], self.n)
         y = torch.empty((rows.shape[0], self.n))
         rc = cpu_kernels().loom_linear_kq(
             xp.data_ptr(), rows.shape[0], self.kp, self.kp, self.blocks.data_ptr(),
@@ -78,6 +90,7 @@ def requantize(ref_parent: torch.nn.Module, kq_parent: torch.nn.Module, name: st
     linear.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(back)),
                                        requires_grad=False)
     module = PaddedKQ(name, blocks, qtype, k, n)
+    module.weight = linear.weight.detach()
     setattr(kq_parent, name, module)
     return module
 
@@ -86,8 +99,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=";".join(("all", *KINDS)),
                    help="';'-separated sets of ','-separated projections on one digit")
+    p.add_argument("--int16-groups", default="",
+                   help="comma-separated group sizes (multiples of 256, or row) for x on one int16")
     a = p.parse_args()
-    unknown = {k for c in a.configs.split(";") for k in c.split(",")} - {"all", *KINDS}
+    named = {k for c in filter(None, a.configs.split(";")) for k in c.split(",")}
+    unknown = named - {"all", *KINDS}
     if unknown:  # (it would run as two digits, labelled one)
         p.error(f"unknown projections {sorted(unknown)}; choose from all, {', '.join(KINDS)}")
     t0 = time.perf_counter()
@@ -110,13 +126,19 @@ def main() -> None:
     want, seqs = reference_continuations(ref, prompts, STEPS)
     total = sum(len(v) for v in want.values())
 
-    for config in ["two digits everywhere", *a.configs.split(";")]:
+    configs = ["two digits everywhere", *filter(None, a.configs.split(";"))]
+    configs += [f"int16:{g}" for g in filter(None, a.int16_groups.split(","))]
+    for config in configs:
         kinds = set(config.split(","))
         for m in modules:
             m.one = "all" in kinds or m.kind in kinds
+            group = config.removeprefix("int16:") if config.startswith("int16:") else "0"
+            m.int16_group = m.kp if group == "row" else int(group)
         got = teacher_forced_top1(kq, prompts, seqs, STEPS)
         agree = sum(int((got[k] == want[k]).sum()) for k in want)
-        label = config if config.startswith("two") else f"one digit on {config}"
+        label = (config if config.startswith("two") else
+                 f"one int16 a group of {config[6:]}, all" if config.startswith("int16:") else
+                 f"one digit on {config}")
         print(f"{label:40s} top-1 {agree} / {total} ({agree / total:.2%})", flush=True)
 
 
