@@ -130,9 +130,9 @@ def main() -> None:
     configs += [f"int16:{g}" for g in filter(None, a.int16_groups.split(","))]
     for config in configs:
         kinds = set(config.split(","))
+        group = config.removeprefix("int16:") if config.startswith("int16:") else "0"
         for m in modules:
             m.one = "all" in kinds or m.kind in kinds
-            group = config.removeprefix("int16:") if config.startswith("int16:") else "0"
             m.int16_group = m.kp if group == "row" else int(group)
         got = teacher_forced_top1(kq, prompts, seqs, STEPS)
         agree = sum(int((got[k] == want[k]).sum()) for k in want)

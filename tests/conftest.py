@@ -2,12 +2,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -79,9 +79,7 @@ class TensorParallel:
         if device.type == "cuda" and executor == "mp" and torch.cuda.device_count() < world:
             raise ConfigError(f"{world} ranks need {world} GPUs; "
                               f"torch sees {torch.cuda.device_count()}")
-        threads_before = torch.get_num_threads()
         threads = default_threads(args.num_threads, world, device)
-        set_num_threads(threads)
         host = "127.0.0.1"
         if executor == "ray":
             from loom.distributed import ray_workers
@@ -97,6 +95,8 @@ class TensorParallel:
             from loom.distributed.mp_workers import MPWorkers
 
             workers = MPWorkers(spec)
+        threads_before = torch.get_num_threads()  # given back by close(), which any failure runs
+        set_num_threads(threads)
         group = cls(loaded, workers, threads_before)
         try:
             workers.wait_started()

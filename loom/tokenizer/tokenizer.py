@@ -85,8 +85,9 @@ _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemm
 
 def _gguf_tokenizer_class(path: Path, arch: str | None) -> Any:
     """The tokenizer class AutoTokenizer picks for the GGUF file `path` of architecture `arch`
-    alone in its folder, or None to ask AutoTokenizer. AutoTokenizer first builds the model's config from the file with the
-    `gguf` package's reader, which parses every metadata value in Python: ~30 s of a first start
+    alone in its folder, or None to ask AutoTokenizer. AutoTokenizer first builds the model's
+    config from the file with the `gguf` package's reader, which parses every metadata value in
+    Python: ~30 s of a first start
     for Gemma 3's 262,144-token vocabulary on a 2-core machine, ~8 s for SmolLM2's 49,152. The
     class follows from the architecture alone (the model type's registered tokenizer, else
     the generic backend); the conversion after it is the same call. Tested file for file against

@@ -16,11 +16,6 @@ CHAT = "<|im_start|>user\nReply with one word: yes or no?<|im_end|>\n<|im_start|
 PROMPTS = [CHAT, "The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_transformers):
-    return smollm2_transformers
-
-
 def _hf(model, ids: list[int], p: BeamSearchParams, eos: tuple[int, ...]):
     out = model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -39,8 +34,8 @@ def _hf(model, ids: list[int], p: BeamSearchParams, eos: tuple[int, ...]):
 @pytest.mark.parametrize("width,max_tokens,lp,early,prompts", [
     (3, 12, 1.0, False, PROMPTS), (4, 8, 0.5, True, [CHAT]), (2, 10, 2.0, "never", [CHAT]),
 ])
-def test_beam_search_equals_transformers(make_llm, hf_model, width, max_tokens, lp, early,
-                                         prompts):
+def test_beam_search_equals_transformers(make_llm, smollm2_transformers, width, max_tokens, lp,
+                                         early, prompts):
     llm = make_llm(None, quantization="none")
     params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=lp,
                               early_stopping=early)
@@ -51,7 +46,7 @@ def test_beam_search_equals_transformers(make_llm, hf_model, width, max_tokens, 
     for prompt, out in zip(prompts, outs):
         ids = llm.get_tokenizer().encode(prompt)
         assert out.prompt_token_ids == ids
-        ref, ref_scores = _hf(hf_model, ids, params, eos)
+        ref, ref_scores = _hf(smollm2_transformers, ids, params, eos)
         assert [s.token_ids for s in out.sequences] == ref, prompt
         assert [s.score for s in out.sequences] == pytest.approx(ref_scores, abs=1e-3)
         saw_eos |= any(s.finish_reason == "stop" for s in out.sequences)

@@ -226,13 +226,14 @@ static inline int dr_slot(int r)
 
 static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int one)
 {
-    int8_t *a = (int8_t *)buf, *b = a + K;
     float *dr = (float *)(buf + 2 * K), *sm = dr + K / RUN;
+#if !defined(KQ_AVX2)
+    int8_t *a = (int8_t *)buf, *b = a + K;
+#endif
     for (int64_t s = 0; s < K / QK; s++) {
         float sx[16];  // natural order
 #if defined(KQ_AVX2)  // X = 256 a + b (or a), each sub-block of 32's even values, then its odd
         int8_t ta[QK], tb[QK];
-        (void)a, (void)b;
         for (int r = 0; r < 16; r++) {
             float *d = dr + s * 16 + dr_slot(r);
             sx[r] = (float)quantize_run(x + s * QK + r * RUN, ta + r * RUN, tb + r * RUN, d, one) *
