@@ -1,8 +1,8 @@
 """Two builds of Loom's C kernels in one process: one `LLM`, the library the decoder stack calls
 swapped between this checkout's build (the one `auto` or LOOM_CPU_KERNELS selects) and another
 build of the same kernels (`OTHER.so`) before every generate, in alternating order; per round
-the median decode step of each, and the ratio. On a shared VM whose memory speed moves from
-minute to minute, separate processes disagree by more than most kernel changes do: this is the
+the median decode step of each and the time of the prompts' steps, and the ratios. On a shared
+VM whose memory speed moves from minute to minute, separate processes disagree by more than most kernel changes do: this is the
 A/B that says something about a step (benchmarks/bench_kquant_ab.py is the one for a kernel).
 
     .venv/bin/python benchmarks/bench_kernel_ab.py OTHER.so [--model MODEL.gguf]
@@ -11,7 +11,9 @@ A/B that says something about a step (benchmarks/bench_kquant_ab.py is the one f
 OTHER.so: e.g. the variant's library from ~/.cache/loom/kernels copied aside before a change to
 loom/kernels/csrc (the same exported functions and structs: a build of another ABI crashes).
 Prints, per stream count, both medians and the median of the per-round ratios (this build /
-OTHER). Only what the one-call decoder stack runs is compared (the Python around it is the same).
+OTHER), for decode steps and for the prompts' steps (every step of more rows than streams; each
+build's prompts its own, so neither meets the other's prefix cache). Only what the one-call
+decoder stack runs is compared (the Python around it is the same).
 """
 
 from __future__ import annotations
@@ -61,18 +63,21 @@ def main() -> None:
             for name, lib in order if rnd % 2 == 0 else order[::-1]:
                 kernels._current[:] = [(lib, choice)]
                 steps.clear()
-                llm.generate([f"{rnd} {i} {PROMPT}" for i in range(n)], params, use_tqdm=False)
+                llm.generate([f"{rnd} {name} {i} {PROMPT}" for i in range(n)], params,
+                             use_tqdm=False)
                 med.setdefault((n, name), []).append(
-                    statistics.median(t for m, t in steps if m == n))  # decode steps only
+                    statistics.median(t for m, t in steps if m == n))  # decode steps
+                med.setdefault((n, name + " prompt"), []).append(sum(t for m, t in steps if m > n))
     kernels._current[:] = [(this, choice)]
     model = Path(a.model).name if a.model else "default model"
     for n in streams:
-        t, o = med[(n, "this")], med[(n, "other")]
-        ratios = [x / y for x, y in zip(t, o)]
-        print(f"{model}, {n} stream(s): this build {1e3 * statistics.median(t):.2f} ms, other "
-              f"{1e3 * statistics.median(o):.2f} ms a decode step; this / other per round "
-              + " ".join(f"{r:.3f}" for r in ratios) + f", median {statistics.median(ratios):.3f}",
-              flush=True)
+        for what, key in (("a decode step", ""), ("the prompts' steps", " prompt")):
+            t, o = med[(n, "this" + key)], med[(n, "other" + key)]
+            ratios = [x / y for x, y in zip(t, o)]
+            print(f"{model}, {n} stream(s): this build {1e3 * statistics.median(t):.2f} ms, other "
+                  f"{1e3 * statistics.median(o):.2f} ms {what}; this / other per round "
+                  + " ".join(f"{r:.3f}" for r in ratios)
+                  + f", median {statistics.median(ratios):.3f}", flush=True)
 
 
 if __name__ == "__main__":

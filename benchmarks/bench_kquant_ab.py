@@ -1,13 +1,14 @@
-"""Two builds of the K-quant decode kernel (loom_linear_kq) side by side in one process,
-interleaved call by call: the only A/B that says anything on a shared machine.
+"""Two builds of the K-quant decode kernel (loom_linear_kq; with --gemm the kernel past 8 rows,
+loom_linear_kq_gemm) side by side in one process, interleaved call by call: the only A/B that
+says anything on a shared machine.
 
     .venv/bin/python benchmarks/bench_kquant_ab.py OLD.so NEW.so [--rows 1 --threads 1
-        --repeats 300 --layers 8 --passes 20]
+        --repeats 300 --layers 8 --passes 20 --gemm]
 
 OLD.so / NEW.so: any two builds of the kernels, e.g. the variant's library from the cache
 (~/.cache/loom/kernels/loom_x86_64_avx2_*.so) copied aside before and after a change to
-csrc/linear_kquant.c and `python -m loom.kernels.build`. Random blocks with a trained model's
-scales (tests/model/test_kquant.py's), SmolLM2-1.7B's shapes: each shape alone, in cache
+csrc/linear_kquant.c (or csrc/linear_kq_gemm.c) and `python -m loom.kernels.build`. Random
+blocks with a trained model's scales (tests/model/test_kquant.py's), SmolLM2-1.7B's shapes: each shape alone, in cache
 (medians and best of `repeats` calls each, NEW / OLD), then `layers` layers of its linears in
 order, from memory (q, k, o Q4_K 2048 x 2048, v Q6_K, gate and up Q4_K 8192 x 2048, down Q6_K
 2048 x 8192: 43 MB a layer), `passes` times, each call timed: the sum of the calls' medians.
@@ -42,15 +43,19 @@ LAYER = [(T.Q4_K, 2048, 2048), (T.Q4_K, 2048, 2048), (T.Q6_K, 2048, 2048),
 def load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(Path(path).resolve()))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.loom_linear_kq.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, i64, p, i64,
-                                   ctypes.c_int]
+    for f in (lib.loom_linear_kq, lib.loom_linear_kq_gemm):
+        f.argtypes = [p, i64, i64, i64, p, ctypes.c_int, p, i64, p, i64, ctypes.c_int]
     return lib
+
+
+GEMM = False  # --gemm: loom_linear_kq_gemm
 
 
 def call(lib: ctypes.CDLL, b, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
     n, k = b.shape
-    rc = lib.loom_linear_kq(x.data_ptr(), x.shape[0], k, k, b.data.data_ptr(), b.fmt, None, n,
-                            y.data_ptr(), n, threads)
+    rc = (lib.loom_linear_kq_gemm if GEMM else lib.loom_linear_kq)(
+        x.data_ptr(), x.shape[0], k, k, b.data.data_ptr(), b.fmt, None, n, y.data_ptr(), n,
+        threads)
     assert rc == 0
 
 
@@ -63,7 +68,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=300)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--passes", type=int, default=20)
+    p.add_argument("--gemm", action="store_true")
     a = p.parse_args()
+    global GEMM
+    GEMM = a.gemm
     libs = [load(a.old), load(a.new)]
     rng = np.random.default_rng(0)
     for q, n, k in SHAPES:

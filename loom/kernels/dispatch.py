@@ -74,12 +74,13 @@ NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels 
 # AVX512-VNNI, AVX-512 BW or AVX2 (vpmaddubsw), NEON sdot, or portable C.
 KQUANT = {"amx": "vnni", "bf16": "vnni", "vnni": "vnni", "avx512": "avx512", "avx2": "avx2",
           "neon": "neon", "generic": "generic"}
-# ... and past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows dequantized once a call
-# against all rows, in AVX512-BF16 dot products ("bf16") or fp32 (AVX2 + FMA in the x86 builds
-# without BF16, portable C in "generic"); "int": the integer kernel above at every size (NEON:
-# its sdot kernel; --batch-invariant: the same bits whatever the batch).
-KQUANT_BATCH = {"amx": "bf16", "bf16": "bf16", "vnni": "fp32", "avx512": "fp32", "avx2": "fp32",
-                "neon": "int", "generic": "fp32"}
+# ... and past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows unpacked once a call against
+# all rows, in AVX512-BF16 dot products ("bf16"), AVX2 int16 ones with x in one int16 a
+# super-block ("int16", the x86 builds without BF16) or portable fp32 ("fp32", "generic");
+# "int": the integer kernel above at every size (NEON: its sdot kernel; --batch-invariant: the
+# same bits whatever the batch).
+KQUANT_BATCH = {"amx": "bf16", "bf16": "bf16", "vnni": "int16", "avx512": "int16",
+                "avx2": "int16", "neon": "int", "generic": "fp32"}
 
 
 class KernelChoiceError(ValueError):
@@ -155,8 +156,8 @@ class KernelChoice:
 
     @property
     def kquant_batch(self) -> str:
-        """The K-quant linears' kernel past 8 rows (KQUANT_BATCH): "bf16", "fp32", or "int"
-        (the kernel of up to 8 rows; batch-invariant)."""
+        """The K-quant linears' kernel past 8 rows (KQUANT_BATCH): "bf16", "int16", "fp32", or
+        "int" (the kernel of up to 8 rows; batch-invariant)."""
         return "int" if self.batch_invariant else KQUANT_BATCH[self.variant]
 
     def describe(self) -> str:

@@ -8,7 +8,7 @@ Q6_K, and Q5_0 / Q8_0 where a width is not a multiple of 256), and multiplies on
 `csrc/linear_kquant.c`: x quantized once a call in two int8 digits a run of 16 values, integer
 dot products against the blocks, fp32 scales (the kernel's accuracy and speed:
 docs/kquants.md); past 8 rows `csrc/linear_kq_gemm.c` by default (panels of weight rows
-dequantized once a call, bf16 or fp32 products). Parts on Loom's int8 grid run as
+unpacked once a call: bf16, int16 or fp32 products). Parts on Loom's int8 grid run as
 `Int8Linear`s, float parts in fp32.
 """
 
@@ -109,7 +109,8 @@ class KQuantLinear(nn.Module):
         # what loom.models.weight_map counts rows by (a layer filled by load_rows)
         self.weight_int8 = torch.empty((out_features, 0), dtype=torch.uint8)
         # the kernel past 8 rows (loom.kernels.dispatch.KQUANT_BATCH; the loader sets it): "int"
-        # linear_kquant.c's at every size (batch-invariant), "bf16" / "fp32" linear_kq_gemm.c's
+        # linear_kquant.c's at every size (batch-invariant), "bf16" / "int16" / "fp32"
+        # linear_kq_gemm.c's
         self.batch_kernel = "int"
 
     def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups | KBlocks) -> int:

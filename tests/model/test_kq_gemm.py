@@ -1,9 +1,9 @@
-"""K-quant linears past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows dequantized once a
-call (bf16 with AVX512-BF16, else fp32) against all rows, on the build this process runs
-(tests/unit/test_kernel_builds.py runs this file again on every build this CPU runs). The
-kernel's float64 reference: the `gguf` package's dequantized weights, rounded to bf16 with x in
-the bf16 build (its precision), as they are in the fp32 ones; the only error left is fp32
-summation's."""
+"""K-quant linears past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows unpacked once a
+call (bf16 with AVX512-BF16, int16 with AVX2, else fp32) against all rows, on the build this
+process runs (tests/unit/test_kernel_builds.py runs this file again on every build this CPU
+runs). The kernel's float64 reference: the `gguf` package's dequantized weights, rounded to bf16
+with x in the bf16 build (its precision), as they are in the others, with x rounded to one int16
+a super-block in the int16 build (as it rounds); the only error left is fp32 summation's."""
 
 from __future__ import annotations
 
@@ -33,9 +33,17 @@ def gemm(blocks: KBlocks, x: torch.Tensor, bias: torch.Tensor | None = None, thr
 
 def want(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the float64 product the build's kernel computes, its fp32-summation bound)."""
-    if cpu_kernels().loom_kq_gemm_isa() == 2:  # bf16 panels and x
+    isa = cpu_kernels().loom_kq_gemm_isa()
+    if isa == 2:  # bf16 panels and x
         w = torch.from_numpy(w.astype(np.float32)).bfloat16().double().numpy()
         x = torch.from_numpy(x).bfloat16().double().numpy()
+    if isa == 1:  # x as X dx, X = x / dx in int16 a super-block, dx = max |x| / 32767 (fp32)
+        g = x.astype(np.float32).reshape(x.shape[0], -1, 256)
+        amax = np.abs(g).max(-1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(32767) / np.where(amax > 0, amax, 1), np.float32(0))
+        X = np.rint(g * inv.astype(np.float32))
+        assert np.abs(X).max() <= 32767
+        x = (X.astype(np.float64) * (amax / np.float32(32767)).astype(np.float64)).reshape(x.shape)
     x, w = x.astype(np.float64), w.astype(np.float64)
     return x @ w.T, 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
@@ -117,7 +125,7 @@ def test_dispatch_names_the_kernel_past_8_rows() -> None:
     require_cpu_kernels()
     assert set(KQUANT_BATCH) == {v.name for v in VARIANTS}
     choice = kernel_choice()
-    isa = {"bf16": 2, "fp32": (1, 0), "int": (0, 1, 2)}[KQUANT_BATCH[choice.variant]]
+    isa = {"bf16": 2, "int16": 1, "fp32": 0, "int": (0, 1, 2)}[KQUANT_BATCH[choice.variant]]
     assert cpu_kernels().loom_kq_gemm_isa() in np.atleast_1d(isa)
     name = choice.kquant if choice.kquant_batch == "int" else choice.kquant_batch
     assert f"K-quant linears {choice.kquant} up to 8 rows, {name} past 8" in choice.describe()

@@ -88,7 +88,7 @@ typedef struct {
     int64_t qkv_n, q_n;
     float eps;
     float *hidden, *buf_h, *buf_qkv, *buf_attn, *buf_gu, *buf_act;
-    uint16_t *buf_xb;  // a team's x rows in bf16 for the bf16 kernel (past 8 rows), shared
+    uint16_t *buf_xb;  // a team's x rows past 8 rows (bf16, or as the K-quant GEMM reads them)
     const int64_t *positions, *slots, *block_tables, *tiles;
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
@@ -177,9 +177,9 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
             return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
                 x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
         if (s->M > loom_linear_q8_direct_rows) {  // x as the GEMM's tiles read it
-            const int xb = loom_kq_gemm_isa() == 2;
+            const int xb = loom_kq_gemm_x_bytes(s->M, K) > 0;
             if (xb) {
-                loom_bf16_rows_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
+                loom_kq_gemm_x_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
                 sync_team(t);
             }
             loom_linear_kq_gemm_team(xb ? (const void *)s->buf_xb : (const void *)x, K, s->M, K,
@@ -725,7 +725,11 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
         if ((rc = check_step(&s))) return rc;
         int64_t *next = calloc((size_t)ops, sizeof(int64_t));
         Step shared = s;
-        if (many) shared.buf_xb = aligned_alloc(64, (size_t)(M * k_max) * sizeof(uint16_t));
+        if (many) {  // x in bf16 for int8-grid parts, as the K-quant GEMM reads it for others
+            int64_t xb = M * k_max * (int64_t)sizeof(uint16_t);
+            if (kq && loom_kq_gemm_x_bytes(M, k_max) > xb) xb = loom_kq_gemm_x_bytes(M, k_max);
+            shared.buf_xb = aligned_alloc(64, (size_t)(xb + 63) / 64 * 64);
+        }
         if (!next || (many && !shared.buf_xb)) {
             free(next);
             free(shared.buf_xb);

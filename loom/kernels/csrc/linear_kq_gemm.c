@@ -1,15 +1,19 @@
 // K-quant linears past 8 rows (prompts, steps of many streams): y[M, N] = x[M, K] W^T + bias, W
 // as GGUF stores it (Q4_K, Q5_K, Q6_K super-blocks, linear_kquant.c's layouts). The integer
 // kernel of linear_kquant.c unpacks each weight once per 8 rows and is then bound by
-// instructions; here each thread dequantizes a panel of weight rows (up to KC columns of them)
-// once, to bf16 where the build has AVX512-BF16 (vdpbf16ps: 32 products a vector) or to fp32
-// (AVX2 + FMA, or portable C), into a buffer of its own that stays in L2, and runs every x row
-// past it.
-//
-// Precision: the fp32 panels hold the `gguf` package's dequantized weights exactly and x as
-// given (an fp32 product, summed in the order below). The bf16 panels round each dequantized
-// weight and each x to bf16 (8 significant bits), as linear_bf16.c does for the int8 grid, and
-// sum the products in fp32.
+// instructions; here each thread unpacks a panel of weight rows (up to KC columns of them) once
+// into a buffer of its own that stays in L2, and runs every x row past it:
+// - AVX512-BF16: the panels hold the dequantized weights in bf16, x is rounded to bf16, and
+//   vdpbf16ps sums 32 products a vector in fp32 (linear_bf16.c's tile).
+// - AVX2 (and the AVX-512 builds without BF16): the panels hold each weight's integers with its
+//   6-bit sub-block scale applied, sc q (Q4_K, Q5_K: <= 1953) or sc (q - 32) (Q6_K: |.| <= 4096),
+//   in int16; x is rounded to one int16 a super-block (X = x / dx, dx = max |x| / 32767);
+//   vpmaddwd multiplies 16 pairs an instruction, a super-block's products are summed in int32
+//   (exactly: Q6_K's every 128 values) and converted once, times d dx, and Q4_K's / Q5_K's
+//   minimums come off as one 8-lane product of the sub-blocks' dmin m and dx sum X. The same
+//   rounding of x as one int16 per 256 values keeps a real model's greedy tokens
+//   (docs/kquants.md), and runs ~1.4x the fp32 FMA tile it replaced.
+// - Portable C: the `gguf` package's dequantized weights in fp32 and x as given.
 // Order: each output is the sum over K chunks of KC (in order) of a chunk's tile sum, then the
 // bias: the same whatever M, so a row's bits do not depend on the other rows of its call
 // (they differ from linear_kquant.c's, whose kernel up to 8 rows this file calls as it is).
@@ -28,8 +32,13 @@
 #include <immintrin.h>
 #include "bf16_tile.h"  // linear_bf16.c's tile
 #elif defined(__AVX2__) && defined(__FMA__)
-#define KG_AVX2 1
+#define KG_I16 1
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+// gcc 12 otherwise keeps the tile's int32 sums in two registers each and copies them every step
+// (benchmarks/int16_tile.c: ~0.8x clang's rate without this)
+#pragma GCC optimize("no-tree-coalesce-vars")
+#endif
 #endif
 
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
@@ -41,24 +50,32 @@ typedef uint16_t panel_t;  // bf16
 #define KC 2048            // K columns a panel
 #define TN 4               // panel rows a tile
 #define TM 4               // x rows a tile
-#elif defined(KG_AVX2)
-typedef float panel_t;
-#define KC 1024
-#define TN 3
+#elif defined(KG_I16)
+typedef int16_t panel_t;
+#define KC 2048
+#define TN 2
 #define TM 4
+// floats of side values a (row, super-block), for panel rows and x rows alike: 8 sub-block
+// terms (Q4_K's / Q5_K's minimums: dmin m in the panel, dx sum X in x), then the scale (d, dx)
+#define SIDE 16
 #else
 typedef float panel_t;
 #define KC 1024
 #define TN 4
 #define TM 1
 #endif
+#ifndef SIDE
+#define SIDE 0
+#endif
+// a panel row's bytes over kc columns: its values and its super-blocks' side values
+#define ROW_BYTES(kc) ((kc) * (int64_t)sizeof(panel_t) + (kc) / QK * SIDE * (int64_t)sizeof(float))
 
-// Which kernel this build runs past 8 rows: 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32.
+// Which kernel this build runs past 8 rows: 2 AVX512-BF16, 1 AVX2 int16, 0 portable fp32.
 int loom_kq_gemm_isa(void)
 {
 #if defined(KG_BF16)
     return 2;
-#elif defined(KG_AVX2)
+#elif defined(KG_I16)
     return 1;
 #else
     return 0;
@@ -67,7 +84,8 @@ int loom_kq_gemm_isa(void)
 
 // ---- dequantizing a panel ------------------------------------------------------------------
 
-#if defined(KG_BF16) || defined(KG_AVX2)
+#if defined(KG_BF16) || defined(KG_I16)
+#if defined(KG_BF16)
 // Q4_K's / Q5_K's sub-block scales s[j] = d sc[j] and minimums m[j] = dmin mn[j] (j < 8):
 // k4_words, then 8 lanes at a time.
 static inline void k45_scales(const uint8_t *blk, float s[8], float m[8])
@@ -103,6 +121,7 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
         ow[2 * j] = ow[2 * j + 1] = m[j];
     }
 }
+#endif
 
 // A super-block's 256 unsigned integers in weight order into q (AVX2, 32 a vector).
 static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
@@ -174,11 +193,15 @@ static inline void k45_bf16(const uint8_t *blk, int fmt, uint16_t *out)
 }
 #endif
 
+#endif  // KG_BF16 || KG_I16
+
+#if defined(KG_BF16)
 // Columns [k0, k0 + kc) of weight row n as panel values at out: sw q - ow in one rounding (the
-// `gguf` package's fp32 values), then bf16 (nearest even) in the bf16 build.
+// `gguf` package's fp32 values), then bf16 (nearest even). (side: none in this build)
 static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
-                      panel_t *out)
+                      panel_t *out, float *side)
 {
+    (void)side;
     const int bb = loom_kq_block_bytes(fmt);
     const int64_t row = K / QK * bb;  // bytes: the next row's block is `row` past this one
     const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
@@ -186,17 +209,14 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
         // the panel reads a chunk of a row, then the next row's: the hardware prefetchers miss
         // that stride (and Q6_K's scales sit at a block's end: read first, a miss a block)
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);
-#if defined(KG_BF16)
         if (fmt != Q6_K) {
             k45_bf16(blk, fmt, out);
             continue;
         }
-#endif
         float sw[16], ow[16];
         uint8_t q[QK] __attribute__((aligned(32)));
         sb_scales(blk, fmt, sw, ow);
         sb_values(blk, fmt, q);
-#if defined(KG_BF16)
         for (int h = 0; h < 16; h += 2) {
             const __m512 a = _mm512_fmsub_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -208,33 +228,111 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
                 _mm512_set1_ps(sw[h + 1]), _mm512_set1_ps(ow[h + 1]));
             _mm512_storeu_si512(out + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
-#else
-        for (int i = 0; i < QK; i += 8) {
-            const __m256 v = _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
-            _mm256_storeu_ps(out + i, _mm256_fmsub_ps(v, _mm256_set1_ps(sw[i / 16]),
-                                                      _mm256_set1_ps(ow[i / 16])));
-        }
-#endif
     }
 }
+
+#elif defined(KG_I16)
+// Columns [k0, k0 + kc) of weight row n as int16 at out, and each super-block's SIDE floats at
+// side: weight i of a super-block is side[8] out[i] - side[i / 32] in Q4_K / Q5_K (d, sc q,
+// dmin m), side[8] out[i] in Q6_K (d, sc (q - 32); its side[0..7] zero).
+static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
+                      panel_t *out, float *side)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    const int64_t row = K / QK * bb;
+    const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
+    for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK, side += SIDE) {
+        for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);  // as above
+        uint8_t q[QK] __attribute__((aligned(32)));
+        sb_values(blk, fmt, q);
+        if (fmt == Q6_K) {
+            const __m256i c32 = _mm256_set1_epi16(32);
+            for (int h = 0; h < 16; h++) {
+                const __m256i v = _mm256_sub_epi16(
+                    _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(q + 16 * h))), c32);
+                _mm256_storeu_si256((__m256i *)(out + 16 * h),
+                                    _mm256_mullo_epi16(v, _mm256_set1_epi16((int8_t)blk[192 + h])));
+            }
+            memset(side, 0, 8 * sizeof(float));
+            side[8] = f16_at(blk + 208);
+            continue;
+        }
+        uint64_t sc, mn;
+        k4_words(blk + 4, &sc, &mn);
+        const float dmin = f16_at(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            const __m256i scj = _mm256_set1_epi16((int16_t)(sc >> 8 * j & 0xff));
+            for (int i = 32 * j; i < 32 * j + 32; i += 16)
+                _mm256_storeu_si256((__m256i *)(out + i), _mm256_mullo_epi16(
+                    _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(q + i))), scj));
+            side[j] = dmin * (float)(mn >> 8 * j & 0xff);
+        }
+        side[8] = f16_at(blk);
+    }
+}
+
+// Row x (K values) as the int16 tiles read it: a super-block's 256 values as X = x / dx (nearest
+// even), dx = max |x| / 32767, at X; its SIDE floats at side: the 8 sub-blocks' dx sum X (what
+// Q4_K's / Q5_K's minimums multiply), then dx.
+static void x16_row(const float *x, int64_t K, int16_t *X, float *side)
+{
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t s = 0; s < K; s += QK, x += QK, X += QK, side += SIDE) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < QK; i += 8)
+            mx = _mm256_max_ps(mx, _mm256_and_ps(abs, _mm256_loadu_ps(x + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float dx = amax / 32767.0f;
+        const __m256 id = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+        for (int j = 0; j < 8; j++) {
+            __m256i a[4];
+            for (int t = 0; t < 4; t++)
+                a[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * j + 8 * t), id));
+            // vpackssdw packs within 128-bit lanes: 0xD8 puts the 64-bit quarters back in order
+            _mm256_storeu_si256((__m256i *)(X + 32 * j), _mm256_permute4x64_epi64(
+                _mm256_packs_epi32(a[0], a[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(X + 32 * j + 16), _mm256_permute4x64_epi64(
+                _mm256_packs_epi32(a[2], a[3]), 0xD8));
+            const __m256i t = _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]),
+                                               _mm256_add_epi32(a[2], a[3]));
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+            side[j] = dx * (float)_mm_cvtsi128_si32(u);
+        }
+        side[8] = dx;
+    }
+}
+
 #else
 // Portable: linear_kquant.c's dequantizer (the same fp32 values).
 static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
-                      panel_t *out)
+                      panel_t *out, float *side)
 {
+    (void)side;
     const int64_t nsb = K / QK;
     loom_kq_dequant(w + (n * nsb + k0 / QK) * loom_kq_block_bytes(fmt), fmt, kc, 0, 1, out, kc);
 }
 #endif
 
 // ---- tiles: TM x rows (R of them real) against TN panel rows over kc columns -----------------
-// out[TN r + j] = x row r . panel row j (rows past R: not written).
+// out[TN r + j] = x row r . panel row j (rows past R: not written). xs, ps: the rows' side
+// values (the int16 build), lds and kc / QK SIDE floats a row.
 
 #if defined(KG_BF16)
-#define tile bf16_tile  // bf16_tile.h (linear_bf16.c's): TM = TN = 4
+static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
+                                                       const float *xs, int64_t lds, const int R,
+                                                       const panel_t *p, const float *ps,
+                                                       int64_t kc, const int q6,
+                                                       float out[TM * TN])
+{
+    (void)xs, (void)lds, (void)ps, (void)q6;
+    bf16_tile(x, ldx, R, p, kc, out);  // bf16_tile.h (linear_bf16.c's): TM = TN = 4
+}
 
-#elif defined(KG_AVX2)
+#elif defined(KG_I16)
 // Four vectors' sums as one 128-bit vector.
 static inline __attribute__((always_inline)) __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d)
 {
@@ -243,19 +341,43 @@ static inline __attribute__((always_inline)) __m128 sum4(__m256 a, __m256 b, __m
 }
 
 static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
-                                                       const int R, const panel_t *p,
-                                                       int64_t kc, float out[TM * TN])
+                                                       const float *xs, int64_t lds, const int R,
+                                                       const panel_t *p, const float *ps,
+                                                       int64_t kc, const int q6,
+                                                       float out[TM * TN])
 {
     __m256 acc[TM * TN];
     for (int i = 0; i < TM * TN; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kc; k += 8) {
-        __m256 wv[TN];
-        for (int j = 0; j < TN; j++) wv[j] = _mm256_loadu_ps(p + j * kc + k);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-            for (int j = 0; j < TN; j++)
-                acc[TN * r + j] = _mm256_fmadd_ps(wv[j], xv, acc[TN * r + j]);
+    // values summed in int32 between conversions: a super-block, Q6_K's half of one (its
+    // |sc (q - 32)| <= 4096 times |X| <= 32767, 16 products a lane, fits 2^31 only so far)
+    const int64_t run = q6 ? QK / 2 : QK, pside = kc / QK * SIDE;
+    for (int64_t k0 = 0; k0 < kc; k0 += run) {
+        __m256i ia[TM * TN];
+        for (int i = 0; i < TM * TN; i++) ia[i] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k0 + run; k += 16) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + k));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + kc + k));
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * ldx + k));
+                ia[2 * r] = _mm256_add_epi32(ia[2 * r], _mm256_madd_epi16(xv, w0));
+                ia[2 * r + 1] = _mm256_add_epi32(ia[2 * r + 1], _mm256_madd_epi16(xv, w1));
+            }
         }
+        const int64_t sb = k0 / QK * SIDE;
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = _mm256_broadcast_ss(xs + r * lds + sb + 8);
+            for (int j = 0; j < TN; j++)
+                acc[TN * r + j] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(ia[TN * r + j]),
+                    _mm256_mul_ps(dx, _mm256_broadcast_ss(ps + j * pside + sb + 8)),
+                    acc[TN * r + j]);
+        }
+        if (!q6)
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < TN; j++)
+                    acc[TN * r + j] = _mm256_fnmadd_ps(_mm256_loadu_ps(ps + j * pside + sb),
+                                                       _mm256_loadu_ps(xs + r * lds + sb),
+                                                       acc[TN * r + j]);
     }
     for (int i = 0; i < TM * TN; i += 4)
         _mm_storeu_ps(out + i, sum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
@@ -263,11 +385,10 @@ static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t
 
 #else
 // Portable: 8 running sums a dot product (vectorizable lane-wise without reassociation).
-static void tile(const panel_t *x, int64_t ldx, const int R, const panel_t *p, int64_t kc,
-                 float out[TM * TN])
+static void tile(const panel_t *x, int64_t ldx, const float *xs, int64_t lds, const int R,
+                 const panel_t *p, const float *ps, int64_t kc, const int q6, float out[TM * TN])
 {
-    (void)ldx;
-    (void)R;
+    (void)ldx, (void)xs, (void)lds, (void)R, (void)ps, (void)q6;
     for (int j = 0; j < TN; j++) {
         float acc[8] = {0};
         for (int64_t k = 0; k < kc; k += 8)
@@ -279,30 +400,49 @@ static void tile(const panel_t *x, int64_t ldx, const int R, const panel_t *p, i
 
 // ---- a call ----------------------------------------------------------------------------------
 
-// Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' copy, ldp apart): y's
-// columns n0 .. n0 + nb - 1, chunk by chunk of KC columns, then the bias.
-static void panel_rows(const panel_t *xp, int64_t ldp, int64_t M, int64_t K, const uint8_t *w,
-                       int fmt, const float *bias, int64_t n0, int64_t nb, float *y,
-                       int64_t ldy, panel_t *pb)
+// Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' x, ldp apart; xs: its
+// side values, lds a row): y's columns n0 .. n0 + nb - 1, chunk by chunk of KC columns, then the
+// bias. pb, ps: the thread's panel and its side values.
+static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t lds, int64_t M,
+                       int64_t K, const uint8_t *w, int fmt, const float *bias, int64_t n0,
+                       int64_t nb, float *y, int64_t ldy, panel_t *pb, float *ps)
 {
     const int64_t nbp = (nb + TN - 1) / TN * TN;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int64_t r = 0; r < nb; r++) panel_row(w, fmt, K, n0 + r, k0, kc, pb + r * kc);
+        const int64_t kc = K - k0 < KC ? K - k0 : KC, pside = kc / QK * SIDE;
+        for (int64_t r = 0; r < nb; r++)
+            panel_row(w, fmt, K, n0 + r, k0, kc, pb + r * kc, ps + r * pside);
         memset(pb + nb * kc, 0, (size_t)((nbp - nb) * kc) * sizeof(panel_t));
+        memset(ps + nb * pside, 0, (size_t)((nbp - nb) * pside) * sizeof(float));
         for (int64_t m = 0; m < M; m += TM) {
             const int mr = M - m < TM ? (int)(M - m) : TM;
+            const panel_t *xr = xp + m * ldp + k0;
+            const float *xsr = xs + m * lds + k0 / QK * SIDE;
             for (int64_t r = 0; r < nbp; r += TN) {
                 float t[TM * TN];
-                const panel_t *xr = xp + m * ldp + k0, *pr = pb + r * kc;
-                switch (mr) {  // R a constant in each
-                case 1: tile(xr, ldp, 1, pr, kc, t); break;
+                const panel_t *pr = pb + r * kc;
+                const float *psr = ps + r * pside;
+#define TILE(R, Q6) tile(xr, ldp, xsr, lds, R, pr, psr, kc, Q6, t)
+                if (fmt == Q6_K) {
+                    switch (mr) {  // R and q6 constants in each
+                    case 1: TILE(1, 1); break;
 #if TM == 4
-                case 2: tile(xr, ldp, 2, pr, kc, t); break;
-                case 3: tile(xr, ldp, 3, pr, kc, t); break;
-                default: tile(xr, ldp, 4, pr, kc, t); break;
+                    case 2: TILE(2, 1); break;
+                    case 3: TILE(3, 1); break;
+                    default: TILE(4, 1); break;
 #endif
+                    }
+                } else {
+                    switch (mr) {
+                    case 1: TILE(1, 0); break;
+#if TM == 4
+                    case 2: TILE(2, 0); break;
+                    case 3: TILE(3, 0); break;
+                    default: TILE(4, 0); break;
+#endif
+                    }
                 }
+#undef TILE
                 const int64_t cols = nb - r < TN ? nb - r : TN;
                 for (int64_t i = 0; i < mr; i++)
                     for (int64_t j = 0; j < cols; j++) {
@@ -322,65 +462,95 @@ static void panel_rows(const panel_t *xp, int64_t ldp, int64_t M, int64_t K, con
 int loom_linear_kq_gemm_reserve(void)
 {
     // blocking's rows are at most `most` rounded up to TN, and a panel pads them by TN
-    return loom_scratch(1, PANEL_BYTES + (size_t)(2 * TN * KC) * sizeof(panel_t)) ? 0 : -2;
+    return loom_scratch(1, PANEL_BYTES + (size_t)(2 * TN * ROW_BYTES(KC))) ? 0 : -2;
+}
+
+// Bytes of x [M, K] as the tiles read it (0: x itself): bf16 [M, K] in the bf16 build; int16
+// [M, K] and then each row's side values [M, K / 256, SIDE] in the int16 build.
+int64_t loom_kq_gemm_x_bytes(int64_t M, int64_t K)
+{
+#if defined(KG_BF16) || defined(KG_I16)
+    return M * ROW_BYTES(K);
+#else
+    (void)M, (void)K;
+    return 0;
+#endif
+}
+
+// Thread `tid` of a team of `team`'s share of x's M rows into xp as the tiles read it (where
+// loom_kq_gemm_x_bytes is not 0): every thread calls it, then a barrier, before the team form.
+void loom_kq_gemm_x_team(const float *x, int64_t M, int64_t K, int64_t ldx, void *xp, int tid,
+                         int team)
+{
+    const int64_t m0 = M * tid / team, m1 = M * (tid + 1) / team;
+#if defined(KG_BF16)
+    (void)m0, (void)m1;
+    loom_bf16_rows_team(x, M, K, ldx, xp, tid, team);
+#elif defined(KG_I16)
+    int16_t *X = xp;
+    float *side = (float *)(X + M * K);
+    for (int64_t m = m0; m < m1; m++)
+        x16_row(x + m * ldx, K, X + m * K, side + m * (K / QK) * SIDE);
+#else
+    (void)x, (void)K, (void)ldx, (void)xp, (void)m0, (void)m1;
+#endif
 }
 
 // loom_linear_kq_gemm past 8 rows (K and fmt as loom_kq_check takes: the caller checks) for a
 // thread of an OpenMP team that is already running (decoder_q8.c's one region a step): every
 // thread calls it with the same arguments and `next` zeroed, after loom_linear_kq_gemm_reserve
 // succeeded in it, and takes (x chunk, panel block) units from *next; the caller's barrier ends
-// the op. xp: x as the tiles read it, rows ldp values apart: in the bf16 build (loom_kq_gemm_isa
-// 2) x in bf16 (loom_bf16_rows_team, then a barrier), else x itself. The same bits as
-// loom_linear_kq_gemm, which is this in a region of its own.
+// the op. xp: what loom_kq_gemm_x_team wrote (ldp = K) where loom_kq_gemm_x_bytes is not 0,
+// else x itself (rows ldp values apart). The same bits as loom_linear_kq_gemm, which is this in
+// a region of its own.
 void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
                               const uint8_t *w, int fmt, const float *bias, int64_t N, float *y,
                               int64_t ldy, int64_t *next, int team)
 {
     const int64_t kc = K < KC ? K : KC;
     int64_t nb_rows;
-    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / (int64_t)sizeof(panel_t) / kc, TN,
-                                              team, &nb_rows);
-    // past m_chunk rows, passes of m_chunk rows over all panels (each dequantized once a pass):
+    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / ROW_BYTES(kc), TN, team, &nb_rows);
+    // past m_chunk rows, passes of m_chunk rows over all panels (each unpacked once a pass):
     // x's chunk stays in cache while the panels stream past it
     int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
     m_chunk = m_chunk < 16 ? 16 : m_chunk;
     const int64_t units = (M + m_chunk - 1) / m_chunk * blocks;
-    panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * kc) * sizeof(panel_t));  // reserved
-    const panel_t *xs = xp;
+    panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * ROW_BYTES(kc)));  // reserved
+    float *ps = (float *)(pb + (nb_rows + TN) * kc);
+    const panel_t *xv = xp;
+    // the int16 build's side values (the others have none: xs is then never read)
+    const float *xs = SIDE ? (const float *)(xv + M * ldp) : (const float *)xp;
+    const int64_t lds = K / QK * SIDE;
     for (int64_t u; (u = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < units;) {
         const int64_t m0 = u / blocks * m_chunk, mc = M - m0 < m_chunk ? M - m0 : m_chunk;
         const int64_t n0 = u % blocks * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-        panel_rows(xs + m0 * ldp, ldp, mc, K, w, fmt, bias, n0, nb, y + m0 * ldy, ldy, pb);
+        panel_rows(xv + m0 * ldp, ldp, xs + m0 * lds, lds, mc, K, w, fmt, bias, n0, nb,
+                   y + m0 * ldy, ldy, pb, ps);
     }
 }
 
 // As loom_linear_kq (same arguments, which it runs for up to 8 rows): past 8 rows, panels of
-// dequantized weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt
-// (LOOM_KQ_ONE_DIGIT too: the panels take x as it is, at any M); -2 when a buffer cannot be
-// allocated.
+// unpacked weight rows against all rows of x (see the top). Returns 0; -1 on bad K or fmt
+// (LOOM_KQ_ONE_DIGIT too: the panels take x their own way, at any M); -2 when a buffer cannot
+// be allocated.
 int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                         int num_threads)
 {
     if (loom_kq_check(K, fmt)) return -1;
     if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
-#if defined(KG_BF16)  // x in bf16, shared by the team
-    // (loom_scratch's slots as linear_bf16.c's: 0 the calling thread's x, 1 each thread's panel)
-    panel_t *xp = loom_scratch(0, (size_t)(M * K) * sizeof(panel_t));
+    // x as the tiles read it, shared by the team (loom_scratch's slots as linear_bf16.c's: 0 the
+    // calling thread's x, 1 each thread's panel)
+    const int64_t xb = loom_kq_gemm_x_bytes(M, K);
+    void *xp = xb ? loom_scratch(0, (size_t)xb) : (void *)x;
     if (!xp) return -2;
-    const int64_t ldp = K;
-#else
-    const float *xp = x;
-    const int64_t ldp = ldx;
-#endif
+    const int64_t ldp = xb ? K : ldx;
     int64_t next = 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const int team = omp_get_num_threads();
-#if defined(KG_BF16)  // x to bf16 (nearest even), a share of the rows a thread
-        loom_bf16_rows_team(x, M, K, ldx, xp, omp_get_thread_num(), team);
-#endif
+        if (xb) loom_kq_gemm_x_team(x, M, K, ldx, xp, omp_get_thread_num(), team);
         if (loom_linear_kq_gemm_reserve()) {
 #pragma omp atomic write
             failed = 1;

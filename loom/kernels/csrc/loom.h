@@ -156,16 +156,21 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                          int64_t *next, int team);
 
-// Past 8 rows (linear_kq_gemm.c): panels of weight rows dequantized once a call (bf16 with
-// AVX512-BF16, else fp32) against all rows; loom_linear_kq's arguments and returns, which it
-// runs up to 8 rows. A row's bits do not depend on its batch, but differ from loom_linear_kq's.
-int loom_kq_gemm_isa(void);  // 2 AVX512-BF16, 1 AVX2 fp32, 0 portable fp32
+// Past 8 rows (linear_kq_gemm.c): panels of weight rows unpacked once a call (bf16 with
+// AVX512-BF16, int16 with the sub-block scales applied and x in int16 with AVX2, else fp32)
+// against all rows; loom_linear_kq's arguments and returns, which it runs up to 8 rows. A row's
+// bits do not depend on its batch, but differ from loom_linear_kq's.
+int loom_kq_gemm_isa(void);  // 2 AVX512-BF16, 1 AVX2 int16, 0 portable fp32
 int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         int fmt, const float *bias, int64_t N, float *y, int64_t ldy,
                         int num_threads);
 // The same in a thread of a running team (every thread, `next` zeroed, after the reserve in
-// each): x as the tiles read it (bf16 [M, K] where loom_kq_gemm_isa is 2, else x), the same bits.
+// each): x as the tiles read it (loom_kq_gemm_x_team's [M, K] where loom_kq_gemm_x_bytes is not
+// 0, a barrier after it; else x), the same bits.
 int loom_linear_kq_gemm_reserve(void);
+int64_t loom_kq_gemm_x_bytes(int64_t M, int64_t K);
+void loom_kq_gemm_x_team(const float *x, int64_t M, int64_t K, int64_t ldx, void *xp, int tid,
+                         int team);
 void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
                               const uint8_t *w, int fmt, const float *bias, int64_t N, float *y,
                               int64_t ldy, int64_t *next, int team);
