@@ -46,6 +46,13 @@ def require_bf16() -> None:
     _require("bf16", "AVX512-BF16")
 
 
+def require_int16() -> None:
+    """The int8 grid's int16 kernel past 8 rows (linear_kq_gemm.c) is the AVX2 build's; on
+    CPUs without AVX2 its tests skip."""
+    _require("avx2", "AVX2")
+    assert cpu_kernels().loom_i16_available(), "the avx2 build has no int16 kernel"
+
+
 def require_vnni() -> None:
     """The VNNI decode kernel needs a CPU with AVX512-VNNI (Ice Lake, Zen 4 on); elsewhere its
     tests skip."""

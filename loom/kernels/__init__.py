@@ -45,6 +45,10 @@ SIGNATURES = {
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_bf16_available": (_int, []),
+    "loom_linear_q8_i16": (
+        _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
+    ),
+    "loom_i16_available": (_int, []),
     "loom_linear_q8_vnni": (
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),

@@ -12,7 +12,9 @@ picks a variant by name, `--batch-invariant` the kernels whose bits do not depen
 
 Kernels by name (loom.quant.int8): batch "fp32" (linear_q8.c: fp32 products, a request's bits
 the same in any batch), "bf16" (AVX512-BF16 dot products, bf16 precision), "amx" (AMX tiles,
-fp32 precision; the bits depend on whether a step has more than 8 rows); decode "fp32" or
+fp32 precision; the bits depend on whether a step has more than 8 rows), "int16" (AVX2
+vpmaddwd, linear_kq_gemm.c: each super-block of 256 weights rounded to 13-bit integers, x to 15
+bits a super-block; the same dependence); decode "fp32" or
 "vnni" (integer dot products, x in two int8 digits a group: AVX512-VNNI's vpdpwssd, or in the
 AVX2 build vpmaddwd, the same integers).
 """
@@ -61,8 +63,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
             _V4 | {"avx512_vnni"}, "fp32", "vnni", "AVX-512 fp32 past 8 rows, AVX512-VNNI up to 8"),
     Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, about="AVX-512 fp32"),
-    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "fp32", "vnni",
-            "AVX2 + FMA fp32 past 8 rows, AVX2 int16 dot products up to 8"),
+    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "int16", "vnni",
+            "AVX2 int16 dot products past 8 rows and up to 8"),
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
             about="portable x86-64 (SSE2)"),
     Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}),

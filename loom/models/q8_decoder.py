@@ -35,7 +35,7 @@ from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
 from loom.threads import TeamSize
 
-BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2}  # decoder_q8.c's `kernel`, low bits
+BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2, "int16": 3}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
 KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq_gemm.c)
 

@@ -51,7 +51,7 @@ GROUP = 32
 # the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
 # linear_bf16.c)
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
-                 "bf16": "loom_linear_q8_bf16"}
+                 "bf16": "loom_linear_q8_bf16", "int16": "loom_linear_q8_i16"}
 DECODE_ROWS = 8  # up to this many rows a product is decode's (linear_q8.c's M_DIRECT)
 
 

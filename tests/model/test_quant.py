@@ -31,7 +31,7 @@ from loom.quant.int8 import (
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.kernels.dispatch import runs_here, variants
 from tests.cpu_kernels import (
-    require_amx, require_bf16, require_cpu_kernels, require_int_decode, require_vnni,
+    require_amx, require_bf16, require_cpu_kernels, require_int16, require_int_decode, require_vnni,
 )
 from tests.paged_batch import BLOCK, PagedBatch, rel_err
 
@@ -488,8 +488,11 @@ def test_default_kernels_agree_with_reference(teacher_forced) -> None:
 # fp32's precision (measured 1495 of 1495, error 1.6e-5 to 3.4e-5; bf16 weights and activations
 # through oneDNN, tried first: 97.8%, 0.020). bf16: each dequantized weight and each x rounded
 # to bf16, fp32 sums (measured 1489 of 1495, 0.019; with the int8 KV cache 1482, 0.031).
+# int16 (AVX2): a super-block of 256 weights rounded to 13-bit integers, x to 15 bits a
+# super-block (measured on a Zen 3: 1494 of 1495, 0.0031; with the int8 KV cache 1490, 0.017).
 INT8_BATCH_KERNEL_AGREEMENT = [
     ("amx", require_amx, [(torch.float32, 0.995, 1e-4)]),
+    ("int16", require_int16, [(torch.float32, 0.99, 0.05), (torch.int8, 0.99, 0.05)]),
     ("bf16", require_bf16, [(torch.float32, 0.99, 0.05), (torch.int8, 0.99, 0.05)]),
 ]
 
@@ -501,12 +504,14 @@ def test_int8_batch_kernel_agrees_with_reference(teacher_forced, kernel, require
     """--cpu-kernels KERNEL, teacher-forced against the fp32 reference."""
     require()
     source, seqs, ref, _ = teacher_forced
-    loaded = load_model(source, "float32", quantization="int8", cpu_kernels=kernel)
+    loaded = load_model(source, "float32", quantization="int8",
+                        cpu_kernels={"int16": "avx2"}.get(kernel, kernel))  # its build
     assert all(m.batch_kernel == kernel for m in loaded.model.modules()
                if isinstance(m, Int8Linear))
     for kv, least, most in bars:
         batch = PagedBatch(loaded, num_blocks=256, kv_dtype=kv)
         agree, err = _agreement(batch.step(seqs), ref, seqs)
+        print(f"{kernel}, {kv} KV cache: top-1 {agree:.4f}, logit error {err:.4f}")
         assert agree >= least, (kv, agree)
         assert err < most, (kv, err)
 
@@ -523,17 +528,33 @@ def _random_int8(k: int, n: int, bias: bool, bits: int,
     return lin, q
 
 
-@pytest.mark.parametrize("kernel", ["amx", "bf16"])
+def _int16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The int16 kernel's error bound for x [M, K] @ w [N, K]^T (float64): per super-block of 256
+    (K zero-padded), each weight within max |w| / 8190 of its value and each x within
+    max |x| / 32766, so a super-block's sum within those times the other side's sum of sizes,
+    plus fp32's summing."""
+    pad = (-x.shape[1]) % 256
+    xs = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, 256)  # [M, S, 256]
+    ws = torch.nn.functional.pad(w, (0, pad)).reshape(w.shape[0], -1, 256)  # [N, S, 256]
+    dw = ws.abs().amax(-1) / 8190  # [N, S]
+    dx = xs.abs().amax(-1) / 32766  # [M, S]
+    sx, sw = xs.abs().sum(-1), ws.abs().sum(-1)
+    return (sx @ dw.t() + dx @ sw.t() + 256 * dx @ dw.t()) * 1.01 + 1e-5 * (x.abs() @ w.abs().t())
+
+
+@pytest.mark.parametrize("kernel", ["amx", "bf16", "int16"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
-    """The AMX and bf16 kernels against float64 sums of the same weights, for rows past a tile, a
-    ragged last tile of weights and of rows, a bias, both weight widths. AMX: within fp32-level
-    error (x in two bf16 parts carries 16 significant bits). bf16: each product's two bf16
-    roundings (2^-9 of each factor at most) bound its error by 2^-8 of |w x|, so an output is
-    within 2^-8 of the sum of its |w x| (plus fp32's summing), and is not fp32-exact. Either way
-    a row's result is the same alone as among others past 8 rows, up to 8 rows the layer keeps
-    the fp32 kernel (the same bits as without), and the kernels differ past 8 rows."""
-    {"amx": require_amx, "bf16": require_bf16}[kernel]()
+    """The AMX, bf16 and int16 kernels against float64 sums of the same weights, for rows past a
+    tile, a ragged last tile of weights and of rows, a bias, both weight widths, K not a
+    multiple of 256 (the int16 kernel's super-blocks). AMX: within fp32-level error (x in two
+    bf16 parts carries 16 significant bits). bf16: each product's two bf16 roundings (2^-9 of
+    each factor at most) bound its error by 2^-8 of |w x|, so an output is within 2^-8 of the
+    sum of its |w x| (plus fp32's summing), and is not fp32-exact. int16: _int16_bound. Either
+    way a row's result is the same alone as among others past 8 rows, up to 8 rows the layer
+    keeps the fp32 kernel (the same bits as without), and the kernels differ past 8 rows
+    (int16: past 63 rows where K < 1024)."""
+    {"amx": require_amx, "bf16": require_bf16, "int16": require_int16}[kernel]()
     g = torch.Generator().manual_seed(5)
     for m, k, n, bias in [(12, 64, 20, True), (37, 96, 50, False), (150, 576, 200, True),
                           (300, 1536, 40, False)]:
@@ -548,14 +569,19 @@ def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
         err = (got.double() - want).abs()
         if kernel == "amx":
             assert err.max() <= 1e-5 * want.abs().max(), (m, k, n)
+        elif kernel == "int16":
+            assert (err <= _int16_bound(x.double(), w)).all(), (m, k, n)
         else:
             assert (err <= 2.0**-8 * 1.01 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
             assert err.max() > 1e-4 * want.abs().max(), (m, k, n)
-        assert torch.equal(q(x[:9])[4], got[4]) and torch.equal(q(x[3:])[0], got[3])
+        # past 8 rows (int16 with K < 1024: from 64 rows on, its own kernel's class)
+        lo = 64 if kernel == "int16" and k < 1024 and m >= 64 else 9
+        assert torch.equal(q(x[:lo])[4], got[4]) and torch.equal(q(x[m - lo:])[0], got[m - lo])
         small = q(x[:8])
         q.batch_kernel = "fp32"
         assert torch.equal(small, q(x[:8]))
-        assert not torch.equal(got, q(x))  # different kernels, different summation orders
+        # different kernels, different summation orders (int16: the fp32 one up to 63 short rows)
+        assert torch.equal(got, q(x)) == (kernel == "int16" and m < 64 and k < 1024)
 
 
 @pytest.mark.slow

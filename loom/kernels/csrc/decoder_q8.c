@@ -92,7 +92,7 @@ typedef struct {
     const int64_t *positions, *slots, *block_tables, *tiles;
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
-    int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16 (batch_kernel);
+    int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16, 3 int16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
                               // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
 } Step;
@@ -197,6 +197,7 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
                                        bits, s->nt);
         return (batch == 1   ? loom_linear_q8_amx
                 : batch == 2 ? loom_linear_q8_bf16
+                : batch == 3 ? loom_linear_q8_i16
                              : loom_linear_q8_f32)(x, s->M, K, K, W->w, W->s, W->m, bias, N, y,
                                                    ldy, bits, s->nt);
     }

@@ -20,6 +20,7 @@
 //
 // Built without fast math (loom/kernels/build.py).
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,7 +43,7 @@
 #endif
 
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
-#define PANEL_BYTES (128 * 1024)  // a thread's dequantized panel: with x's rows, within L2
+#define PANEL_BYTES (128 * 1024)  // a thread's unpacked panel: with x's rows, within L2
 #define X_BYTES (512 * 1024)      // x rows a pass over the panels (a chunk of KC columns each)
 
 #if defined(KG_BF16)
@@ -69,6 +70,26 @@ typedef float panel_t;
 #endif
 // a panel row's bytes over kc columns: its values and its super-blocks' side values
 #define ROW_BYTES(kc) ((kc) * (int64_t)sizeof(panel_t) + (kc) / QK * SIDE * (int64_t)sizeof(float))
+// The int8 grid's integers (loom_linear_q8_i16): weights in 13 bits (|W| <= 4095) against x in 15
+// (|X| <= 16383), so a super-block's 16 vpmaddwd a lane sum exactly in int32 (2 x 4095 x 16383
+// x 16 < 2^31). On the default model (teacher-forced top-1 with the int8 KV cache, 1495
+// positions; D from a super-block's largest weight, since from its groups' bound: 99.67%)
+// 4095 / 16383 gave 99.40%, 2047 / 32767 98.73% (below the 99% bar), 8191 / 8191 99.33%,
+// 16383 / 4095 99.60%; the fp32 kernel 99.33%. x's 15 bits stand against activation outliers,
+// which a super-block's one scale shares with 255 other values.
+#define GRID_W 4095.0f
+#define GRID_X 16383.0f
+#define GRID 0  // Src's fmt for Loom's int8 grid (loom_linear_q8_i16), beside ggml's K-quant ids
+#define PAD(K) (((K) + QK - 1) / QK * QK)  // K as the panels and x's int16 rows hold it
+
+// The weights a call unpacks: K-quant blocks (fmt Q4_K, Q5_K, Q6_K: w) or, in the int16 build,
+// the int8 grid (fmt GRID: w [N, K bits / 8], s and m [N, K / 32], loom.h's int8-grid layout).
+typedef struct {
+    const uint8_t *w;
+    int fmt;
+    const float *s, *m;
+    int bits;
+} Src;
 
 // Which kernel this build runs past 8 rows: 2 AVX512-BF16, 1 AVX2 int16, 0 portable fp32.
 int loom_kq_gemm_isa(void)
@@ -271,25 +292,93 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     }
 }
 
+// The largest of v's 8 lanes.
+static inline float hmax8(__m256 v)
+{
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+// Columns [k0, k0 + kc) of int8-grid row n as int16 at out, SIDE floats a super-block at side:
+// a super-block's weights q s + m rounded to W = w / D (nearest even), D = B / GRID_W with B
+// the largest |w| its groups' scales and minimums allow (|m| or |m + qmax s|: each group's
+// extremes, which its own weights reach where they came from GGUF's blocks or Loom's
+// quantizer), zero past K; side[8] = D, side[0..7] zero (no minimum term). W = q (s / D) +
+// m / D in one fma: within 1/8190 of B plus an fp32 rounding, ~1/200 of a 4-bit group's step
+// and ~1/16 of an 8-bit one's in the super-block's widest group.
+static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t kc, int16_t *out,
+                     float *side)
+{
+    const int64_t groups = K / 32, row_bytes = K * src->bits / 8;
+    const uint8_t *q = src->w + n * row_bytes;
+    const float *s = src->s + n * groups, *m = src->m + n * groups;
+    const float qmax = src->bits == 8 ? 255.0f : 15.0f;
+    for (int64_t c = k0; c < k0 + kc; c += QK, out += QK, side += SIDE) {
+        // the panel reads a chunk of a row, then the next row's: ahead to the next row's
+        for (int64_t i = 0; i < QK * src->bits / 8; i += 64)
+            __builtin_prefetch(q + row_bytes + c * src->bits / 8 + i);
+        const int64_t have = K - c < QK ? K - c : QK;  // a multiple of 32
+        float bound = 0.0f;
+        for (int64_t g = c / 32; g < (c + have) / 32; g++) {
+            const float lo = fabsf(m[g]), hi = fabsf(m[g] + qmax * s[g]);
+            bound = bound > lo ? bound : lo;
+            bound = bound > hi ? bound : hi;
+        }
+        const float inv = bound > 0 ? GRID_W / bound : 0.0f;
+        for (int64_t j = 0; j < have; j += 16) {
+            const int64_t k = c + j, g = k / 32;
+            __m256i b0, b1;
+            if (src->bits == 8) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(q + k));
+                b0 = _mm256_cvtepu8_epi32(v);
+                b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+            } else {  // GGUF's nibbles: a group's values 0..15 low, 16..31 high, in 16 bytes
+                const __m128i v = _mm_loadu_si128((const __m128i *)(q + g * 16));
+                const __m128i u = (k & 31) < 16 ? _mm_and_si128(v, _mm_set1_epi8(15))
+                                                : _mm_and_si128(_mm_srli_epi16(v, 4),
+                                                                _mm_set1_epi8(15));
+                b0 = _mm256_cvtepu8_epi32(u);
+                b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(u, 8));
+            }
+            const __m256 sg = _mm256_set1_ps(s[g] * inv), mg = _mm256_set1_ps(m[g] * inv);
+            const __m256i a = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), sg, mg));
+            const __m256i d = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), sg, mg));
+            _mm256_storeu_si256((__m256i *)(out + j),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(a, d), 0xD8));
+        }
+        for (int64_t j = have; j < QK; j += 16)
+            _mm256_storeu_si256((__m256i *)(out + j), _mm256_setzero_si256());
+        memset(side, 0, 8 * sizeof(float));
+        side[8] = bound / GRID_W;
+    }
+}
+
 // Row x (K values) as the int16 tiles read it: a super-block's 256 values as X = x / dx (nearest
-// even), dx = max |x| / 32767, at X; its SIDE floats at side: the 8 sub-blocks' dx sum X (what
-// Q4_K's / Q5_K's minimums multiply), then dx.
-static void x16_row(const float *x, int64_t K, int16_t *X, float *side)
+// even), dx = max |x| / xmax (32767 against K-quants, GRID_X against the int8 grid), at X (zero
+// past K, to PAD(K)); its SIDE floats at side: the 8 sub-blocks' dx sum X (what Q4_K's / Q5_K's
+// minimums multiply), then dx.
+static void x16_row(const float *x, int64_t K, float xmax, int16_t *X, float *side)
 {
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t s = 0; s < K; s += QK, x += QK, X += QK, side += SIDE) {
+        float tail[QK];
+        const float *v = x;
+        if (K - s < QK) {  // the last super-block of a K that is not a multiple of 256
+            memcpy(tail, x, (size_t)(K - s) * sizeof(float));
+            memset(tail + (K - s), 0, (size_t)(QK - (K - s)) * sizeof(float));
+            v = tail;
+        }
         __m256 mx = _mm256_setzero_ps();
         for (int i = 0; i < QK; i += 8)
-            mx = _mm256_max_ps(mx, _mm256_and_ps(abs, _mm256_loadu_ps(x + i)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float dx = amax / 32767.0f;
-        const __m256 id = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(abs, _mm256_loadu_ps(v + i)));
+        const float amax = hmax8(mx);
+        const float dx = amax / xmax;
+        const __m256 id = _mm256_set1_ps(amax > 0 ? xmax / amax : 0.0f);
         for (int j = 0; j < 8; j++) {
             __m256i a[4];
             for (int t = 0; t < 4; t++)
-                a[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * j + 8 * t), id));
+                a[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * j + 8 * t), id));
             // vpackssdw packs within 128-bit lanes: 0xD8 puts the 64-bit quarters back in order
             _mm256_storeu_si256((__m256i *)(X + 32 * j), _mm256_permute4x64_epi64(
                 _mm256_packs_epi32(a[0], a[1]), 0xD8));
@@ -318,6 +407,7 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 #endif
 
 // ---- tiles: TM x rows (R of them real) against TN panel rows over kc columns -----------------
+enum { MIN, Q6, PLAIN };  // the int16 tile's modes (below)
 // out[TN r + j] = x row r . panel row j (rows past R: not written). xs, ps: the rows' side
 // values (the int16 build), lds and kc / QK SIDE floats a row.
 
@@ -325,10 +415,10 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
                                                        const float *xs, int64_t lds, const int R,
                                                        const panel_t *p, const float *ps,
-                                                       int64_t kc, const int q6,
+                                                       int64_t kc, int64_t kn, const int mode,
                                                        float out[TM * TN])
 {
-    (void)xs, (void)lds, (void)ps, (void)q6;
+    (void)xs, (void)lds, (void)ps, (void)kn, (void)mode;
     bf16_tile(x, ldx, R, p, kc, out);  // bf16_tile.h (linear_bf16.c's): TM = TN = 4
 }
 
@@ -340,21 +430,23 @@ static inline __attribute__((always_inline)) __m128 sum4(__m256 a, __m256 b, __m
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+_Static_assert(TN == 2, "the int16 tile reads two panel rows");
 static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t ldx,
                                                        const float *xs, int64_t lds, const int R,
                                                        const panel_t *p, const float *ps,
-                                                       int64_t kc, const int q6,
+                                                       int64_t kc, int64_t kn, const int mode,
                                                        float out[TM * TN])
 {
     __m256 acc[TM * TN];
     for (int i = 0; i < TM * TN; i++) acc[i] = _mm256_setzero_ps();
-    // values summed in int32 between conversions: a super-block, Q6_K's half of one (its
+    // mode: MIN (Q4_K, Q5_K: a minimum term), Q6 or PLAIN (the int8 grid's 13-bit panels).
+    // Values summed in int32 between conversions: a super-block, Q6_K's half of one (its
     // |sc (q - 32)| <= 4096 times |X| <= 32767, 16 products a lane, fits 2^31 only so far)
-    const int64_t run = q6 ? QK / 2 : QK, pside = kc / QK * SIDE;
-    for (int64_t k0 = 0; k0 < kc; k0 += run) {
+    const int64_t run = mode == Q6 ? QK / 2 : QK, pside = kc / QK * SIDE;
+    for (int64_t k0 = 0; k0 < kn; k0 += run) {  // kn: past it the panel and x are zero
         __m256i ia[TM * TN];
         for (int i = 0; i < TM * TN; i++) ia[i] = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k0 + run; k += 16) {
+        for (int64_t k = k0, end = k0 + run < kn ? k0 + run : kn; k < end; k += 16) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + k));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + kc + k));
             for (int r = 0; r < R; r++) {
@@ -372,7 +464,7 @@ static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t
                     _mm256_mul_ps(dx, _mm256_broadcast_ss(ps + j * pside + sb + 8)),
                     acc[TN * r + j]);
         }
-        if (!q6)
+        if (mode == MIN)
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < TN; j++)
                     acc[TN * r + j] = _mm256_fnmadd_ps(_mm256_loadu_ps(ps + j * pside + sb),
@@ -386,9 +478,10 @@ static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t
 #else
 // Portable: 8 running sums a dot product (vectorizable lane-wise without reassociation).
 static void tile(const panel_t *x, int64_t ldx, const float *xs, int64_t lds, const int R,
-                 const panel_t *p, const float *ps, int64_t kc, const int q6, float out[TM * TN])
+                 const panel_t *p, const float *ps, int64_t kc, int64_t kn, const int mode,
+                 float out[TM * TN])
 {
-    (void)ldx, (void)xs, (void)lds, (void)R, (void)ps, (void)q6;
+    (void)ldx, (void)xs, (void)lds, (void)R, (void)ps, (void)kn, (void)mode;
     for (int j = 0; j < TN; j++) {
         float acc[8] = {0};
         for (int64_t k = 0; k < kc; k += 8)
@@ -400,18 +493,28 @@ static void tile(const panel_t *x, int64_t ldx, const float *xs, int64_t lds, co
 
 // ---- a call ----------------------------------------------------------------------------------
 
-// Weight rows n0 .. n0 + nb - 1 against all M rows of x (xp: the tiles' x, ldp apart; xs: its
-// side values, lds a row): y's columns n0 .. n0 + nb - 1, chunk by chunk of KC columns, then the
+// Weight rows n0 .. n0 + nb - 1 of src against all M rows of x (xp: the tiles' x, ldp apart;
+// xs: its side values, lds a row): y's columns n0 .. n0 + nb - 1, chunk by chunk of KC columns
+// up to PAD(K) (K itself outside the int16 build, whose int8 grid alone has other K), then the
 // bias. pb, ps: the thread's panel and its side values.
 static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t lds, int64_t M,
-                       int64_t K, const uint8_t *w, int fmt, const float *bias, int64_t n0,
-                       int64_t nb, float *y, int64_t ldy, panel_t *pb, float *ps)
+                       int64_t K, const Src *src, const float *bias, int64_t n0, int64_t nb,
+                       float *y, int64_t ldy, panel_t *pb, float *ps)
 {
-    const int64_t nbp = (nb + TN - 1) / TN * TN;
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = K - k0 < KC ? K - k0 : KC, pside = kc / QK * SIDE;
-        for (int64_t r = 0; r < nb; r++)
-            panel_row(w, fmt, K, n0 + r, k0, kc, pb + r * kc, ps + r * pside);
+    const int64_t nbp = (nb + TN - 1) / TN * TN, Kp = PAD(K);
+    const int mode = src->fmt == Q6_K ? Q6 : src->fmt == GRID ? PLAIN : MIN;
+    for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+        const int64_t kc = Kp - k0 < KC ? Kp - k0 : KC, pside = kc / QK * SIDE;
+        const int64_t kn = K - k0 < kc ? K - k0 : kc;  // columns before the padding
+        for (int64_t r = 0; r < nb; r++) {
+#if defined(KG_I16)
+            if (src->fmt == GRID) {
+                grid_row(src, K, n0 + r, k0, kc, pb + r * kc, ps + r * pside);
+                continue;
+            }
+#endif
+            panel_row(src->w, src->fmt, K, n0 + r, k0, kc, pb + r * kc, ps + r * pside);
+        }
         memset(pb + nb * kc, 0, (size_t)((nbp - nb) * kc) * sizeof(panel_t));
         memset(ps + nb * pside, 0, (size_t)((nbp - nb) * pside) * sizeof(float));
         for (int64_t m = 0; m < M; m += TM) {
@@ -422,27 +525,25 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                 float t[TM * TN];
                 const panel_t *pr = pb + r * kc;
                 const float *psr = ps + r * pside;
-#define TILE(R, Q6) tile(xr, ldp, xsr, lds, R, pr, psr, kc, Q6, t)
-                if (fmt == Q6_K) {
-                    switch (mr) {  // R and q6 constants in each
-                    case 1: TILE(1, 1); break;
 #if TM == 4
-                    case 2: TILE(2, 1); break;
-                    case 3: TILE(3, 1); break;
-                    default: TILE(4, 1); break;
+#define TILES(MODE)                                                          \
+    switch (mr) { /* R and the mode constants in each */                     \
+    case 1: tile(xr, ldp, xsr, lds, 1, pr, psr, kc, kn, MODE, t); break;     \
+    case 2: tile(xr, ldp, xsr, lds, 2, pr, psr, kc, kn, MODE, t); break;     \
+    case 3: tile(xr, ldp, xsr, lds, 3, pr, psr, kc, kn, MODE, t); break;     \
+    default: tile(xr, ldp, xsr, lds, 4, pr, psr, kc, kn, MODE, t); break;    \
+    }
+#else
+#define TILES(MODE) tile(xr, ldp, xsr, lds, 1, pr, psr, kc, kn, MODE, t);
 #endif
-                    }
+                if (mode == Q6) {
+                    TILES(Q6)
+                } else if (mode == PLAIN) {
+                    TILES(PLAIN)
                 } else {
-                    switch (mr) {
-                    case 1: TILE(1, 0); break;
-#if TM == 4
-                    case 2: TILE(2, 0); break;
-                    case 3: TILE(3, 0); break;
-                    default: TILE(4, 0); break;
-#endif
-                    }
+                    TILES(MIN)
                 }
-#undef TILE
+#undef TILES
                 const int64_t cols = nb - r < TN ? nb - r : TN;
                 for (int64_t i = 0; i < mr; i++)
                     for (int64_t j = 0; j < cols; j++) {
@@ -466,11 +567,13 @@ int loom_linear_kq_gemm_reserve(void)
 }
 
 // Bytes of x [M, K] as the tiles read it (0: x itself): bf16 [M, K] in the bf16 build; int16
-// [M, K] and then each row's side values [M, K / 256, SIDE] in the int16 build.
+// [M, PAD(K)] and then each row's side values [M, PAD(K) / 256, SIDE] in the int16 build.
 int64_t loom_kq_gemm_x_bytes(int64_t M, int64_t K)
 {
-#if defined(KG_BF16) || defined(KG_I16)
+#if defined(KG_BF16)
     return M * ROW_BYTES(K);
+#elif defined(KG_I16)
+    return M * ROW_BYTES(PAD(K));
 #else
     (void)M, (void)K;
     return 0;
@@ -479,21 +582,56 @@ int64_t loom_kq_gemm_x_bytes(int64_t M, int64_t K)
 
 // Thread `tid` of a team of `team`'s share of x's M rows into xp as the tiles read it (where
 // loom_kq_gemm_x_bytes is not 0): every thread calls it, then a barrier, before the team form.
-void loom_kq_gemm_x_team(const float *x, int64_t M, int64_t K, int64_t ldx, void *xp, int tid,
-                         int team)
+static void x_team(const float *x, int64_t M, int64_t K, int64_t ldx, void *xp, int tid,
+                   int team, float xmax)
 {
     const int64_t m0 = M * tid / team, m1 = M * (tid + 1) / team;
 #if defined(KG_BF16)
     (void)m0, (void)m1;
     loom_bf16_rows_team(x, M, K, ldx, xp, tid, team);
 #elif defined(KG_I16)
+    const int64_t Kp = PAD(K);
     int16_t *X = xp;
-    float *side = (float *)(X + M * K);
+    float *side = (float *)(X + M * Kp);
     for (int64_t m = m0; m < m1; m++)
-        x16_row(x + m * ldx, K, X + m * K, side + m * (K / QK) * SIDE);
+        x16_row(x + m * ldx, K, xmax, X + m * Kp, side + m * (Kp / QK) * SIDE);
 #else
     (void)x, (void)K, (void)ldx, (void)xp, (void)m0, (void)m1;
 #endif
+    (void)xmax;
+}
+
+void loom_kq_gemm_x_team(const float *x, int64_t M, int64_t K, int64_t ldx, void *xp, int tid,
+                         int team)
+{
+    x_team(x, M, K, ldx, xp, tid, team, 32767.0f);
+}
+
+// The (x chunk, panel block) units of a call on src for a thread of a running team (see
+// loom_linear_kq_gemm_team).
+static void units(const void *xp, int64_t ldp, int64_t M, int64_t K, const Src *src,
+                  const float *bias, int64_t N, float *y, int64_t ldy, int64_t *next, int team)
+{
+    const int64_t Kp = PAD(K), kc = Kp < KC ? Kp : KC;
+    int64_t nb_rows;
+    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / ROW_BYTES(kc), TN, team, &nb_rows);
+    // past m_chunk rows, passes of m_chunk rows over all panels (each unpacked once a pass):
+    // x's chunk stays in cache while the panels stream past it
+    int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
+    m_chunk = m_chunk < 16 ? 16 : m_chunk;
+    const int64_t count = (M + m_chunk - 1) / m_chunk * blocks;
+    panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * ROW_BYTES(kc)));  // reserved
+    float *ps = (float *)(pb + (nb_rows + TN) * kc);
+    const panel_t *xv = xp;
+    // the int16 build's side values (the others have none: xs is then never read)
+    const float *xs = SIDE ? (const float *)(xv + M * ldp) : (const float *)xp;
+    const int64_t lds = Kp / QK * SIDE;
+    for (int64_t u; (u = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < count;) {
+        const int64_t m0 = u / blocks * m_chunk, mc = M - m0 < m_chunk ? M - m0 : m_chunk;
+        const int64_t n0 = u % blocks * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
+        panel_rows(xv + m0 * ldp, ldp, xs + m0 * lds, lds, mc, K, src, bias, n0, nb,
+                   y + m0 * ldy, ldy, pb, ps);
+    }
 }
 
 // loom_linear_kq_gemm past 8 rows (K and fmt as loom_kq_check takes: the caller checks) for a
@@ -507,26 +645,39 @@ void loom_linear_kq_gemm_team(const void *xp, int64_t ldp, int64_t M, int64_t K,
                               const uint8_t *w, int fmt, const float *bias, int64_t N, float *y,
                               int64_t ldy, int64_t *next, int team)
 {
-    const int64_t kc = K < KC ? K : KC;
-    int64_t nb_rows;
-    const int64_t blocks = loom_weight_blocks(N, PANEL_BYTES / ROW_BYTES(kc), TN, team, &nb_rows);
-    // past m_chunk rows, passes of m_chunk rows over all panels (each unpacked once a pass):
-    // x's chunk stays in cache while the panels stream past it
-    int64_t m_chunk = X_BYTES / (int64_t)sizeof(panel_t) / kc / TM * TM;
-    m_chunk = m_chunk < 16 ? 16 : m_chunk;
-    const int64_t units = (M + m_chunk - 1) / m_chunk * blocks;
-    panel_t *pb = loom_scratch(1, (size_t)((nb_rows + TN) * ROW_BYTES(kc)));  // reserved
-    float *ps = (float *)(pb + (nb_rows + TN) * kc);
-    const panel_t *xv = xp;
-    // the int16 build's side values (the others have none: xs is then never read)
-    const float *xs = SIDE ? (const float *)(xv + M * ldp) : (const float *)xp;
-    const int64_t lds = K / QK * SIDE;
-    for (int64_t u; (u = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < units;) {
-        const int64_t m0 = u / blocks * m_chunk, mc = M - m0 < m_chunk ? M - m0 : m_chunk;
-        const int64_t n0 = u % blocks * nb_rows, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-        panel_rows(xv + m0 * ldp, ldp, xs + m0 * lds, lds, mc, K, w, fmt, bias, n0, nb,
-                   y + m0 * ldy, ldy, pb, ps);
+    const Src src = {w, fmt, NULL, NULL, 0};
+    units(xp, ldp, M, K, &src, bias, N, y, ldy, next, team);
+}
+
+// A call past 8 rows in a region of its own: x prepared once (shared), then the units.
+static int gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const Src *src,
+                const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
+{
+    // x as the tiles read it, shared by the team (loom_scratch's slots as linear_bf16.c's: 0 the
+    // calling thread's x, 1 each thread's panel)
+    const int64_t xb = loom_kq_gemm_x_bytes(M, K);
+    void *xp = xb ? loom_scratch(0, (size_t)xb) : (void *)x;
+    if (!xp) return -2;
+    const int64_t ldp = xb ? PAD(K) : ldx;
+    int64_t next = 0;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int team = omp_get_num_threads();
+        if (xb)
+            x_team(x, M, K, ldx, xp, omp_get_thread_num(), team,
+                   src->fmt == GRID ? GRID_X : 32767.0f);
+        if (loom_linear_kq_gemm_reserve()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int skip;
+#pragma omp atomic read
+        skip = failed;
+        if (!skip) units(xp, ldp, M, K, src, bias, N, y, ldy, &next, team);
     }
+    return failed ? -2 : 0;
 }
 
 // As loom_linear_kq (same arguments, which it runs for up to 8 rows): past 8 rows, panels of
@@ -539,28 +690,42 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 {
     if (loom_kq_check(K, fmt)) return -1;
     if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
-    // x as the tiles read it, shared by the team (loom_scratch's slots as linear_bf16.c's: 0 the
-    // calling thread's x, 1 each thread's panel)
-    const int64_t xb = loom_kq_gemm_x_bytes(M, K);
-    void *xp = xb ? loom_scratch(0, (size_t)xb) : (void *)x;
-    if (!xp) return -2;
-    const int64_t ldp = xb ? K : ldx;
-    int64_t next = 0;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int team = omp_get_num_threads();
-        if (xb) loom_kq_gemm_x_team(x, M, K, ldx, xp, omp_get_thread_num(), team);
-        if (loom_linear_kq_gemm_reserve()) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int skip;
-#pragma omp atomic read
-        skip = failed;
-        if (!skip)
-            loom_linear_kq_gemm_team(xp, ldp, M, K, w, fmt, bias, N, y, ldy, &next, team);
-    }
-    return failed ? -2 : 0;
+    const Src src = {w, fmt, NULL, NULL, 0};
+    return gemm(x, M, K, ldx, &src, bias, N, y, ldy, num_threads);
+}
+
+// The int8 grid's linear (loom_linear_q8_f32's arguments and returns; it runs up to 8 rows, and
+// up to 63 for K under 1024) past 8 rows on the int16 tiles: each super-block of a weight row
+// rounded to 13-bit integers once a call (grid_row), x to one int16 a super-block. -3 in builds
+// without the int16 tiles. A row's bits do not depend on the other rows of its call (they differ
+// from the fp32 kernel's).
+int loom_linear_q8_i16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads)
+{
+#if defined(KG_I16)
+    if (loom_linear_q8_check(K, bits)) return -1;
+    // the fp32 kernel up to 8 rows, and for short rows up to 63: there a super-block's unpacking
+    // and a short row's part-filled last super-block cost what the tile saves (a Zen 3, two
+    // threads, 32 rows: K 576 1.07-1.10x the fp32 kernel's time, K 1536-2048 0.83-0.93x)
+    if (M <= ROWS_INT || (M < 64 && K < 1024))
+        return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
+                                  num_threads);
+    const Src src = {w, GRID, scales, mins, bits};
+    return gemm(x, M, K, ldx, &src, bias, N, y, ldy, num_threads);
+#else
+    (void)x, (void)M, (void)K, (void)ldx, (void)w, (void)scales, (void)mins, (void)bias;
+    (void)N, (void)y, (void)ldy, (void)bits, (void)num_threads;
+    return -3;
+#endif
+}
+
+// 1 if this build has loom_linear_q8_i16's tiles, 0 if not.
+int loom_i16_available(void)
+{
+#if defined(KG_I16)
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -85,6 +85,14 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                          const float *scales, const float *mins, const float *bias, int64_t N,
                          float *y, int64_t ldy, int bits, int64_t *next, int team);
+// Past 8 rows on AVX2 int16 dot products (linear_kq_gemm.c: each super-block of 256 weights
+// rounded to 13-bit integers once a call, x to 15 bits a super-block; loom_linear_q8_f32 up
+// to 8 rows): loom_linear_q8_f32's arguments and returns, -3 in builds without it
+// (loom_i16_available). A row's bits do not depend on its batch, but differ from the fp32 ones.
+int loom_linear_q8_i16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                       const float *scales, const float *mins, const float *bias, int64_t N,
+                       float *y, int64_t ldy, int bits, int num_threads);
+int loom_i16_available(void);
 // The quantizer: each group of 32 of w [N, K] -> q, scale, min (torch's Q8Groups, same bytes).
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
