@@ -6,8 +6,7 @@ Q4_0 gate/up (4-bit, 4096 x 2048); medians, GMAC/s, and the largest difference b
     .venv/bin/python benchmarks/bench_q8_i16.py [--rows 128] [--threads 2]
 
 Needs the avx2 build's kernels (an AVX2 CPU). Random weights, scales and minimums: the speed of
-a layer does not depend on its values. loom_linear_q8_i16 hands 64 rows or fewer of K < 1024 to
-the fp32 kernel itself (the same figure twice there).
+a layer does not depend on its values.
 """
 
 from __future__ import annotations

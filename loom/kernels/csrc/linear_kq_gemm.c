@@ -14,6 +14,8 @@
 //   rounding of x as one int16 per 256 values keeps a real model's greedy tokens
 //   (docs/kquants.md), and runs ~1.4x the fp32 FMA tile it replaced.
 // - Portable C: the `gguf` package's dequantized weights in fp32 and x as given.
+// The AVX2 int16 tile runs Loom's int8 grid too (loom_linear_q8_i16, at the end): its weights
+// rounded to 13-bit integers a super-block (grid_row).
 // Order: each output is the sum over K chunks of KC (in order) of a chunk's tile sum, then the
 // bias: the same whatever M, so a row's bits do not depend on the other rows of its call
 // (they differ from linear_kquant.c's, whose kernel up to 8 rows this file calls as it is).
@@ -694,8 +696,8 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
     return gemm(x, M, K, ldx, &src, bias, N, y, ldy, num_threads);
 }
 
-// The int8 grid's linear (loom_linear_q8_f32's arguments and returns; it runs up to 8 rows, and
-// up to 63 for K under 1024) past 8 rows on the int16 tiles: each super-block of a weight row
+// The int8 grid's linear (loom_linear_q8_f32's arguments and returns; it runs up to 8 rows)
+// past 8 rows on the int16 tiles: each super-block of a weight row
 // rounded to 13-bit integers once a call (grid_row), x to one int16 a super-block. -3 in builds
 // without the int16 tiles. A row's bits do not depend on the other rows of its call (they differ
 // from the fp32 kernel's).
@@ -705,10 +707,10 @@ int loom_linear_q8_i16(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 {
 #if defined(KG_I16)
     if (loom_linear_q8_check(K, bits)) return -1;
-    // the fp32 kernel up to 8 rows, and for short rows up to 63: there a super-block's unpacking
-    // and a short row's part-filled last super-block cost what the tile saves (a Zen 3, two
-    // threads, 32 rows: K 576 1.07-1.10x the fp32 kernel's time, K 1536-2048 0.83-0.93x)
-    if (M <= ROWS_INT || (M < 64 && K < 1024))
+    // (at every M past 8, though at 32 rows of K 576 it takes 1.07-1.10x the fp32 kernel's time
+    // on a Zen 3: a request's bits must not depend on how many rows its step had past 8, which
+    // a prefix-cache hit changes)
+    if (M <= ROWS_INT)
         return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
                                   num_threads);
     const Src src = {w, GRID, scales, mins, bits};
