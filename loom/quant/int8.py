@@ -26,6 +26,11 @@ then depend on whether its step had more than 8 rows (the two kernels sum in dif
 rounded to bf16, fp32 sums: faster than the fp32 kernel there, at bf16's precision (tested by
 top-1 agreement with the fp32 reference, like the other quantized paths). Up to 8 rows as `amx`.
 
+`int16`: products of more than 8 rows on AVX2 (csrc/linear_kq_gemm.c's int16 tile): each
+super-block of 256 weights rounded once a call to 13-bit integers, x to 15-bit ones a
+super-block, `vpmaddwd` summed exactly in int32; near fp32's top-1 agreement
+(docs/cpu_kernels.md). Up to 8 rows as `amx`.
+
 `vnni` (the decode kernel): products of up to 8 rows (decode) in AVX512-VNNI integer
 dot products (csrc/linear_vnni.c; Intel Ice Lake, AMD Zen 4 and later): x in two int8 digits a
 group of 32 (16 significant bits), the weights as they are, scales and minimums read from fp16
