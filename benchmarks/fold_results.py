@@ -9,7 +9,7 @@ runs of compare.py (`<date>[-label].md/.json/.png`) give their table's figures p
 ("Loom: output tokens/s @ C=1"); other JSON results (offline-, load-, cpu-, ...) give their
 numeric leaves, a list of repeated runs as its median ("loom/output_tokens_per_s"). A run whose
 file is gone keeps its rows: the CSV is the history. `--prune` keeps, of each kind (side-by-side,
-offline, ...), the newest run per machine; kernel A/B experiments (cpu-*) are history only.
+offline, ...), the newest run per machine (side by side: per machine label and model); kernel A/B experiments (cpu-*) are history only.
 """
 
 from __future__ import annotations
@@ -142,19 +142,31 @@ def added_at(path: Path) -> int:
     return int(out[-1]) if out else int(path.stat().st_mtime)
 
 
+def subject_of(stem: str) -> str:
+    """What a run measured, from its name: the machine label and the model part of a side by
+    side run (`2026-12-04-amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m-2` ->
+    `amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m`), without its date and its run number or
+    commit. Reports' CPU lines name only the vendor and cores (every AMD VM reads alike), so
+    runs of different machines and models are told apart by this."""
+    rest = re.sub(r"^\d{4}-\d{2}-\d{2}-?", "", stem)
+    return re.sub(r"-(\d{1,2}|[0-9a-f]{7})$", "", rest)
+
+
 def newest_runs(results: Path) -> set[str]:
-    """Stems of the newest run of each (kind, machine); kernel A/B runs (cpu-*) excluded."""
-    best: dict[tuple[str, str], tuple[tuple[str, int], str]] = {}
+    """Stems of the newest run of each (kind, machine, subject); kernel A/B runs (cpu-*)
+    excluded."""
+    best: dict[tuple[str, str, str], tuple[tuple[str, int], str]] = {}
     for path in results.glob("*.json"):
         kind = kind_of(path.name)
         if kind == "cpu":
             continue
         md = path.with_suffix(".md")
         machine = machine_of(path.name, md.read_text() if md.exists() else "")
+        key = (kind, machine, subject_of(path.stem) if kind == "compare" else "")
         date = DATE.search(path.name)
         order = (date.group(1) if date else "", added_at(path))
-        if (kind, machine) not in best or order > best[(kind, machine)][0]:
-            best[(kind, machine)] = (order, path.stem)
+        if key not in best or order > best[key][0]:
+            best[key] = (order, path.stem)
     return {stem for _, stem in best.values()}
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(BENCH / "peers"))
 import compare  # noqa: E402
 import compare_engines  # noqa: E402
 import compare_figures  # noqa: E402
+import fold_results  # noqa: E402
 import make_shape  # noqa: E402
 
 from tests.gguf_files import _permute  # noqa: E402
@@ -191,3 +192,20 @@ def test_a_run_with_no_engine_installed_writes_a_report_saying_so(tmp_path, monk
                   "--label", "m-1.7b-shape", "--out-dir", str(tmp_path)])
     second = md.with_name(md.name.removesuffix(".md") + "-2.md")
     assert "- vllm: not installed" in second.read_text() and md.read_text() == text
+
+
+def test_prune_keeps_the_newest_run_of_each_machine_and_model(tmp_path) -> None:
+    """Every AMD VM's report reads "AMD EPYC, 2 logical cores": runs are told apart by their
+    names' machine label and model, so a new 1.7B run leaves the 135M's and the other VM's."""
+    cpu = "- CPU: AMD EPYC, 2 logical cores\n"
+    for stem in ("2026-12-03-amd-zen3-avx2-2c-smollm2-135m-q4_1-2",
+                 "2026-12-03-amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m-3",
+                 "2026-12-04-amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m",
+                 "2026-12-03-amd-avx512-2c-smollm2-1.7b-shape-q4_k_m",
+                 "2026-12-02-amd-avx512-2c-smollm2-1.7b-shape-q4_k_m-c6ee8a3"):
+        (tmp_path / f"{stem}.json").write_text("{}")
+        (tmp_path / f"{stem}.md").write_text(cpu)
+    assert fold_results.newest_runs(tmp_path) == {
+        "2026-12-03-amd-zen3-avx2-2c-smollm2-135m-q4_1-2",
+        "2026-12-04-amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m",
+        "2026-12-03-amd-avx512-2c-smollm2-1.7b-shape-q4_k_m"}
