@@ -9,7 +9,8 @@ runs of compare.py (`<date>[-label].md/.json/.png`) give their table's figures p
 ("Loom: output tokens/s @ C=1"); other JSON results (offline-, load-, cpu-, ...) give their
 numeric leaves, a list of repeated runs as its median ("loom/output_tokens_per_s"). A run whose
 file is gone keeps its rows: the CSV is the history. `--prune` keeps, of each kind (side-by-side,
-offline, ...), the newest run per machine (side by side: per machine label and model); kernel A/B experiments (cpu-*) are history only.
+offline, ...), the newest run per machine (side by side: per machine label and model); kernel
+A/B experiments (cpu-*) are history only.
 """
 
 from __future__ import annotations
