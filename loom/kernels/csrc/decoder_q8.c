@@ -159,9 +159,13 @@ void loom_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64
 // y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8, KQ or F32).
 // join: end with the team's barrier; without it (a K-quant part before another part of the same
 // linear: it reads x and writes its own columns, as the next does) a thread goes on to the next
-// part's rows at once instead of waiting out the other's last chunk.
+// part's rows at once instead of waiting out the other's last chunk. Past 8 rows a K-quant part
+// ends with the barrier unless the next part is a K-quant one too (next_kq: it reads the same
+// prepared x; another kind would rewrite buf_xb); prepared: the part before was (x is in
+// buf_xb as the GEMM reads it).
 static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
-                      const float *bias, int64_t N, float *y, int64_t ldy, int join)
+                      const float *bias, int64_t N, float *y, int64_t ldy, int join,
+                      int next_kq, int prepared)
 {
     const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
     const int bits = (int)W->bits;
@@ -178,13 +182,13 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
                 x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
         if (s->M > loom_linear_q8_direct_rows) {  // x as the GEMM's tiles read it
             const int xb = loom_kq_gemm_x_bytes(s->M, K) > 0;
-            if (xb) {
+            if (xb && !prepared) {
                 loom_kq_gemm_x_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
                 sync_team(t);
             }
             loom_linear_kq_gemm_team(xb ? (const void *)s->buf_xb : (const void *)x, K, s->M, K,
                                      W->w, bits, bias, N, y, ldy, t->next++, t->team);
-            sync_team(t);  // (the next part rewrites the shared buf_xb)
+            if (join || !next_kq) sync_team(t);
             return 0;
         }
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);
@@ -222,12 +226,15 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
 static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomLinearQ8 *W,
                   const float *bias, int64_t N, float *y)
 {
-    if (W->kind != LOOM_LINEAR_PARTS) return linear_one(s, t, x, K, W, bias, N, y, N, 1);
+    if (W->kind != LOOM_LINEAR_PARTS) return linear_one(s, t, x, K, W, bias, N, y, N, 1, 0, 0);
     for (int64_t i = 0; i < W->num_parts; i++) {  // KQuantLinear.forward's order
         const LoomLinearQ8 *P = &W->parts[i];
         const int kq = P->kind == LOOM_LINEAR_KQ;
+        // K-quant parts in a row: past 8 rows one prepared x and one barrier at their end
+        const int next_kq = i + 1 < W->num_parts && W->parts[i + 1].kind == LOOM_LINEAR_KQ;
+        const int prev_kq = i > 0 && W->parts[i - 1].kind == LOOM_LINEAR_KQ;
         int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N,
-                            i == W->num_parts - 1);
+                            i == W->num_parts - 1, next_kq, kq && prev_kq);
         if (rc) return rc;
         if (bias && !kq) {  // the Q8 part's product, then its bias (torch's `part + bias`)
             int64_t r0, r1;
