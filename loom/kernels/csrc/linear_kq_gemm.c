@@ -144,7 +144,9 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
 }
 #endif
 
-// A super-block's 256 unsigned integers in weight order into q (AVX2, 32 a vector).
+#if defined(KG_BF16)
+// A super-block's 256 unsigned integers in weight order into q (AVX2, 32 a vector; the int16
+// build's panel_row reads them from the block into its lanes itself).
 static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
 {
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -179,7 +181,6 @@ static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
     }
 }
 
-#if defined(KG_BF16)
 // A Q4_K / Q5_K super-block as 256 bf16 at out: a sub-block of 32 weights (one scale and
 // minimum) is a table of its 16 (Q4_K) or 32 (Q5_K) values sw q - ow (one rounding, then bf16)
 // that its integers look up (vpermw).
@@ -262,17 +263,32 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     const int bb = loom_kq_block_bytes(fmt);
     const int64_t row = K / QK * bb;
     const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    // the integers straight from the block's bytes into int16 lanes (sb_values' values, not
+    // through a buffer of them): 0.5x the instructions a super-block
     for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK, side += SIDE) {
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);  // as above
-        uint8_t q[QK] __attribute__((aligned(32)));
-        sb_values(blk, fmt, q);
-        if (fmt == Q6_K) {
-            const __m256i c32 = _mm256_set1_epi16(32);
-            for (int h = 0; h < 16; h++) {
-                const __m256i v = _mm256_sub_epi16(
-                    _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(q + 16 * h))), c32);
-                _mm256_storeu_si256((__m256i *)(out + 16 * h),
-                                    _mm256_mullo_epi16(v, _mm256_set1_epi16((int8_t)blk[192 + h])));
+        if (fmt == Q6_K) {  // per half c: nibbles of ql[64c ..], bits 4-5 from qh[32c + l] >> 2t
+            for (int c = 0; c < 2; c++) {
+                const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+                const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
+                const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
+                const __m256i nib[4] = {_mm256_and_si256(L0, low4), _mm256_and_si256(L1, low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(L1, 4), low4)};
+                for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
+                    const __m256i hb = _mm256_and_si256(
+                        _mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+                    const __m256i v = _mm256_sub_epi8(  // q - 32 as int8
+                        _mm256_or_si256(nib[t], _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+                    const int h = 8 * c + 2 * t;
+                    _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_mullo_epi16(
+                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                        _mm256_set1_epi16((int8_t)blk[192 + h])));
+                    _mm256_storeu_si256((__m256i *)(out + 16 * h + 16), _mm256_mullo_epi16(
+                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                        _mm256_set1_epi16((int8_t)blk[192 + h + 1])));
+                }
             }
             memset(side, 0, 8 * sizeof(float));
             side[8] = f16_at(blk + 208);
@@ -281,12 +297,23 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
         uint64_t sc, mn;
         k4_words(blk + 4, &sc, &mn);
         const float dmin = f16_at(blk + 2);
-        for (int j = 0; j < 8; j++) {
-            const __m256i scj = _mm256_set1_epi16((int16_t)(sc >> 8 * j & 0xff));
-            for (int i = 32 * j; i < 32 * j + 32; i += 16)
-                _mm256_storeu_si256((__m256i *)(out + i), _mm256_mullo_epi16(
-                    _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(q + i))), scj));
-            side[j] = dmin * (float)(mn >> 8 * j & 0xff);
+        const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));  // Q5_K's fifth bits
+        for (int j = 0; j < 4; j++) {  // qs[32 j ..]: sub-blocks 2 j (low nibbles), 2 j + 1
+            const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            for (int h = 0; h < 2; h++) {
+                const int t = 2 * j + h;
+                __m256i v = _mm256_and_si256(h ? _mm256_srli_epi16(L, 4) : L, low4);
+                if (fmt == Q5_K)  // bit t of qh's bytes
+                    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(
+                        _mm256_srl_epi16(H, _mm_cvtsi32_si128(t)), _mm256_set1_epi8(1)), 4));
+                const __m256i scj = _mm256_set1_epi16((int16_t)(sc >> 8 * t & 0xff));
+                _mm256_storeu_si256((__m256i *)(out + 32 * t), _mm256_mullo_epi16(
+                    _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), scj));
+                _mm256_storeu_si256((__m256i *)(out + 32 * t + 16), _mm256_mullo_epi16(
+                    _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), scj));
+                side[t] = dmin * (float)(mn >> 8 * t & 0xff);
+            }
         }
         side[8] = f16_at(blk);
     }
