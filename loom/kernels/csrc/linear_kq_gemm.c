@@ -144,27 +144,29 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
 }
 #endif
 
+// Q6_K's weights 128 c + 32 t .. + 31 (t < 4) as bytes: the nibbles of ql[64 c + 32 (t % 2) ..]
+// (low for t < 2, high after), bits 4-5 from qh[32 c ..] >> 2 t.
+static inline __m256i q6_bytes(const uint8_t *blk, int c, int t)
+{
+    const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+    const __m256i nib = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(L, 4) : L,
+                                         _mm256_set1_epi8(15));
+    const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)),
+                                        _mm256_set1_epi8(3));
+    return _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
+}
+
 #if defined(KG_BF16)
 // A super-block's 256 unsigned integers in weight order into q (AVX2, 32 a vector; the int16
 // build's panel_row reads them from the block into its lanes itself).
 static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
 {
     const __m256i low4 = _mm256_set1_epi8(15);
-    if (fmt == Q6_K) {  // per half c: nibbles of ql[64c ..], bits 4-5 from qh[32c + l] >> 2t
-        for (int c = 0; c < 2; c++) {
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-            const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
-            const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
-            const __m256i nib[4] = {_mm256_and_si256(L0, low4), _mm256_and_si256(L1, low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
-                                    _mm256_and_si256(_mm256_srli_epi16(L1, 4), low4)};
-            for (int t = 0; t < 4; t++) {
-                const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)),
-                                                    _mm256_set1_epi8(3));
-                _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t),
-                                    _mm256_or_si256(nib[t], _mm256_slli_epi16(hb, 4)));
-            }
-        }
+    if (fmt == Q6_K) {
+        for (int c = 0; c < 2; c++)
+            for (int t = 0; t < 4; t++)
+                _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t), q6_bytes(blk, c, t));
         return;
     }
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
@@ -268,19 +270,10 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     // through a buffer of them): 0.5x the instructions a super-block
     for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK, side += SIDE) {
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);  // as above
-        if (fmt == Q6_K) {  // per half c: nibbles of ql[64c ..], bits 4-5 from qh[32c + l] >> 2t
-            for (int c = 0; c < 2; c++) {
-                const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
-                const __m256i L0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));
-                const __m256i L1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32));
-                const __m256i nib[4] = {_mm256_and_si256(L0, low4), _mm256_and_si256(L1, low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(L1, 4), low4)};
+        if (fmt == Q6_K) {
+            for (int c = 0; c < 2; c++)
                 for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
-                    const __m256i hb = _mm256_and_si256(
-                        _mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
-                    const __m256i v = _mm256_sub_epi8(  // q - 32 as int8
-                        _mm256_or_si256(nib[t], _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+                    const __m256i v = _mm256_sub_epi8(q6_bytes(blk, c, t), _mm256_set1_epi8(32));
                     const int h = 8 * c + 2 * t;
                     _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_mullo_epi16(
                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
@@ -289,7 +282,6 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
                         _mm256_set1_epi16((int8_t)blk[192 + h + 1])));
                 }
-            }
             memset(side, 0, 8 * sizeof(float));
             side[8] = f16_at(blk + 208);
             continue;
