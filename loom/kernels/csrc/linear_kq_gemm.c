@@ -266,8 +266,8 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     const int64_t row = K / QK * bb;
     const uint8_t *blk = w + (n * (K / QK) + k0 / QK) * bb;
     const __m256i low4 = _mm256_set1_epi8(15);
-    // the integers straight from the block's bytes into int16 lanes (sb_values' values, not
-    // through a buffer of them): 0.5x the instructions a super-block
+    // the integers straight from the block's bytes into int16 lanes and times their scale in
+    // registers, not through a buffer of them (sb_values'; docs/kquants.md: the time)
     for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK, side += SIDE) {
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);  // as above
         if (fmt == Q6_K) {
