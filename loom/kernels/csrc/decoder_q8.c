@@ -188,7 +188,7 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
             }
             loom_linear_kq_gemm_team(xb ? (const void *)s->buf_xb : (const void *)x, K, s->M, K,
                                      W->w, bits, bias, N, y, ldy, t->next++, t->team);
-            if (join || !next_kq) sync_team(t);
+            if (!next_kq) sync_team(t);  // (the last part has none after it)
             return 0;
         }
         loom_linear_kq_team(x, s->M, K, K, W->w, bits, bias, N, y, ldy, t->next++, t->team);

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "half.h"
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -68,5 +68,24 @@ static inline void block_scales(const uint8_t *blk, int fmt, float sw[16], float
         ow[h] = dmin * (float)sm[8 + h / 2];
     }
 }
+
+#ifdef __AVX2__
+// The largest of v's 8 lanes.
+static inline float hmax8(__m256 v)
+{
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+// The sum of v's 8 int32 lanes.
+static inline int32_t hsum8_epi32(__m256i v)
+{
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+    return _mm_cvtsi128_si32(u);
+}
+#endif
 
 #endif

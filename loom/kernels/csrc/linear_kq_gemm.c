@@ -311,14 +311,6 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     }
 }
 
-// The largest of v's 8 lanes.
-static inline float hmax8(__m256 v)
-{
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-}
-
 // Columns [k0, k0 + kc) of int8-grid row n as int16 at out, SIDE floats a super-block at side:
 // a super-block's weights q s + m rounded to W = w / D (nearest even), D = B / GRID_W with B
 // the largest |w| its groups' scales and minimums allow (|m| or |m + qmax s|: each group's
@@ -403,12 +395,8 @@ static void x16_row(const float *x, int64_t K, float xmax, int16_t *X, float *si
                 _mm256_packs_epi32(a[0], a[1]), 0xD8));
             _mm256_storeu_si256((__m256i *)(X + 32 * j + 16), _mm256_permute4x64_epi64(
                 _mm256_packs_epi32(a[2], a[3]), 0xD8));
-            const __m256i t = _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]),
-                                               _mm256_add_epi32(a[2], a[3]));
-            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-            side[j] = dx * (float)_mm_cvtsi128_si32(u);
+            side[j] = dx * (float)hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]),
+                                                               _mm256_add_epi32(a[2], a[3])));
         }
         side[8] = dx;
     }
@@ -723,9 +711,9 @@ int loom_linear_q8_i16(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 {
 #if defined(KG_I16)
     if (loom_linear_q8_check(K, bits)) return -1;
-    // (at every M past 8, though at 32 rows of K 576 it takes 1.07-1.10x the fp32 kernel's time
-    // on a Zen 3: a request's bits must not depend on how many rows its step had past 8, which
-    // a prefix-cache hit changes)
+    // (at every M past 8, though the fp32 kernel is the faster at a few dozen rows of narrow K,
+    // docs/cpu_kernels.md: a request's bits must not depend on how many rows its step had past
+    // 8, which a prefix-cache hit changes)
     if (M <= ROWS_INT)
         return loom_linear_q8_f32(x, M, K, ldx, w, scales, mins, bias, N, y, ldy, bits,
                                   num_threads);

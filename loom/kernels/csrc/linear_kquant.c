@@ -149,6 +149,7 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 // stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
 
+#if !defined(KQ_AVX2)  // (the AVX2 build: quantize_block16 below, runs in natural order)
 // The natural run the kernel's run r of a super-block holds. AVX-512, Q4_K / Q5_K: a 64-byte
 // load's low nibbles are weights 128c + 0..31 and 128c + 64..95, its high ones 128c + 32..63 and
 // 128c + 96..127, so x's blocks of 32 go in the order 0 2 1 3 4 6 5 7 (no shuffles of weights).
@@ -164,9 +165,9 @@ static inline int run_of(int fmt, int r)
 }
 
 // One run's digits from t = x * 127 / max|x| (|t| <= 127): a = t to nearest even, b = (t - a)
-// 256 (t - a exact) to nearest even, 128 -> 127. The same values in every build. Returns the
-// run's sum of 256 a + b (exact); *dr = d / 256. With `one` digit: a alone (b left unwritten),
-// its sum, *dr = d.
+// 256 (t - a exact) to nearest even, 128 -> 127. The same values in every build (AVX2:
+// quantize_block16, 8 lanes at once). Returns the run's sum of 256 a + b (exact); *dr = d / 256.
+// With `one` digit: a alone (b left unwritten), its sum, *dr = d.
 static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float *dr, int one)
 {
 #if defined(KQ_AVX512)
@@ -209,6 +210,7 @@ static inline int32_t quantize_run(const float *xr, int8_t *a, int8_t *b, float 
     *dr = amax / 127.0f / 256.0f;
     return tot;
 }
+#endif
 
 // Where run r's d / 256 goes among a super-block's 16: AVX-512 keeps them transposed (slot
 // 4 (r % 4) + r / 4), so the scales of vector v's runs 4v .. 4v + 3 are element v of each
@@ -251,10 +253,7 @@ static inline void quantize_block16(const float *x, int16_t *X, const float inv[
             q[2 * r + u] = w;
             sum = _mm256_add_epi32(sum, w);
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        sx[r] = (float)_mm_cvtsi128_si32(s4) * d[r];
+        sx[r] = (float)hsum8_epi32(sum) * d[r];
     }
     // even values: each int32 lane's own 16 bits (sign-extended), odd: its upper 16 after the
     // pack; vpackssdw packs within 128-bit lanes, 0xD8 puts the 64-bit quarters back in order
@@ -285,11 +284,8 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int o
         float amax[16], inv[16], d[16];
         for (int r = 0; r < 16; r++) {
             const float *v = x + s * QK + r * RUN;
-            const __m256 mx = _mm256_max_ps(_mm256_and_ps(abs, _mm256_loadu_ps(v)),
-                                            _mm256_and_ps(abs, _mm256_loadu_ps(v + 8)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            amax[r] = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+            amax[r] = hmax8(_mm256_max_ps(_mm256_and_ps(abs, _mm256_loadu_ps(v)),
+                                          _mm256_and_ps(abs, _mm256_loadu_ps(v + 8))));
         }
         for (int i = 0; i < 16; i += 8) {  // quantize_run's divisions, 8 at once
             const __m256 m = _mm256_loadu_ps(amax + i), c = _mm256_set1_ps(127.0f);
