@@ -1,5 +1,5 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K; Q3_K as Q6_K) kept as the file stores them, run on Loom's C
-kernels.
+"""GGUF's K-quants (Q2_K, Q4_K, Q5_K, Q6_K; Q3_K as Q6_K) kept as the file stores them, run on
+Loom's C kernels.
 
 A K-quant tensor is rows of 256-weight super-blocks (`KBlocks`: the raw bytes, [rows, K / 256 *
 block bytes]); `KQuantLinear` holds a linear layer's weights so, one part per checkpoint tensor
@@ -29,8 +29,8 @@ from loom.quant.kquant_repack import q3_k_as_q6_k
 
 QK = 256  # weights a super-block
 # the formats the kernel runs -> its code (ggml's type id)
-KQ_TYPES = {GGMLQuantizationType.Q4_K: 12, GGMLQuantizationType.Q5_K: 13,
-            GGMLQuantizationType.Q6_K: 14}
+KQ_TYPES = {GGMLQuantizationType.Q2_K: 10, GGMLQuantizationType.Q4_K: 12,
+            GGMLQuantizationType.Q5_K: 13, GGMLQuantizationType.Q6_K: 14}
 # formats rewritten at load as one the kernel runs, exactly -> (that format, the rewrite)
 REPACKED = {GGMLQuantizationType.Q3_K: (GGMLQuantizationType.Q6_K, q3_k_as_q6_k)}
 

@@ -31,9 +31,25 @@ def gemm(blocks: KBlocks, x: torch.Tensor, bias: torch.Tensor | None = None, thr
     return y
 
 
-def want(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the float64 product the build's kernel computes, its fp32-summation bound)."""
+def q2_grid_step(blocks: KBlocks) -> np.ndarray:
+    """[rows, super-blocks]: the step D = B / 4095 the int16 build rounds a Q2_K super-block's
+    weights to (B: the largest |w| its runs' scales and minimums allow, at q = 0 or 3)."""
+    raw = blocks.data.numpy().reshape(-1, 84)
+    d = raw[:, 80:82].copy().view(np.float16).astype(np.float64)
+    dmin = raw[:, 82:84].copy().view(np.float16).astype(np.float64)
+    sw, ow = d * (raw[:, :16] & 15), dmin * (raw[:, :16] >> 4)
+    bound = np.maximum(np.abs(ow), np.abs(3 * sw - ow)).max(-1)
+    return (bound / 4095).reshape(blocks.shape[0], -1)
+
+
+def want(w: np.ndarray, x: np.ndarray, step: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """(the float64 product the build's kernel computes, its bound: fp32 summation's, and where
+    the int16 build rounds weights to a grid of `step` a super-block, half a step a weight)."""
     isa = cpu_kernels().loom_kq_gemm_isa()
+    grid = 0.0
+    if isa == 1 and step is not None:
+        grid = np.abs(x.astype(np.float64)) @ np.repeat(0.5 * step, 256, axis=1).T * 1.001
     if isa == 2:  # bf16 panels and x
         w = torch.from_numpy(w.astype(np.float32)).bfloat16().double().numpy()
         x = torch.from_numpy(x).bfloat16().double().numpy()
@@ -45,7 +61,7 @@ def want(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert np.abs(X).max() <= 32767
         x = (X.astype(np.float64) * (amax / np.float32(32767)).astype(np.float64)).reshape(x.shape)
     x, w = x.astype(np.float64), w.astype(np.float64)
-    return x @ w.T, 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
+    return x @ w.T, 1e-5 * (np.abs(x) @ np.abs(w).T) + grid + 1e-30
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -62,7 +78,8 @@ def test_gemm_matches_float64(qtype, m) -> None:
     x[:, 5] *= 40
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     got = gemm(blocks, torch.from_numpy(x), bias)
-    product, tol = want(reference(blocks), x)
+    step = q2_grid_step(blocks) if qtype == GGMLQuantizationType.Q2_K else None
+    product, tol = want(reference(blocks), x, step)
     err = np.abs(got.double().numpy() - bias.double().numpy() - product)
     assert (err <= tol + 1e-6 * np.abs(bias.numpy())).all(), float((err / tol).max())
     tail = torch.from_numpy(x[-9:].copy())  # the last 9 rows alone, in other tiles

@@ -1,8 +1,10 @@
-"""Q3_K tensors run on the K-quant kernels as Q6_K blocks of the same weights (exact)."""
+"""Q3_K tensors run on the K-quant kernels as Q6_K blocks of the same weights (exact); Q2_K
+tensors as they are (a file of either keeps its blocks)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
@@ -25,7 +27,7 @@ def _q3_k(rows: int, cols: int, seed: int) -> np.ndarray:
 
 def test_q3_k_is_held_as_q6_k_with_the_same_weights() -> None:
     raw = _q3_k(6, 768, 0)
-    assert native(T.Q3_K, (6, 768)) and not native(T.Q3_K, (6, 96)) and not native(T.Q2_K, (6, 768))
+    assert native(T.Q3_K, (6, 768)) and not native(T.Q3_K, (6, 96)) and native(T.Q2_K, (6, 768))
     blocks = KBlocks.from_gguf(raw, T.Q3_K, (6, 768))
     assert blocks.qtype == T.Q6_K and blocks.data.shape == (6, 3 * 210)
     want = dequantize(raw, T.Q3_K).reshape(6, 768)
@@ -47,9 +49,20 @@ def test_q3_k_products_within_the_kernels_bound() -> None:
         assert (err <= bound(w, x)).all()
 
 
-def test_a_q3_k_file_loads_its_q3_k_tensors_as_q6_k_blocks(tmp_path, monkeypatch) -> None:
-    """A GGUF with Q3_K attention and MLP tensors (as a Q3_K_M file has them) keeps them in
-    blocks by default, not in fp32: the logits of its values dequantized, over a prompt."""
+def _q2_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q2_K blocks (every byte pattern is one) with a trained model's fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // 256, GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
+    raw[:, 80:84] = rng.uniform(2e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype,held", [(T.Q3_K, "Q6_K"), (T.Q2_K, "Q2_K")],
+                         ids=["Q3_K", "Q2_K"])
+def test_a_low_bit_k_quant_file_keeps_its_blocks(tmp_path, monkeypatch, qtype, held) -> None:
+    """A GGUF with Q3_K (Q2_K) attention and MLP tensors (as a Q3_K_M or Q2_K file has them)
+    keeps them in blocks by default, Q3_K as Q6_K ones, not in fp32: the logits of its values
+    dequantized, over a prompt."""
     from gguf.quants import quantize
 
     from loom.loader.model_loader import load_model
@@ -61,24 +74,28 @@ def test_a_q3_k_file_loads_its_q3_k_tensors_as_q6_k_blocks(tmp_path, monkeypatch
 
     require_cpu_kernels()
 
-    def fake_quantize(a: np.ndarray, qt: T) -> np.ndarray:  # gguf has no Q3_K quantizer
-        if qt != T.Q3_K:
+    def fake_quantize(a: np.ndarray, qt: T) -> np.ndarray:  # gguf has no Q2_K / Q3_K quantizer
+        if qt != qtype:
             return quantize(a, qt)
         rows = int(np.prod(a.shape[:-1]))
-        return _q3_k(rows, a.shape[-1], rows).reshape(*a.shape[:-1], -1)
+        return {T.Q3_K: _q3_k, T.Q2_K: _q2_k}[qt](rows, a.shape[-1], rows).reshape(
+            *a.shape[:-1], -1)
 
     folder = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512,
                              head_dim=64)
     monkeypatch.setattr(gguf_files, "quantize", fake_quantize)
     path = gguf_files.write_gguf(folder, tmp_path / "q3.gguf", "llama", T.Q8_0,
-                                 overrides={"attn_q": T.Q3_K, "ffn_up": T.Q3_K,
-                                            "ffn_down": T.Q3_K})
+                                 overrides={"attn_q": qtype, "ffn_up": qtype,
+                                            "ffn_down": qtype})
     loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
     assert loaded.quantization == "int8"
     mlp = loaded.model.model.layers[0].mlp
-    assert isinstance(mlp.down_proj, KQuantLinear) and mlp.down_proj.formats() == ["Q6_K"]
+    assert isinstance(mlp.down_proj, KQuantLinear) and mlp.down_proj.formats() == [held]
     reference = load_model(resolve_model(str(path)), "float32", quantization="none")
     ids = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = PagedBatch(loaded).step({"r": ids})["r"]
     theirs = PagedBatch(reference).step({"r": ids})["r"]
     assert rel_err(ours, theirs) < 1e-2  # 8-bit activations
+    # the default kernels too: past 8 rows the GEMM (AVX2: Q2_K's weights on a 13-bit grid)
+    default = load_model(resolve_model(str(path)), "float32")
+    assert rel_err(PagedBatch(default).step({"r": ids})["r"], theirs) < 1e-2

@@ -12,7 +12,11 @@
 #endif
 
 #define QK 256  // weights a super-block
-enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+enum { Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+
+// Formats whose scales (and offsets) come a run of 16 weights (Q6_K, Q2_K), not a sub-block of
+// 32 (Q4_K, Q5_K): x's terms of the offsets are a run's sums.
+static inline int runs16(int fmt) { return fmt == Q6_K || fmt == Q2_K; }
 
 // The fp16 at p (little-endian), as fp32: F16C's conversion where the build has it.
 static inline float f16_at(const uint8_t *p)
@@ -56,6 +60,14 @@ static inline void block_scales(const uint8_t *blk, int fmt, float sw[16], float
         for (int h = 0; h < 16; h++) {
             sw[h] = d * (float)(int8_t)blk[192 + h];
             ow[h] = 32.0f * sw[h];
+        }
+        return;
+    }
+    if (fmt == Q2_K) {  // byte h: the run's scale (low nibble) and minimum (high)
+        const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
+        for (int h = 0; h < 16; h++) {
+            sw[h] = d * (float)(blk[h] & 15);
+            ow[h] = dmin * (float)(blk[h] >> 4);
         }
         return;
     }

@@ -1,5 +1,5 @@
 // K-quant linears past 8 rows (prompts, steps of many streams): y[M, N] = x[M, K] W^T + bias, W
-// as GGUF stores it (Q4_K, Q5_K, Q6_K super-blocks, linear_kquant.c's layouts). The integer
+// as GGUF stores it (Q2_K, Q4_K, Q5_K, Q6_K super-blocks, linear_kquant.c's layouts). The integer
 // kernel of linear_kquant.c unpacks each weight once per 8 rows and is then bound by
 // instructions; here each thread unpacks a panel of weight rows (up to KC columns of them) once
 // into a buffer of its own that stays in L2, and runs every x row past it:
@@ -10,7 +10,9 @@
 //   in int16; x is rounded to one int16 a super-block (X = x / dx, dx = max |x| / 32767);
 //   vpmaddwd multiplies 16 pairs an instruction, a super-block's products are summed in int32
 //   (exactly: Q6_K's every 128 values) and converted once, times d dx, and Q4_K's / Q5_K's
-//   minimums come off as one 8-lane product of the sub-blocks' dmin m and dx sum X. The same
+//   minimums come off as one 8-lane product of the sub-blocks' dmin m and dx sum X (Q2_K, whose
+//   minimums come a run of 16: its weights rounded to 13-bit integers a super-block, q2_grid,
+//   as the int8 grid's are). The same
 //   rounding of x as one int16 per 256 values keeps a real model's greedy tokens (accuracy and
 //   speed: docs/kquants.md).
 // - Portable C: the `gguf` package's dequantized weights in fp32 and x as given.
@@ -82,8 +84,9 @@ typedef float panel_t;
 #define GRID 0  // Src's fmt for Loom's int8 grid (loom_linear_q8_i16), beside ggml's K-quant ids
 #define PAD(K) (((K) + QK - 1) / QK * QK)  // K as the panels and x's int16 rows hold it
 
-// The weights a call unpacks: K-quant blocks (fmt Q4_K, Q5_K, Q6_K: w) or, in the int16 build,
-// the int8 grid (fmt GRID: w [N, K bits / 8], s and m [N, K / 32], loom.h's int8-grid layout).
+// The weights a call unpacks: K-quant blocks (fmt Q2_K, Q4_K, Q5_K, Q6_K: w) or, in the int16
+// build, the int8 grid (fmt GRID: w [N, K bits / 8], s and m [N, K / 32], loom.h's int8-grid
+// layout).
 typedef struct {
     const uint8_t *w;
     int fmt;
@@ -135,6 +138,10 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
         }
         return;
     }
+    if (fmt == Q2_K) {
+        block_scales(blk, fmt, sw, ow);
+        return;
+    }
     float s[8], m[8];
     k45_scales(blk, s, m);
     for (int j = 0; j < 8; j++) {
@@ -143,6 +150,14 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
     }
 }
 #endif
+
+// Q2_K's weights 128 c + 32 t .. + 31 (t < 4) as bytes: bits 2t, 2t + 1 of qs[32 c ..] (laid
+// out as Q6_K's qh).
+static inline __m256i q2_bytes(const uint8_t *blk, int c, int t)
+{
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+    return _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+}
 
 // Q6_K's weights 128 c + 32 t .. + 31 (t < 4) as bytes: the nibbles of ql[64 c + 32 (t % 2) ..]
 // (low for t < 2, high after), bits 4-5 from qh[32 c ..] >> 2 t.
@@ -163,10 +178,11 @@ static inline __m256i q6_bytes(const uint8_t *blk, int c, int t)
 static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
 {
     const __m256i low4 = _mm256_set1_epi8(15);
-    if (fmt == Q6_K) {
+    if (runs16(fmt)) {
         for (int c = 0; c < 2; c++)
             for (int t = 0; t < 4; t++)
-                _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t), q6_bytes(blk, c, t));
+                _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t),
+                                    fmt == Q6_K ? q6_bytes(blk, c, t) : q2_bytes(blk, c, t));
         return;
     }
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
@@ -233,7 +249,7 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
         // the panel reads a chunk of a row, then the next row's: the hardware prefetchers miss
         // that stride (and Q6_K's scales sit at a block's end: read first, a miss a block)
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);
-        if (fmt != Q6_K) {
+        if (!runs16(fmt)) {
             k45_bf16(blk, fmt, out);
             continue;
         }
@@ -256,9 +272,45 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 }
 
 #elif defined(KG_I16)
+// A Q2_K super-block as int16 at out (its SIDE floats at side): each run's minimum is its own
+// (dmin m a run of 16, where the tile's minimum terms take one a sub-block of 32), so the
+// weights w = d sc q - dmin m are rounded to W = w / D (nearest even), D = B / 4095 with B the
+// largest |w| the runs' scales and minimums allow (q = 0 or 3), as grid_row rounds the int8
+// grid: W = q (sw / D) - ow / D in one fma, within 1/8190 of B plus an fp32 rounding (~1/2000 of
+// a run's step). side[8] = D, side[0..7] zero: the tile's Q6 mode (no minimum term; its sums
+// of 128 products a lane stay below 2^31 at |W| <= 4095).
+static void q2_grid(const uint8_t *blk, int16_t *out, float *side)
+{
+    float sw[16], ow[16], bound = 0.0f;
+    block_scales(blk, Q2_K, sw, ow);
+    for (int h = 0; h < 16; h++) {
+        const float lo = fabsf(ow[h]), hi = fabsf(3.0f * sw[h] - ow[h]);
+        bound = bound > lo ? bound : lo;
+        bound = bound > hi ? bound : hi;
+    }
+    const float inv = bound > 0 ? 4095.0f / bound : 0.0f;
+    for (int c = 0; c < 2; c++)
+        for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
+            const __m256i v = q2_bytes(blk, c, t);
+            for (int u = 0; u < 2; u++) {
+                const int h = 8 * c + 2 * t + u;
+                const __m128i b = u ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+                const __m256 s = _mm256_set1_ps(sw[h] * inv), o = _mm256_set1_ps(-ow[h] * inv);
+                const __m256i a = _mm256_cvtps_epi32(
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), s, o));
+                const __m256i d = _mm256_cvtps_epi32(_mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s, o));
+                _mm256_storeu_si256((__m256i *)(out + 16 * h),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(a, d), 0xD8));
+            }
+        }
+    memset(side, 0, 8 * sizeof(float));
+    side[8] = bound / 4095.0f;
+}
+
 // Columns [k0, k0 + kc) of weight row n as int16 at out, and each super-block's SIDE floats at
 // side: weight i of a super-block is side[8] out[i] - side[i / 32] in Q4_K / Q5_K (d, sc q,
-// dmin m), side[8] out[i] in Q6_K (d, sc (q - 32); its side[0..7] zero).
+// dmin m), side[8] out[i] in Q6_K (d, sc (q - 32); its side[0..7] zero) and Q2_K (q2_grid).
 static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
                       panel_t *out, float *side)
 {
@@ -270,6 +322,10 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
     // registers, not through a buffer of them (sb_values'; docs/kquants.md: the time)
     for (int64_t s = 0; s < kc / QK; s++, blk += bb, out += QK, side += SIDE) {
         for (int i = 0; i < bb; i += 64) __builtin_prefetch(blk + row + i);  // as above
+        if (fmt == Q2_K) {
+            q2_grid(blk, out, side);
+            continue;
+        }
         if (fmt == Q6_K) {
             for (int c = 0; c < 2; c++)
                 for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
@@ -446,7 +502,8 @@ static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t
 {
     __m256 acc[TM * TN];
     for (int i = 0; i < TM * TN; i++) acc[i] = _mm256_setzero_ps();
-    // mode: MIN (Q4_K, Q5_K: a minimum term), Q6 or PLAIN (the int8 grid's 13-bit panels).
+    // mode: MIN (Q4_K, Q5_K: a minimum term), Q6 (Q6_K, and Q2_K's 13-bit panels) or PLAIN
+    // (the int8 grid's 13-bit panels).
     // Values summed in int32 between conversions: a super-block, Q6_K's half of one (its
     // |sc (q - 32)| <= 4096 times |X| <= 32767, 16 products a lane, fits 2^31 only so far)
     const int64_t run = mode == Q6 ? QK / 2 : QK, pside = kc / QK * SIDE;
@@ -509,7 +566,7 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                        float *y, int64_t ldy, panel_t *pb, float *ps)
 {
     const int64_t nbp = (nb + TN - 1) / TN * TN, Kp = PAD(K);
-    const int mode = src->fmt == Q6_K ? Q6 : src->fmt == GRID ? PLAIN : MIN;
+    const int mode = runs16(src->fmt) ? Q6 : src->fmt == GRID ? PLAIN : MIN;
     for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
         const int64_t kc = Kp - k0 < KC ? Kp - k0 : KC, pside = kc / QK * SIDE;
         const int64_t kn = K - k0 < kc ? K - k0 : kc;  // columns before the padding

@@ -1,6 +1,10 @@
 // Linear layers on GGUF's K-quant blocks as the file stores them: y[M, N] = x[M, K] W^T + bias,
-// W's rows in Q4_K, Q5_K or Q6_K super-blocks of 256 weights (formats named by ggml's type ids:
-// 12, 13, 14). Bit layouts (checked against the `gguf` package's numpy dequantizer):
+// W's rows in Q2_K, Q4_K, Q5_K or Q6_K super-blocks of 256 weights (formats named by ggml's type
+// ids: 10, 12, 13, 14). Bit layouts (checked against the `gguf` package's numpy dequantizer):
+//   Q2_K (84 bytes): 16 bytes of 4-bit scales (low nibbles) and minimums (high) a run of 16,
+//     64 bytes of 2-bit values laid out as Q6_K's qh (byte 32c + l holds weights 128c + 32t + l
+//     in its bits 2t, 2t + 1), fp16 d, fp16 dmin; w = d sc[i / 16] q - dmin m[i / 16]: Q6_K's
+//     runs with a minimum a run in place of the -32.
 //   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and minimums m[8],
 //     128 bytes of nibbles: bytes 32j .. 32j + 31 hold weights 64j + l in their low nibbles and
 //     64j + 32 + l in their high ones; w = d sc[i / 32] q - dmin m[i / 32].
@@ -65,7 +69,7 @@
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
 int loom_kq_block_bytes(int fmt)
 {
-    return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : fmt == Q6_K ? 210 : 0;
+    return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : fmt == Q6_K ? 210 : fmt == Q2_K ? 84 : 0;
 }
 
 // Which SIMD code this build runs the K-quant kernels with: 4 AVX512-VNNI, 3 AVX-512 (BW),
@@ -97,6 +101,13 @@ int loom_kq_check(int64_t K, int fmt)
 // A super-block's 256 unsigned integers in weight order (portable).
 static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK])
 {
+    if (fmt == Q2_K) {
+        for (int c = 0; c < 2; c++)
+            for (int t = 0; t < 4; t++)
+                for (int l = 0; l < 32; l++)
+                    q[128 * c + 32 * t + l] = (uint8_t)((blk[16 + 32 * c + l] >> (2 * t)) & 3);
+        return;
+    }
     if (fmt == Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         for (int c = 0; c < 2; c++)
@@ -144,8 +155,8 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 // One row of K: int8 a[K], int8 b[K] (the digits, in the kernel's order of runs: run_of), then
 // fp32 dr[K / 16] (each run's d / 256, a super-block's 16 in dr_slot order) and fp32 sm[K / 16],
 // a super-block's terms of the minimums: Q6_K 32 sx[h] for its runs h (sx: a run's sum of x~ =
-// d (a + b / 256)), in dr_slot order; Q4_K / Q5_K sx over each sub-block j of 32, at 2j + 1
-// with AVX-512 (0 between), else at 8 + j (0 before).
+// d (a + b / 256)), Q2_K sx[h], in dr_slot order; Q4_K / Q5_K sx over each sub-block j of 32,
+// at 2j + 1 with AVX-512 (0 between), else at 8 + j (0 before).
 // stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
 
@@ -157,7 +168,7 @@ static inline int run_of(int fmt, int r)
 {
 #if defined(KQ_AVX512)
     const int j = r / 2;
-    return fmt == Q6_K ? r : 2 * ((j & 4) | (j & 1) << 1 | (j >> 1 & 1)) + (r & 1);
+    return runs16(fmt) ? r : 2 * ((j & 4) | (j & 1) << 1 | (j >> 1 & 1)) + (r & 1);
 #else
     (void)fmt;
     return r;
@@ -310,8 +321,8 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int o
         float *o = sm + s * 16;
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
         for (int h = 0; h < 16; h++) {
-            if (fmt == Q6_K) {
-                o[dr_slot(h)] = 32.0f * sx[h];
+            if (runs16(fmt)) {  // Q2_K's minimums take a run's sum, Q6_K's -32 thirty-two
+                o[dr_slot(h)] = (fmt == Q6_K ? 32.0f : 1.0f) * sx[h];
             } else if (h % 2 == 0) {  // a block of 32's sum: AVX-512 at 2j + 1, else at 8 + j
 #if defined(KQ_AVX512)
                 o[h + 1] = sx[h] + sx[h + 1];
@@ -333,30 +344,46 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
                                                             __m512i W[4], __m512 *sw, __m512 *ow)
 {
     const __m512i nib = _mm512_set1_epi8(15);
-    if (fmt == Q6_K) {
-        const float d = f16_at(blk + 208);
-        const __m128i sc = _mm_shuffle_epi8(  // dr_slot order: slot 4q + v, run 4v + q
-            _mm_loadu_si128((const __m128i *)(blk + 192)),
-            _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-        *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(d));
-        *ow = *sw;  // x's sm: 32 sx a run, in the same order
-        // bits 4-5 from qh: the first 32 bytes of a vector take qh's bits 0-1 (low nibbles) or
-        // 4-5 (high), the second 32 bits 2-3 or 6-7; shifts by 16-bit lanes stay within bytes
+    if (runs16(fmt)) {
+        const __m128i order =  // dr_slot order: slot 4q + v, run 4v + q
+            _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        if (fmt == Q6_K) {
+            const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)),
+                                                order);
+            *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
+                                _mm512_set1_ps(f16_at(blk + 208)));
+            *ow = *sw;  // x's sm: 32 sx a run, in the same order
+        } else {  // Q2_K: scales in the low nibbles, minimums in the high; x's sm: sx a run
+            const __m512i sm = _mm512_cvtepu8_epi32(
+                _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order));
+            *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))),
+                                _mm512_set1_ps(f16_at(blk + 80)));
+            *ow = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)),
+                                _mm512_set1_ps(f16_at(blk + 82)));
+        }
+        // bits 4-5 from qh (Q2_K: its values, the same layout): the first 32 bytes of a vector
+        // take qh's bits 0-1 (low nibbles) or 4-5 (high), the second 32 bits 2-3 or 6-7;
+        // shifts by 16-bit lanes stay within bytes
         const __m512i m_lo = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
         const __m512i m_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(-64), 1);
         const __m512i c_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const uint8_t *qh = blk + (fmt == Q6_K ? 128 : 16);
         for (int c = 0; c < 2; c++) {
-            const __m512i L = _mm512_loadu_si512(blk + 64 * c);
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                (const __m256i *)(blk + 128 + 32 * c)));
+                (const __m256i *)(qh + 32 * c)));
+            const __m512i h0 = _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo);
+            const __m512i h1 = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi);
+            if (fmt == Q2_K) {  // the values at bits 4-5, down to 0-1
+                W[2 * c] = _mm512_srli_epi16(h0, 4);
+                W[2 * c + 1] = _mm512_srli_epi16(h1, 4);
+                continue;
+            }
+            const __m512i L = _mm512_loadu_si512(blk + 64 * c);
             // (nibbles & 15) | the high bits (0xEC: (a & c) | b), which the masks leave alone at
             // bits 4-5
-            W[2 * c] = _mm512_ternarylogic_epi32(
-                L, _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo), nib, 0xEC);
-            W[2 * c + 1] = _mm512_ternarylogic_epi32(
-                _mm512_srli_epi16(L, 4), _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi), nib,
-                0xEC);
+            W[2 * c] = _mm512_ternarylogic_epi32(L, h0, nib, 0xEC);
+            W[2 * c + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(L, 4), h1, nib, 0xEC);
         }
         return;
     }
@@ -431,7 +458,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     // Q4_K / Q5_K: the next super-block unpacked a step ahead (its scales' latency hidden:
     // 0.94x; not Q6_K's: 1.01-1.05x)
-    const int ahead = fmt != Q6_K;
+    const int ahead = !runs16(fmt);
     __m512i Wn[4];
     __m512 swn, own;
     if (ahead) unpack512(wr, fmt, Wn, &swn, &own);
@@ -474,19 +501,30 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 // holds weights 4k .. 4k + 3, as the byte form's did: the same integers, the same bits.
 
 // A super-block's weight scales sw as two halves, and ow, its minimums' terms against x's sm
-// (Q6_K: sw; Q4_K / Q5_K: ow[0] = dmin m).
+// (Q6_K: sw; Q2_K: dmin m a run; Q4_K / Q5_K: ow[0] = dmin m).
 static inline __attribute__((always_inline)) void scales256(const uint8_t *blk, const int fmt,
                                                             __m256 sw[2], __m256 ow[2])
 {
+    const __m128i order =  // dr_slot order
+        _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     if (fmt == Q6_K) {
         const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
-        const __m128i sc = _mm_shuffle_epi8(  // dr_slot order
-            _mm_loadu_si128((const __m128i *)(blk + 192)),
-            _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order);
         for (int i = 0; i < 2; i++) {
             sw[i] = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i ? _mm_unpackhi_epi64(sc, sc) : sc)), d);
             ow[i] = sw[i];  // x's sm: 32 sx a run, in the same order
+        }
+        return;
+    }
+    if (fmt == Q2_K) {  // scales in the low nibbles, minimums in the high; x's sm: sx a run
+        const __m256 d = _mm256_set1_ps(f16_at(blk + 80)), dmin = _mm256_set1_ps(f16_at(blk + 82));
+        const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order);
+        for (int i = 0; i < 2; i++) {
+            const __m256i v = _mm256_cvtepu8_epi32(i ? _mm_unpackhi_epi64(sm, sm) : sm);
+            sw[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))),
+                                  d);
+            ow[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), dmin);
         }
         return;
     }
@@ -508,6 +546,15 @@ static inline __attribute__((always_inline)) void unpack_half(const uint8_t *blk
                                                               __m256i O[4])
 {
     const __m256i n0 = _mm256_set1_epi16(0x000F);
+    if (fmt == Q2_K) {  // qs 32c + j: weight 128c + 32v + j in its bits 2v, 2v + 1 (Q6_K's qh)
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        const __m256i three = _mm256_set1_epi16(0x0003);
+        for (int v = 0; v < 4; v++) {
+            E[v] = _mm256_and_si256(_mm256_srli_epi16(H, 2 * v), three);
+            O[v] = _mm256_and_si256(_mm256_srli_epi16(H, 8 + 2 * v), three);
+        }
+        return;
+    }
     if (fmt == Q6_K) {  // as bytes (ql 64c + j: weights 128c + j low, 128c + 64 + j high;
         // qh 32c + j: bits 4-5 of 128c + 32v + j in its bits 2v, 2v + 1), then split
         const __m256i nib = _mm256_set1_epi8(15), b45 = _mm256_set1_epi8(0x30);
@@ -589,7 +636,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                 KQ_V(2, 0xAA);
                 KQ_V(3, 0xFF);
 #undef KQ_V
-                if (fmt == Q6_K || i == 1)
+                if (runs16(fmt) || i == 1)
                     acc[m][0] = _mm256_fnmadd_ps(ow[i], _mm256_loadu_ps(sm + 8 * i), acc[m][0]);
             }
         }
@@ -624,8 +671,10 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
             const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int h = 0; h < 16; h++) {
-                // the minimums' terms: Q6_K sm = 32 sx a run, Q4_K / Q5_K sx a block of 32
-                const float mt = fmt == Q6_K ? sw[h] * sm[h] : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
+                // the minimums' terms: Q6_K sm = 32 sx a run, Q2_K sx a run, Q4_K / Q5_K sx a
+                // block of 32
+                const float mt = fmt == Q6_K ? sw[h] * sm[h] : fmt == Q2_K ? ow[h] * sm[h]
+                                 : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
 #if defined(KQ_NEON)
                 const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
                 const int32_t ia = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(a + RUN * h)));
@@ -667,8 +716,10 @@ static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int 
         DIGITS(Q4_K)
     } else if (fmt == Q5_K) {
         DIGITS(Q5_K)
-    } else {
+    } else if (fmt == Q6_K) {
         DIGITS(Q6_K)
+    } else {
+        DIGITS(Q2_K)
     }
 #undef DIGITS
 #undef CASES
@@ -715,10 +766,10 @@ static uint8_t *x_buffer(int64_t rows, int64_t K)
     return buf;
 }
 
-// x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (12 Q4_K, 13 Q5_K,
-// 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL; y: [M, N]
-// rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the quantized x
-// cannot be allocated.
+// x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (10 Q2_K, 12 Q4_K,
+// 13 Q5_K, 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL;
+// y: [M, N] rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the
+// quantized x cannot be allocated.
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
