@@ -282,9 +282,9 @@ def iter_gguf_tensors(
 
 def _drop_if_copied(t: Any, w: torch.Tensor | Q8Groups | KBlocks) -> None:
     """Once its consumer has loaded `w`: where `w` holds tensor `t`'s values in memory of its
-    own (int8 groups, or K-quant blocks rewritten in another format: Q3_K as Q6_K), the file's
-    pages are read for good and go back (loom.loader.release; most of the map's bytes)."""
-    if isinstance(w, Q8Groups) or (isinstance(w, KBlocks) and w.qtype != t.tensor_type):
+    own (int8 groups; K-quant blocks are views of the file's), the file's pages are read for
+    good and go back (loom.loader.release; most of the map's bytes)."""
+    if isinstance(w, Q8Groups):
         drop_pages(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
 
 

@@ -76,8 +76,8 @@ class LoadedModel:
 
 def default_quantization(reader: object, device: torch.device, dtype: torch.dtype) -> str | None:
     """What `quantization=None` runs (the checkpoint's own): a GGUF file whose linear layers are
-    all in 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) or K-quants (Q4_K, Q5_K,
-    Q6_K; Q3_K as Q6_K blocks) keeps them as they are on the CPU with fp32 activations ("int8":
+    all in 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) or K-quants (Q2_K to
+    Q6_K) keeps them as they are on the CPU with fp32 activations ("int8":
     the 32-wide blocks on Loom's int8 grid, exact; the K-quants as stored, loom.quant.kquant);
     anything else runs in `dtype` (None), said in one log line where the file is quantized."""
     if reader is None:
@@ -93,13 +93,10 @@ def default_quantization(reader: object, device: torch.device, dtype: torch.dtyp
     native = {qtype.name for _, qtype, shape in matrices
               if groupable(qtype, shape) or kquant_native(qtype, shape)}
     if quantized <= native and dtype == torch.float32 and grouped_available(device, GROUP):
-        if "Q3_K" in quantized:
-            logger.info("Q3_K tensors run as Q6_K blocks of the same weights (exact; 6.56 bits "
-                        "a weight in memory instead of 3.44)")
         return "int8"
     others = ", ".join(sorted(quantized - native)) or ", ".join(sorted(quantized))
     why = (f"{others} have no native kernel yet" if quantized - native
-           else f"Loom's native blocks run on the CPU with float32 activations only")
+           else "Loom's native blocks run on the CPU with float32 activations only")
     logger.warning("GGUF weights in %s: %s, so they are expanded to %s (the reference path); "
                    "--quantization int8 re-quantizes them to 8-bit groups of 32 instead",
                    ", ".join(sorted(quantized)), why, dtype)

@@ -1,5 +1,5 @@
-"""GGUF's K-quants (Q2_K, Q4_K, Q5_K, Q6_K; Q3_K as Q6_K) kept as the file stores them, run on
-Loom's C kernels.
+"""GGUF's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) kept as the file stores them, run on Loom's C
+kernels.
 
 A K-quant tensor is rows of 256-weight super-blocks (`KBlocks`: the raw bytes, [rows, K / 256 *
 block bytes]); `KQuantLinear` holds a linear layer's weights so, one part per checkpoint tensor
@@ -25,20 +25,17 @@ from torch import nn
 
 from loom.kernels import cpu_kernels
 from loom.quant.int8 import Int8Linear, Q8Groups
-from loom.quant.kquant_repack import q3_k_as_q6_k
 
 QK = 256  # weights a super-block
 # the formats the kernel runs -> its code (ggml's type id)
-KQ_TYPES = {GGMLQuantizationType.Q2_K: 10, GGMLQuantizationType.Q4_K: 12,
-            GGMLQuantizationType.Q5_K: 13, GGMLQuantizationType.Q6_K: 14}
-# formats rewritten at load as one the kernel runs, exactly -> (that format, the rewrite)
-REPACKED = {GGMLQuantizationType.Q3_K: (GGMLQuantizationType.Q6_K, q3_k_as_q6_k)}
+KQ_TYPES = {GGMLQuantizationType.Q2_K: 10, GGMLQuantizationType.Q3_K: 11,
+            GGMLQuantizationType.Q4_K: 12, GGMLQuantizationType.Q5_K: 13,
+            GGMLQuantizationType.Q6_K: 14}
 
 
 def native(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
-    """Whether a GGUF tensor can stay in blocks here: 2-D, in a format KQ_TYPES names (or one
-    REPACKED makes one of those)."""
-    return (qtype in KQ_TYPES or qtype in REPACKED) and len(shape) == 2 and shape[1] % QK == 0
+    """Whether a GGUF tensor can stay in blocks here: 2-D, in a format KQ_TYPES names."""
+    return qtype in KQ_TYPES and len(shape) == 2 and shape[1] % QK == 0
 
 
 @dataclass
@@ -55,9 +52,6 @@ class KBlocks:
                   shape: tuple[int, ...]) -> KBlocks:
         rows, cols = shape
         raw = np.asarray(data).view(np.uint8)
-        if qtype in REPACKED:  # as blocks of a format the kernel runs, the same weights
-            qtype, repack = REPACKED[qtype]
-            raw = repack(raw.reshape(rows, -1))
         t = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
         return cls(t.reshape(rows, -1), qtype, cols)
 

@@ -15,8 +15,8 @@ from loom.quant.int8 import Q8Groups
 from loom.quant.kquant import KBlocks, KQuantLinear
 from tests.cpu_kernels import require_cpu_kernels
 
-FORMATS = [GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-           GGMLQuantizationType.Q6_K]
+FORMATS = [GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+           GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
@@ -30,6 +30,8 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
         raw[:, 208:210] = halves[:, :2]
     elif qtype == GGMLQuantizationType.Q2_K:  # d, dmin at its end
         raw[:, 80:84] = halves
+    elif qtype == GGMLQuantizationType.Q3_K:
+        raw[:, 108:110] = halves[:, :2]
     else:
         raw[:, 0:4] = halves
     return KBlocks.from_gguf(raw.reshape(-1), qtype, (rows, cols))

@@ -39,13 +39,13 @@ static int check(linear_fn linear, int digits, int K, int N, const int *ms, int 
     int bad = 0;
     srand(seed);
     for (int i = 0; i < ms[nm - 1] * K; i++) x[i] = (float)rand() / RAND_MAX * 2.0f - 1.0f;
-    const int fmts[] = {10, 12, 13, 14};  // Q2_K, Q4_K, Q5_K, Q6_K
-    for (int f = 0; f < 4; f++) {
-        const int fmt = fmts[f], bb = loom_kq_block_bytes(fmt);
+    for (int fmt = 10; fmt <= 14; fmt++) {  // Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+        const int bb = loom_kq_block_bytes(fmt);
+        // fp16 d (Q3_K, Q6_K: at their ends), or d and dmin (Q2_K: at its end, else first)
+        const int at = fmt == 14 ? 208 : fmt == 11 ? 108 : fmt == 10 ? 80 : 0;
         for (int b = 0; b < N * K / 256; b++) {
             for (int i = 0; i < bb; i++) w[b * bb + i] = (uint8_t)rand();
-            // fp16 d (Q6_K), or d and dmin (at the end of a Q2_K block, the start of the others)
-            memcpy(w + b * bb + (fmt == 14 ? 208 : fmt == 10 ? 80 : 0), halves, fmt == 14 ? 2 : 4);
+            memcpy(w + b * bb + at, halves, fmt == 14 || fmt == 11 ? 2 : 4);
         }
         loom_kq_dequant(w, fmt, K, 0, N, wf, K);
         for (int t = 0; t < nm; t++) {

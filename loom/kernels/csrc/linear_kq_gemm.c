@@ -1,5 +1,5 @@
 // K-quant linears past 8 rows (prompts, steps of many streams): y[M, N] = x[M, K] W^T + bias, W
-// as GGUF stores it (Q2_K, Q4_K, Q5_K, Q6_K super-blocks, linear_kquant.c's layouts). The integer
+// as GGUF stores it (Q2_K to Q6_K super-blocks, linear_kquant.c's layouts). The integer
 // kernel of linear_kquant.c unpacks each weight once per 8 rows and is then bound by
 // instructions; here each thread unpacks a panel of weight rows (up to KC columns of them) once
 // into a buffer of its own that stays in L2, and runs every x row past it:
@@ -84,7 +84,7 @@ typedef float panel_t;
 #define GRID 0  // Src's fmt for Loom's int8 grid (loom_linear_q8_i16), beside ggml's K-quant ids
 #define PAD(K) (((K) + QK - 1) / QK * QK)  // K as the panels and x's int16 rows hold it
 
-// The weights a call unpacks: K-quant blocks (fmt Q2_K, Q4_K, Q5_K, Q6_K: w) or, in the int16
+// The weights a call unpacks: K-quant blocks (fmt Q2_K to Q6_K: w) or, in the int16
 // build, the int8 grid (fmt GRID: w [N, K bits / 8], s and m [N, K / 32], loom.h's int8-grid
 // layout).
 typedef struct {
@@ -138,7 +138,7 @@ static inline void sb_scales(const uint8_t *blk, int fmt, float sw[16], float ow
         }
         return;
     }
-    if (fmt == Q2_K) {
+    if (fmt == Q2_K || fmt == Q3_K) {
         block_scales(blk, fmt, sw, ow);
         return;
     }
@@ -157,6 +157,19 @@ static inline __m256i q2_bytes(const uint8_t *blk, int c, int t)
 {
     const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
     return _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+}
+
+// Q3_K's weights 128 c + 32 t .. + 31 as bytes 0..7: Q2_K's two bits (its qs at 32) and the
+// third, bit 4c + t of the first 32 bytes.
+static inline __m256i q3_bytes(const uint8_t *blk, int c, int t)
+{
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * c));
+    const __m256i HM = _mm256_loadu_si256((const __m256i *)blk);
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * t)),
+                                        _mm256_set1_epi8(3));
+    const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(HM, _mm_cvtsi32_si128(4 * c + t)),
+                                        _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
 }
 
 // Q6_K's weights 128 c + 32 t .. + 31 (t < 4) as bytes: the nibbles of ql[64 c + 32 (t % 2) ..]
@@ -182,7 +195,9 @@ static inline void sb_values(const uint8_t *blk, int fmt, uint8_t *q)
         for (int c = 0; c < 2; c++)
             for (int t = 0; t < 4; t++)
                 _mm256_storeu_si256((__m256i *)(q + 128 * c + 32 * t),
-                                    fmt == Q6_K ? q6_bytes(blk, c, t) : q2_bytes(blk, c, t));
+                                    fmt == Q6_K   ? q6_bytes(blk, c, t)
+                                    : fmt == Q3_K ? q3_bytes(blk, c, t)
+                                                  : q2_bytes(blk, c, t));
         return;
     }
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
@@ -310,7 +325,8 @@ static void q2_grid(const uint8_t *blk, int16_t *out, float *side)
 
 // Columns [k0, k0 + kc) of weight row n as int16 at out, and each super-block's SIDE floats at
 // side: weight i of a super-block is side[8] out[i] - side[i / 32] in Q4_K / Q5_K (d, sc q,
-// dmin m), side[8] out[i] in Q6_K (d, sc (q - 32); its side[0..7] zero) and Q2_K (q2_grid).
+// dmin m), side[8] out[i] in Q6_K (d, sc (q - 32); its side[0..7] zero), Q3_K (d, (s - 32)
+// (q - 4), |.| <= 128) and Q2_K (q2_grid).
 static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k0, int64_t kc,
                       panel_t *out, float *side)
 {
@@ -326,20 +342,30 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
             q2_grid(blk, out, side);
             continue;
         }
-        if (fmt == Q6_K) {
+        if (fmt == Q6_K || fmt == Q3_K) {  // sc (q - 32), Q3_K's (s - 32) (q - 4): exact
+            int8_t sc[16];
+            if (fmt == Q3_K) {
+                uint8_t b[16];
+                q3_scale_bytes(blk, b);
+                for (int h = 0; h < 16; h++) sc[h] = (int8_t)(b[h] - 32);
+            } else {
+                memcpy(sc, blk + 192, 16);
+            }
             for (int c = 0; c < 2; c++)
                 for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
-                    const __m256i v = _mm256_sub_epi8(q6_bytes(blk, c, t), _mm256_set1_epi8(32));
+                    const __m256i v = fmt == Q6_K
+                        ? _mm256_sub_epi8(q6_bytes(blk, c, t), _mm256_set1_epi8(32))
+                        : _mm256_sub_epi8(q3_bytes(blk, c, t), _mm256_set1_epi8(4));
                     const int h = 8 * c + 2 * t;
                     _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_mullo_epi16(
                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
-                        _mm256_set1_epi16((int8_t)blk[192 + h])));
+                        _mm256_set1_epi16(sc[h])));
                     _mm256_storeu_si256((__m256i *)(out + 16 * h + 16), _mm256_mullo_epi16(
                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
-                        _mm256_set1_epi16((int8_t)blk[192 + h + 1])));
+                        _mm256_set1_epi16(sc[h + 1])));
                 }
             memset(side, 0, 8 * sizeof(float));
-            side[8] = f16_at(blk + 208);
+            side[8] = f16_at(blk + (fmt == Q6_K ? 208 : 108));
             continue;
         }
         uint64_t sc, mn;
@@ -502,7 +528,7 @@ static inline __attribute__((always_inline)) void tile(const panel_t *x, int64_t
 {
     __m256 acc[TM * TN];
     for (int i = 0; i < TM * TN; i++) acc[i] = _mm256_setzero_ps();
-    // mode: MIN (Q4_K, Q5_K: a minimum term), Q6 (Q6_K, and Q2_K's 13-bit panels) or PLAIN
+    // mode: MIN (Q4_K, Q5_K: a minimum term), Q6 (Q6_K, Q3_K, and Q2_K's 13-bit panels) or PLAIN
     // (the int8 grid's 13-bit panels).
     // Values summed in int32 between conversions: a super-block, Q6_K's half of one (its
     // |sc (q - 32)| <= 4096 times |X| <= 32767, 16 products a lane, fits 2^31 only so far)

@@ -1,10 +1,13 @@
 // Linear layers on GGUF's K-quant blocks as the file stores them: y[M, N] = x[M, K] W^T + bias,
-// W's rows in Q2_K, Q4_K, Q5_K or Q6_K super-blocks of 256 weights (formats named by ggml's type
-// ids: 10, 12, 13, 14). Bit layouts (checked against the `gguf` package's numpy dequantizer):
+// W's rows in Q2_K, Q3_K, Q4_K, Q5_K or Q6_K super-blocks of 256 weights (formats named by ggml's
+// type ids: 10 to 14). Bit layouts (checked against the `gguf` package's numpy dequantizer):
 //   Q2_K (84 bytes): 16 bytes of 4-bit scales (low nibbles) and minimums (high) a run of 16,
 //     64 bytes of 2-bit values laid out as Q6_K's qh (byte 32c + l holds weights 128c + 32t + l
 //     in its bits 2t, 2t + 1), fp16 d, fp16 dmin; w = d sc[i / 16] q - dmin m[i / 16]: Q6_K's
 //     runs with a minimum a run in place of the -32.
+//   Q3_K (110 bytes): 32 bytes of third bits (bit 4c + t of byte l: weight 128c + 32t + l's), 64
+//     of 2-bit values as Q2_K's, 12 bytes of 6-bit scales s + 32 (q3_scale_bytes), fp16 d;
+//     w = d s[i / 16] (q - 4), q = the two bits + 4 x the third: Q6_K's runs with -4.
 //   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and minimums m[8],
 //     128 bytes of nibbles: bytes 32j .. 32j + 31 hold weights 64j + l in their low nibbles and
 //     64j + 32 + l in their high ones; w = d sc[i / 32] q - dmin m[i / 32].
@@ -69,7 +72,8 @@
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
 int loom_kq_block_bytes(int fmt)
 {
-    return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : fmt == Q6_K ? 210 : fmt == Q2_K ? 84 : 0;
+    return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : fmt == Q6_K ? 210 : fmt == Q3_K ? 110
+           : fmt == Q2_K ? 84 : 0;
 }
 
 // Which SIMD code this build runs the K-quant kernels with: 4 AVX512-VNNI, 3 AVX-512 (BW),
@@ -101,11 +105,15 @@ int loom_kq_check(int64_t K, int fmt)
 // A super-block's 256 unsigned integers in weight order (portable).
 static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK])
 {
-    if (fmt == Q2_K) {
+    if (fmt == Q2_K || fmt == Q3_K) {
+        const uint8_t *qs = blk + (fmt == Q2_K ? 16 : 32);
         for (int c = 0; c < 2; c++)
             for (int t = 0; t < 4; t++)
-                for (int l = 0; l < 32; l++)
-                    q[128 * c + 32 * t + l] = (uint8_t)((blk[16 + 32 * c + l] >> (2 * t)) & 3);
+                for (int l = 0; l < 32; l++) {
+                    uint8_t v = (uint8_t)((qs[32 * c + l] >> (2 * t)) & 3);
+                    if (fmt == Q3_K) v |= (uint8_t)(((blk[l] >> (4 * c + t)) & 1) << 2);
+                    q[128 * c + 32 * t + l] = v;
+                }
         return;
     }
     if (fmt == Q6_K) {
@@ -155,7 +163,8 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 // One row of K: int8 a[K], int8 b[K] (the digits, in the kernel's order of runs: run_of), then
 // fp32 dr[K / 16] (each run's d / 256, a super-block's 16 in dr_slot order) and fp32 sm[K / 16],
 // a super-block's terms of the minimums: Q6_K 32 sx[h] for its runs h (sx: a run's sum of x~ =
-// d (a + b / 256)), Q2_K sx[h], in dr_slot order; Q4_K / Q5_K sx over each sub-block j of 32,
+// d (a + b / 256)), Q3_K 4 sx[h], Q2_K sx[h], in dr_slot order; Q4_K / Q5_K sx over each
+// sub-block j of 32,
 // at 2j + 1 with AVX-512 (0 between), else at 8 + j (0 before).
 // stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
@@ -321,8 +330,8 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int o
         float *o = sm + s * 16;
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
         for (int h = 0; h < 16; h++) {
-            if (runs16(fmt)) {  // Q2_K's minimums take a run's sum, Q6_K's -32 thirty-two
-                o[dr_slot(h)] = (fmt == Q6_K ? 32.0f : 1.0f) * sx[h];
+            if (runs16(fmt)) {  // Q2_K's minimums take a run's sum, Q6_K's -32 32 x, Q3_K's -4 4 x
+                o[dr_slot(h)] = (fmt == Q6_K ? 32.0f : fmt == Q3_K ? 4.0f : 1.0f) * sx[h];
             } else if (h % 2 == 0) {  // a block of 32's sum: AVX-512 at 2j + 1, else at 8 + j
 #if defined(KQ_AVX512)
                 o[h + 1] = sx[h] + sx[h + 1];
@@ -347,12 +356,13 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
     if (runs16(fmt)) {
         const __m128i order =  // dr_slot order: slot 4q + v, run 4v + q
             _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        if (fmt == Q6_K) {
-            const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)),
-                                                order);
-            *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
-                                _mm512_set1_ps(f16_at(blk + 208)));
-            *ow = *sw;  // x's sm: 32 sx a run, in the same order
+        if (fmt == Q6_K || fmt == Q3_K) {  // int8 scales (Q3_K's decoded, less 32)
+            const __m128i raw = fmt == Q3_K ? q3_scales128(blk)
+                                            : _mm_loadu_si128((const __m128i *)(blk + 192));
+            *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_shuffle_epi8(raw, order))),
+                                _mm512_set1_ps(f16_at(blk + (fmt == Q6_K ? 208 : 108))));
+            *ow = *sw;  // x's sm: 32 sx (Q3_K: 4 sx) a run, in the same order
         } else {  // Q2_K: scales in the low nibbles, minimums in the high; x's sm: sx a run
             const __m512i sm = _mm512_cvtepu8_epi32(
                 _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order));
@@ -368,15 +378,28 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         const __m512i m_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(-64), 1);
         const __m512i c_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-        const uint8_t *qh = blk + (fmt == Q6_K ? 128 : 16);
+        const uint8_t *qh = blk + (fmt == Q6_K ? 128 : fmt == Q3_K ? 32 : 16);
+        // Q3_K's third bits: byte l's bit 4c + t for weight 128c + 32t + l, t per 256-bit half
+        const __m512i HM = fmt == Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                             (const __m256i *)blk))
+                                       : _mm512_setzero_si512();
         for (int c = 0; c < 2; c++) {
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                 (const __m256i *)(qh + 32 * c)));
             const __m512i h0 = _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo);
             const __m512i h1 = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi);
-            if (fmt == Q2_K) {  // the values at bits 4-5, down to 0-1
+            if (fmt != Q6_K) {  // the values at bits 4-5, down to 0-1
                 W[2 * c] = _mm512_srli_epi16(h0, 4);
                 W[2 * c + 1] = _mm512_srli_epi16(h1, 4);
+                if (fmt == Q3_K)
+                    for (int k = 0; k < 2; k++) {  // t = 2k (first half), 2k + 1 (second)
+                        const __m512i n = _mm512_inserti64x4(
+                            _mm512_set1_epi16((short)(4 * c + 2 * k)),
+                            _mm256_set1_epi16((short)(4 * c + 2 * k + 1)), 1);
+                        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(HM, n),
+                                                            _mm512_set1_epi8(1));
+                        W[2 * c + k] = _mm512_or_si512(W[2 * c + k], _mm512_slli_epi16(hb, 2));
+                    }
                 continue;
             }
             const __m512i L = _mm512_loadu_si512(blk + 64 * c);
@@ -501,19 +524,21 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 // holds weights 4k .. 4k + 3, as the byte form's did: the same integers, the same bits.
 
 // A super-block's weight scales sw as two halves, and ow, its minimums' terms against x's sm
-// (Q6_K: sw; Q2_K: dmin m a run; Q4_K / Q5_K: ow[0] = dmin m).
+// (Q6_K, Q3_K: sw; Q2_K: dmin m a run; Q4_K / Q5_K: ow[0] = dmin m).
 static inline __attribute__((always_inline)) void scales256(const uint8_t *blk, const int fmt,
                                                             __m256 sw[2], __m256 ow[2])
 {
     const __m128i order =  // dr_slot order
         _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    if (fmt == Q6_K) {
-        const __m256 d = _mm256_set1_ps(f16_at(blk + 208));
-        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order);
+    if (fmt == Q6_K || fmt == Q3_K) {  // int8 scales (Q3_K's decoded, less 32)
+        const __m128i raw = fmt == Q3_K ? q3_scales128(blk)
+                                        : _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 d = _mm256_set1_ps(f16_at(blk + (fmt == Q6_K ? 208 : 108)));
+        const __m128i sc = _mm_shuffle_epi8(raw, order);
         for (int i = 0; i < 2; i++) {
             sw[i] = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i ? _mm_unpackhi_epi64(sc, sc) : sc)), d);
-            ow[i] = sw[i];  // x's sm: 32 sx a run, in the same order
+            ow[i] = sw[i];  // x's sm: 32 sx (Q3_K: 4 sx) a run, in the same order
         }
         return;
     }
@@ -546,12 +571,24 @@ static inline __attribute__((always_inline)) void unpack_half(const uint8_t *blk
                                                               __m256i O[4])
 {
     const __m256i n0 = _mm256_set1_epi16(0x000F);
-    if (fmt == Q2_K) {  // qs 32c + j: weight 128c + 32v + j in its bits 2v, 2v + 1 (Q6_K's qh)
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-        const __m256i three = _mm256_set1_epi16(0x0003);
+    if (fmt == Q2_K || fmt == Q3_K) {  // qs 32c + j: weight 128c + 32v + j in its bits 2v,
+        // 2v + 1 (Q6_K's qh); Q3_K's third bit: bit 4c + v of byte j of its first 32, moved to
+        // bit 2 of the byte (shifts by 16-bit lanes, masked a byte)
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + (fmt == Q2_K ? 16 : 32) +
+                                                               32 * c));
+        const __m256i lo = _mm256_set1_epi16(0x00FF);
         for (int v = 0; v < 4; v++) {
-            E[v] = _mm256_and_si256(_mm256_srli_epi16(H, 2 * v), three);
-            O[v] = _mm256_and_si256(_mm256_srli_epi16(H, 8 + 2 * v), three);
+            __m256i W = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * v)),
+                                         _mm256_set1_epi8(3));
+            if (fmt == Q3_K) {
+                const __m256i HM = _mm256_loadu_si256((const __m256i *)blk);
+                const int b = 4 * c + v;
+                const __m256i hb = b >= 2 ? _mm256_srl_epi16(HM, _mm_cvtsi32_si128(b - 2))
+                                          : _mm256_sll_epi16(HM, _mm_cvtsi32_si128(2 - b));
+                W = _mm256_or_si256(W, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+            }
+            E[v] = _mm256_and_si256(W, lo);
+            O[v] = _mm256_srli_epi16(W, 8);
         }
         return;
     }
@@ -671,9 +708,10 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
             const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int h = 0; h < 16; h++) {
-                // the minimums' terms: Q6_K sm = 32 sx a run, Q2_K sx a run, Q4_K / Q5_K sx a
-                // block of 32
-                const float mt = fmt == Q6_K ? sw[h] * sm[h] : fmt == Q2_K ? ow[h] * sm[h]
+                // the minimums' terms: Q6_K sm = 32 sx a run (Q3_K 4 sx), Q2_K sx a run, Q4_K /
+                // Q5_K sx a block of 32
+                const float mt = fmt == Q6_K || fmt == Q3_K ? sw[h] * sm[h]
+                                 : fmt == Q2_K ? ow[h] * sm[h]
                                  : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
 #if defined(KQ_NEON)
                 const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
@@ -718,6 +756,8 @@ static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int 
         DIGITS(Q5_K)
     } else if (fmt == Q6_K) {
         DIGITS(Q6_K)
+    } else if (fmt == Q3_K) {
+        DIGITS(Q3_K)
     } else {
         DIGITS(Q2_K)
     }
@@ -766,9 +806,9 @@ static uint8_t *x_buffer(int64_t rows, int64_t K)
     return buf;
 }
 
-// x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (10 Q2_K, 12 Q4_K,
-// 13 Q5_K, 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N] or NULL;
-// y: [M, N] rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the
+// x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (10 Q2_K, 11 Q3_K,
+// 12 Q4_K, 13 Q5_K, 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N]
+// or NULL; y: [M, N] rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the
 // quantized x cannot be allocated.
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)

@@ -140,9 +140,9 @@ int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64
                     int64_t *u1);
 
 // ---- K-quant linears (linear_kquant.c): y [M, N] = x [M, K] W^T (+ bias) -------------------
-// W's rows as GGUF stores them: K / 256 super-blocks of `fmt` (ggml's type ids: 10 Q2_K, 12
-// Q4_K, 13 Q5_K, 14 Q6_K), rows contiguous. x is quantized once a call (two int8 digits a run of 16);
-// a row's bits do not depend on the other rows of the call.
+// W's rows as GGUF stores them: K / 256 super-blocks of `fmt` (ggml's type ids: 10 Q2_K, 11
+// Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K), rows contiguous. x is quantized once a call (two int8
+// digits a run of 16); a row's bits do not depend on the other rows of the call.
 
 // A format or'ed with LOOM_KQ_ONE_DIGIT: x in one int8 digit a run of 16, not two (llama.cpp's
 // activations, with a scale a run): fewer instructions, 256 times coarser; below the accuracy
@@ -203,7 +203,7 @@ typedef struct LoomLinearQ8 {
     const uint8_t *w;
     const float *s, *m;
     const uint16_t *s16, *m16;
-    int64_t bits;  // per stored weight: 8 or 4 (Q8); the ggml format 10, 12, 13, 14 (KQ)
+    int64_t bits;  // per stored weight: 8 or 4 (Q8); the ggml format 10 to 14 (KQ)
     int64_t kind;  // LOOM_LINEAR_*
     // LOOM_LINEAR_PARTS: num_parts parts (each LOOM_LINEAR_Q8 or LOOM_LINEAR_KQ), part i writing
     // output columns [parts[i].n0, parts[i].n0 + parts[i].n) (a bias: the KQ kernel adds its
