@@ -2,12 +2,14 @@
 milliseconds a layer and GB/s of the blocks read.
 
     .venv/bin/python benchmarks/bench_kquant_formats.py [--n 8192 --k 2048 --layers 12]
-        [--rows 1] [--rounds 8]
+        [--rows 1] [--rounds 8] [--against OLD.so]
 
 Random blocks (every byte pattern is a valid K-quant block) with fp16 scales of a trained
 model's size, `layers` matrices [n, k] of each format, so a round streams them from memory as a
 decode step does; each round runs every format's layers in turn on the build this process
-selects (`loom_linear_kq`: up to 8 rows the integer kernel, past 8 the GEMM).
+selects (`loom_linear_kq`: up to 8 rows the integer kernel, past 8 the GEMM). `--against`:
+another build of the same kernels (e.g. the variant's library from ~/.cache/loom/kernels copied
+aside before a change) run beside it, each format on both in turn, and the ratio (this / OLD).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from loom.kernels import cpu_kernels, kernel_choice
+from loom.kernels import _load, cpu_kernels, kernel_choice
 from loom.quant.kquant import KQ_TYPES
 
 # where each format keeps its fp16 d (and dmin after it, where it has one)
@@ -47,31 +50,42 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--against", default=None, help="another build of the kernels (.so)")
     a = p.parse_args()
     lib = cpu_kernels()
     if lib is None:
         raise SystemExit("bench_kquant_formats: no C kernels on this machine")
+    libs = {"this": lib} | ({"old": _load(Path(a.against))} if a.against else {})
+    formats = [q for q in KQ_TYPES  # those every build runs (an older one may lack some)
+               if all(b.loom_kq_check(a.k, KQ_TYPES[q]) == 0 for b in libs.values())]
     rng = np.random.default_rng(0)
-    mats = {q: [random_rows(q, a.n, a.k, rng) for _ in range(a.layers)] for q in KQ_TYPES}
+    mats = {q: [random_rows(q, a.n, a.k, rng) for _ in range(a.layers)] for q in formats}
     x = torch.randn(a.rows, a.k)
     y = torch.empty(a.rows, a.n)
-    times: dict[GGMLQuantizationType, list[float]] = {q: [] for q in KQ_TYPES}
+    times = {(q, b): [] for q in formats for b in libs}
     for r in range(a.rounds + 1):  # the first round warms up, unrecorded
-        order = list(KQ_TYPES) if r % 2 == 0 else list(reversed(KQ_TYPES))
-        for q in order:
+        order = [(q, b) for q in formats for b in libs]
+        for q, b in order if r % 2 == 0 else reversed(order):
             t = time.perf_counter()
             for w in mats[q]:
-                rc = lib.loom_linear_kq(x.data_ptr(), a.rows, a.k, a.k, w.ctypes.data,
-                                        KQ_TYPES[q], None, a.n, y.data_ptr(), a.n, a.threads)
+                rc = libs[b].loom_linear_kq(x.data_ptr(), a.rows, a.k, a.k, w.ctypes.data,
+                                            KQ_TYPES[q], None, a.n, y.data_ptr(), a.n,
+                                            a.threads)
                 assert rc == 0, rc
             if r:
-                times[q].append((time.perf_counter() - t) / a.layers)
+                times[q, b].append((time.perf_counter() - t) / a.layers)
     print(f"build {kernel_choice().variant}, {a.rows} row(s), {a.threads} threads, "
           f"{a.layers} layers of {a.n} x {a.k}, medians of {a.rounds} rounds")
-    for q in KQ_TYPES:
-        m = statistics.median(times[q])
-        print(f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].nbytes / m / 1e9:.1f} GB/s "
-              f"({mats[q][0].nbytes / 1e6:.1f} MB a layer)")
+    for q in formats:
+        m = statistics.median(times[q, "this"])
+        line = (f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].nbytes / m / 1e9:.1f} GB/s "
+                f"({mats[q][0].nbytes / 1e6:.1f} MB a layer)")
+        if "old" in libs:
+            ratios = [t / o for t, o in zip(times[q, "this"], times[q, "old"])]
+            line += (f"; OLD {statistics.median(times[q, 'old']) * 1e3:.3f} ms, this / OLD "
+                     f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-"
+                     f"{max(ratios):.2f})")
+        print(line)
 
 
 if __name__ == "__main__":

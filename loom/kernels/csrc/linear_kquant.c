@@ -615,24 +615,30 @@ static inline __attribute__((always_inline)) void unpack_half(const uint8_t *blk
         return;
     }
     const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+    if (fmt == Q5_K) {  // as bytes, the fifth bit (bit t of qh byte j: weight 32t + j's 16) or'ed
+        // in at bit 4 (shifts by 16-bit lanes, masked a byte), then split
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i nib = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10);
+        const __m256i lo = _mm256_set1_epi16(0x00FF);
+        for (int v = 0; v < 4; v++) {
+            const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 64 * c + 32 * (v / 2)));
+            const int t = 4 * c + v;
+            const __m256i he = t <= 4 ? _mm256_sll_epi16(H, _mm_cvtsi32_si128(4 - t))
+                                      : _mm256_srl_epi16(H, _mm_cvtsi32_si128(t - 4));
+            const __m256i W = _mm256_or_si256(
+                _mm256_and_si256(v & 1 ? _mm256_srli_epi16(L, 4) : L, nib),
+                _mm256_and_si256(he, b4));
+            E[v] = _mm256_and_si256(W, lo);
+            O[v] = _mm256_srli_epi16(W, 8);
+        }
+        return;
+    }
     for (int j = 0; j < 2; j++) {  // bytes 32(2c + j) + l: weights 64(2c + j) + l and + 32 + l
         const __m256i L = _mm256_loadu_si256((const __m256i *)(qs + 64 * c + 32 * j));
         E[2 * j] = _mm256_and_si256(L, n0);
         O[2 * j] = _mm256_and_si256(_mm256_srli_epi16(L, 8), n0);
         E[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(L, 4), n0);
         O[2 * j + 1] = _mm256_srli_epi16(L, 12);
-    }
-    if (fmt == Q5_K) {  // bit t of qh byte j: weight 32t + j's 16
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const __m256i b4 = _mm256_set1_epi16(0x0010);
-        for (int v = 0; v < 4; v++) {
-            const int t = 4 * c + v;
-            const __m256i he = t <= 4 ? _mm256_sll_epi16(H, _mm_cvtsi32_si128(4 - t))
-                                      : _mm256_srl_epi16(H, _mm_cvtsi32_si128(t - 4));
-            E[v] = _mm256_or_si256(E[v], _mm256_and_si256(he, b4));
-            O[v] = _mm256_or_si256(
-                O[v], _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(t + 4)), b4));
-        }
     }
 }
 
