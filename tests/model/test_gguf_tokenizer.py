@@ -69,3 +69,32 @@ def test_files_beside_the_gguf_leave_it_to_auto_tokenizer(tmp_path) -> None:
     assert _class(path) is not None
     (tmp_path / "tokenizer_config.json").write_text("{}")
     assert _class(path) is None
+
+
+def test_the_cache_holds_merges_as_strings_that_encode_the_same(tmp_path, monkeypatch) -> None:
+    """The converted tokenizer.json keeps BPE merges as "a b" strings (parsed faster than
+    pairs, loom.tokenizer.tokenizer._compact_merges): the same ids as the pairs it was saved
+    with, on the packaged model; merges holding a space are left as pairs."""
+    import json
+
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from loom.loader.resolve import resolve_model
+    from loom.tokenizer import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    source = resolve_model(None)
+    tok = tokenizer_module.Tokenizer.from_source(source)  # converts into the fresh cache
+    folder = tokenizer_module._tokenizer_folder(source)
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    merges = data["model"]["merges"]
+    assert len(merges) > 40000 and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    pairs = {**data, "model": {**data["model"], "merges": [m.split(" ") for m in merges]}}
+    theirs = RawTokenizer.from_str(json.dumps(pairs))
+    for text in TEXTS:
+        assert tok.encode(text) == theirs.encode(text, add_special_tokens=False).ids
+    spaced = tmp_path / "spaced.json"
+    kept = {"model": {"type": "BPE", "merges": [["a b", "c"], ["d", "e"]]}}
+    spaced.write_text(json.dumps(kept))
+    tokenizer_module._compact_merges(spaced)
+    assert json.loads(spaced.read_text()) == kept
