@@ -68,9 +68,10 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/loom generate $(ARGS)
 
-# Every test: both tiers (the server and real-model tests are `@pytest.mark.slow`).
+# Every test: both tiers (the server and real-model tests are `@pytest.mark.slow`); the 25
+# slowest named at the end (CI keeps the whole run under 20 minutes on 2 cores).
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 # The inner loop: units, kernels, tiny models (no real model, no server subprocess).
 test-fast: $(TEST_STAMP)
