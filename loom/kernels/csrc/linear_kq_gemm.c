@@ -291,9 +291,11 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 // (dmin m a run of 16, where the tile's minimum terms take one a sub-block of 32), so the
 // weights w = d sc q - dmin m are rounded to W = w / D (nearest even), D = B / 4095 with B the
 // largest |w| the runs' scales and minimums allow (q = 0 or 3), as grid_row rounds the int8
-// grid: W = q (sw / D) - ow / D in one fma, within 1/8190 of B plus an fp32 rounding (~1/2000 of
-// a run's step). side[8] = D, side[0..7] zero: the tile's Q6 mode (no minimum term; its sums
-// of 128 products a lane stay below 2^31 at |W| <= 4095).
+// grid: W = q (sw / D) - ow / D in one fma, within 1/8190 of B plus an fp32 rounding (B: of the
+// order of the widest run's three steps and largest minimum; a run of scale 1 of 15 sees ~1/180
+// of its step).
+// side[8] = D, side[0..7] zero: the tile's Q6 mode (no minimum term; its sums of 128 products a
+// lane stay below 2^31 at |W| <= 4095).
 static void q2_grid(const uint8_t *blk, int16_t *out, float *side)
 {
     float sw[16], ow[16], bound = 0.0f;
