@@ -4,8 +4,8 @@ milliseconds a layer and GB/s of the blocks read.
     .venv/bin/python benchmarks/bench_kquant_formats.py [--n 8192 --k 2048 --layers 12]
         [--rows 1] [--rounds 8] [--against OLD.so]
 
-Random blocks (every byte pattern is a valid K-quant block) with fp16 scales of a trained
-model's size, `layers` matrices [n, k] of each format, so a round streams them from memory as a
+Random blocks (tests/model/test_kquant.py's `random_blocks`: every byte pattern is a valid
+K-quant block, with fp16 scales of a trained model's size), `layers` matrices [n, k] of each format, so a round streams them from memory as a
 decode step does; each round runs every format's layers in turn on the build this process
 selects (`loom_linear_kq`: up to 8 rows the integer kernel, past 8 the GEMM). `--against`:
 another build of the same kernels (e.g. the variant's library from ~/.cache/loom/kernels copied
@@ -16,31 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from loom.kernels import _load, cpu_kernels, kernel_choice
 from loom.quant.kquant import KQ_TYPES
 
-# where each format keeps its fp16 d (and dmin after it, where it has one)
-D_AT = {GGMLQuantizationType.Q2_K: 80, GGMLQuantizationType.Q3_K: 108,
-        GGMLQuantizationType.Q4_K: 0, GGMLQuantizationType.Q5_K: 0,
-        GGMLQuantizationType.Q6_K: 208}
-
-
-def random_rows(qtype: GGMLQuantizationType, rows: int, cols: int,
-                rng: np.random.Generator) -> np.ndarray:
-    size = GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
-    halves = 1 if qtype in (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q6_K) else 2
-    d = rng.uniform(2e-4, 2e-3, (raw.shape[0], halves)).astype(np.float16)
-    raw[:, D_AT[qtype]:D_AT[qtype] + 2 * halves] = d.view(np.uint8)
-    return raw.reshape(rows, -1)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.model.test_kquant import random_blocks  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -59,7 +46,7 @@ def main() -> None:
     formats = [q for q in KQ_TYPES  # those every build runs (an older one may lack some)
                if all(b.loom_kq_check(a.k, KQ_TYPES[q]) == 0 for b in libs.values())]
     rng = np.random.default_rng(0)
-    mats = {q: [random_rows(q, a.n, a.k, rng) for _ in range(a.layers)] for q in formats}
+    mats = {q: [random_blocks(q, a.n, a.k, rng).data for _ in range(a.layers)] for q in formats}
     x = torch.randn(a.rows, a.k)
     y = torch.empty(a.rows, a.n)
     times = {(q, b): [] for q in formats for b in libs}
@@ -68,7 +55,7 @@ def main() -> None:
         for q, b in order if r % 2 == 0 else reversed(order):
             t = time.perf_counter()
             for w in mats[q]:
-                rc = libs[b].loom_linear_kq(x.data_ptr(), a.rows, a.k, a.k, w.ctypes.data,
+                rc = libs[b].loom_linear_kq(x.data_ptr(), a.rows, a.k, a.k, w.data_ptr(),
                                             KQ_TYPES[q], None, a.n, y.data_ptr(), a.n,
                                             a.threads)
                 assert rc == 0, rc
@@ -78,8 +65,8 @@ def main() -> None:
           f"{a.layers} layers of {a.n} x {a.k}, medians of {a.rounds} rounds")
     for q in formats:
         m = statistics.median(times[q, "this"])
-        line = (f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].nbytes / m / 1e9:.1f} GB/s "
-                f"({mats[q][0].nbytes / 1e6:.1f} MB a layer)")
+        line = (f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].numel() / m / 1e9:.1f} GB/s "
+                f"({mats[q][0].numel() / 1e6:.1f} MB a layer)")
         if "old" in libs:
             ratios = [t / o for t, o in zip(times[q, "this"], times[q, "old"])]
             line += (f"; OLD {statistics.median(times[q, 'old']) * 1e3:.3f} ms, this / OLD "

@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from loom.quant.kquant import KBlocks, native
 from tests.cpu_kernels import require_cpu_kernels
-from tests.model.test_kquant import bound, kq_linear
+from tests.model.test_kquant import bound, kq_linear, random_blocks
 
 
 def _q3_k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -51,11 +51,7 @@ def test_q3_k_products_with_negative_scales_within_the_kernels_bound() -> None:
 
 
 def _q2_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random Q2_K blocks (every byte pattern is one) with a trained model's fp16 d and dmin."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows * cols // 256, GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
-    raw[:, 80:84] = rng.uniform(2e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+    return random_blocks(T.Q2_K, rows, cols, np.random.default_rng(seed)).data.numpy()
 
 
 @pytest.mark.parametrize("qtype", [T.Q3_K, T.Q2_K], ids=lambda q: q.name)

@@ -346,13 +346,10 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
         }
         if (fmt == Q6_K || fmt == Q3_K) {  // sc (q - 32), Q3_K's (s - 32) (q - 4): exact
             int8_t sc[16];
-            if (fmt == Q3_K) {
-                uint8_t b[16];
-                q3_scale_bytes(blk, b);
-                for (int h = 0; h < 16; h++) sc[h] = (int8_t)(b[h] - 32);
-            } else {
+            if (fmt == Q3_K)
+                _mm_storeu_si128((__m128i *)sc, q3_scales128(blk));
+            else
                 memcpy(sc, blk + 192, 16);
-            }
             for (int c = 0; c < 2; c++)
                 for (int t = 0; t < 4; t++) {  // weights 128c + 32t ..: runs 8c + 2t, + 1
                     const __m256i v = fmt == Q6_K

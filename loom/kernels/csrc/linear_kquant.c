@@ -24,7 +24,8 @@
 // the digits signed: vpdpbusd's operands as they are; AVX2 takes X = 256 a + b as one int16 into
 // vpmaddwd, the same integers), scaled by the run's weight
 // scale (d sc) and the run's d / 256 in fp32; the minimums' (Q4_K, Q5_K: x~ summed over each
-// block of 32) and the -32's (Q6_K: over each run) terms take one fma a super-block. x's layout
+// block of 32; Q2_K: over each run) and the -32's (Q6_K) and -4's (Q3_K: over each run) terms
+// take one fma a super-block. x's layout
 // (quantize_row) is the kernel's own per build and format, so the blocks are read as stored
 // with few shuffles. One digit (llama.cpp's; a format or'ed with LOOM_KQ_ONE_DIGIT) falls below
 // the accuracy bar on every projection of Gemma 3 270M, two do not (docs/kquants.md).
@@ -162,10 +163,9 @@ void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n
 // ---- quantized x ---------------------------------------------------------------------------
 // One row of K: int8 a[K], int8 b[K] (the digits, in the kernel's order of runs: run_of), then
 // fp32 dr[K / 16] (each run's d / 256, a super-block's 16 in dr_slot order) and fp32 sm[K / 16],
-// a super-block's terms of the minimums: Q6_K 32 sx[h] for its runs h (sx: a run's sum of x~ =
-// d (a + b / 256)), Q3_K 4 sx[h], Q2_K sx[h], in dr_slot order; Q4_K / Q5_K sx over each
-// sub-block j of 32,
-// at 2j + 1 with AVX-512 (0 between), else at 8 + j (0 before).
+// a super-block's terms of the offsets: the runs of 16 formats (runs16) sx[h] for each run h
+// (sx: a run's sum of x~ = d (a + b / 256)), in dr_slot order; Q4_K / Q5_K sx over each
+// sub-block j of 32, at 2j + 1 with AVX-512 (0 between), else at 8 + j (0 before).
 // stride: bytes a row (a multiple of 64).
 static inline int64_t x_stride(int64_t K) { return 2 * K + K / RUN * 8; }
 
@@ -330,8 +330,8 @@ static void quantize_row(const float *x, int64_t K, int fmt, uint8_t *buf, int o
         float *o = sm + s * 16;
         for (int h = 0; h < 16; h++) o[h] = 0.0f;
         for (int h = 0; h < 16; h++) {
-            if (runs16(fmt)) {  // Q2_K's minimums take a run's sum, Q6_K's -32 32 x, Q3_K's -4 4 x
-                o[dr_slot(h)] = (fmt == Q6_K ? 32.0f : fmt == Q3_K ? 4.0f : 1.0f) * sx[h];
+            if (runs16(fmt)) {
+                o[dr_slot(h)] = sx[h];
             } else if (h % 2 == 0) {  // a block of 32's sum: AVX-512 at 2j + 1, else at 8 + j
 #if defined(KQ_AVX512)
                 o[h + 1] = sx[h] + sx[h + 1];
@@ -362,8 +362,9 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
             *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                     _mm_shuffle_epi8(raw, order))),
                                 _mm512_set1_ps(f16_at(blk + (fmt == Q6_K ? 208 : 108))));
-            *ow = *sw;  // x's sm: 32 sx (Q3_K: 4 sx) a run, in the same order
-        } else {  // Q2_K: scales in the low nibbles, minimums in the high; x's sm: sx a run
+            // the offset a run, against x's sm (sx a run, the same order): Q6_K's 32 sw, Q3_K's 4
+            *ow = _mm512_mul_ps(*sw, _mm512_set1_ps(fmt == Q6_K ? 32.0f : 4.0f));
+        } else {  // Q2_K: scales in the low nibbles, minimums (its offsets) in the high
             const __m512i sm = _mm512_cvtepu8_epi32(
                 _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order));
             *sw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))),
@@ -523,8 +524,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 // each (5 -> 3 multiply-port ops a 32 weights with the fma). Lane k of the two products' sum
 // holds weights 4k .. 4k + 3, as the byte form's did: the same integers, the same bits.
 
-// A super-block's weight scales sw as two halves, and ow, its minimums' terms against x's sm
-// (Q6_K, Q3_K: sw; Q2_K: dmin m a run; Q4_K / Q5_K: ow[0] = dmin m).
+// A super-block's weight scales sw as two halves, and ow, its offsets against x's sm (a run's:
+// Q6_K 32 sw, Q3_K 4 sw, Q2_K dmin m; Q4_K / Q5_K: ow[0] = dmin m a sub-block of 32).
 static inline __attribute__((always_inline)) void scales256(const uint8_t *blk, const int fmt,
                                                             __m256 sw[2], __m256 ow[2])
 {
@@ -538,11 +539,11 @@ static inline __attribute__((always_inline)) void scales256(const uint8_t *blk, 
         for (int i = 0; i < 2; i++) {
             sw[i] = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i ? _mm_unpackhi_epi64(sc, sc) : sc)), d);
-            ow[i] = sw[i];  // x's sm: 32 sx (Q3_K: 4 sx) a run, in the same order
+            ow[i] = _mm256_mul_ps(sw[i], _mm256_set1_ps(fmt == Q6_K ? 32.0f : 4.0f));
         }
         return;
     }
-    if (fmt == Q2_K) {  // scales in the low nibbles, minimums in the high; x's sm: sx a run
+    if (fmt == Q2_K) {  // scales in the low nibbles, minimums (its offsets) in the high
         const __m256 d = _mm256_set1_ps(f16_at(blk + 80)), dmin = _mm256_set1_ps(f16_at(blk + 82));
         const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), order);
         for (int i = 0; i < 2; i++) {
@@ -576,12 +577,12 @@ static inline __attribute__((always_inline)) void unpack_half(const uint8_t *blk
         // bit 2 of the byte (shifts by 16-bit lanes, masked a byte)
         const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + (fmt == Q2_K ? 16 : 32) +
                                                                32 * c));
+        const __m256i HM = _mm256_loadu_si256((const __m256i *)blk);  // Q3_K's third bits
         const __m256i lo = _mm256_set1_epi16(0x00FF);
         for (int v = 0; v < 4; v++) {
             __m256i W = _mm256_and_si256(_mm256_srl_epi16(H, _mm_cvtsi32_si128(2 * v)),
                                          _mm256_set1_epi8(3));
             if (fmt == Q3_K) {
-                const __m256i HM = _mm256_loadu_si256((const __m256i *)blk);
                 const int b = 4 * c + v;
                 const __m256i hb = b >= 2 ? _mm256_srl_epi16(HM, _mm_cvtsi32_si128(b - 2))
                                           : _mm256_sll_epi16(HM, _mm_cvtsi32_si128(2 - b));
@@ -714,10 +715,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
             const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
             const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
             for (int h = 0; h < 16; h++) {
-                // the minimums' terms: Q6_K sm = 32 sx a run (Q3_K 4 sx), Q2_K sx a run, Q4_K /
-                // Q5_K sx a block of 32
-                const float mt = fmt == Q6_K || fmt == Q3_K ? sw[h] * sm[h]
-                                 : fmt == Q2_K ? ow[h] * sm[h]
+                // the offsets' terms: sx a run (runs16), Q4_K / Q5_K sx a block of 32
+                const float mt = runs16(fmt) ? ow[h] * sm[h]
                                  : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
 #if defined(KQ_NEON)
                 const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
@@ -814,8 +813,8 @@ static uint8_t *x_buffer(int64_t rows, int64_t K)
 
 // x: [M, K] rows ldx floats apart; w: [N, K / 256] super-blocks of `fmt` (10 Q2_K, 11 Q3_K,
 // 12 Q4_K, 13 Q5_K, 14 Q6_K; or'ed with LOOM_KQ_ONE_DIGIT or not), rows contiguous; bias: [N]
-// or NULL; y: [M, N] rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer for the
-// quantized x cannot be allocated.
+// or NULL; y: [M, N] rows ldy floats apart. Returns 0, -1 on bad K or fmt, -2 when the buffer
+// for the quantized x cannot be allocated.
 int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int fmt,
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
