@@ -2,12 +2,13 @@
 milliseconds a layer and GB/s of the blocks read.
 
     .venv/bin/python benchmarks/bench_kquant_formats.py [--n 8192 --k 2048 --layers 12]
-        [--rows 1] [--rounds 8] [--against OLD.so]
+        [--rows 1] [--rounds 8] [--gemm] [--against OLD.so]
 
 Random blocks (tests/model/test_kquant.py's `random_blocks`: every byte pattern is a valid
 K-quant block, with fp16 scales of a trained model's size), `layers` matrices [n, k] of each format, so a round streams them from memory as a
 decode step does; each round runs every format's layers in turn on the build this process
-selects (`loom_linear_kq`: up to 8 rows the integer kernel, past 8 the GEMM). `--against`:
+selects (`loom_linear_kq`, the integer kernel in chunks of 8 rows; `--gemm`:
+`loom_linear_kq_gemm`, past 8 rows the panels' GEMM that prompts run by default). `--against`:
 another build of the same kernels (e.g. the variant's library from ~/.cache/loom/kernels copied
 aside before a change) run beside it, each format on both in turn, and the ratio (this / OLD).
 """
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gemm", action="store_true", help="loom_linear_kq_gemm past 8 rows")
     p.add_argument("--against", default=None, help="another build of the kernels (.so)")
     a = p.parse_args()
     lib = cpu_kernels()
@@ -55,14 +57,15 @@ def main() -> None:
         for q, b in order if r % 2 == 0 else reversed(order):
             t = time.perf_counter()
             for w in mats[q]:
-                rc = libs[b].loom_linear_kq(x.data_ptr(), a.rows, a.k, a.k, w.data_ptr(),
-                                            KQ_TYPES[q], None, a.n, y.data_ptr(), a.n,
-                                            a.threads)
+                call = libs[b].loom_linear_kq_gemm if a.gemm else libs[b].loom_linear_kq
+                rc = call(x.data_ptr(), a.rows, a.k, a.k, w.data_ptr(), KQ_TYPES[q], None, a.n,
+                          y.data_ptr(), a.n, a.threads)
                 assert rc == 0, rc
             if r:
                 times[q, b].append((time.perf_counter() - t) / a.layers)
     print(f"build {kernel_choice().variant}, {a.rows} row(s), {a.threads} threads, "
-          f"{a.layers} layers of {a.n} x {a.k}, medians of {a.rounds} rounds")
+          f"{'the GEMM past 8 rows, ' if a.gemm else ''}{a.layers} layers of {a.n} x {a.k}, "
+          f"medians of {a.rounds} rounds")
     for q in formats:
         m = statistics.median(times[q, "this"])
         line = (f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].numel() / m / 1e9:.1f} GB/s "

@@ -3,9 +3,10 @@ loom_linear_q8_f32 (fp32 FMAs) against loom_linear_q8_i16 (the int16 tiles of li
 on SmolLM2-135M's shapes (4-bit, K 576 and 1536), Gemma 3 270M's (8-bit, K 640) and the 1.7B's
 Q4_0 gate/up (4-bit, 4096 x 2048); medians, GMAC/s, and the largest difference between the two.
 
-    .venv/bin/python benchmarks/bench_q8_i16.py [--rows 128] [--threads 2]
+    .venv/bin/python benchmarks/bench_q8_i16.py [--rows 128] [--threads 2] [--variant avx2]
 
-Needs the avx2 build's kernels (an AVX2 CPU). Random weights, scales and minimums: the speed of
+`--variant`: a build with the int16 tiles (avx2; vnni or avx512, whose tiles are 512 bits wide)
+this CPU runs. Random weights, scales and minimums: the speed of
 a layer does not depend on its values.
 """
 
@@ -28,8 +29,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variant", default="avx2", choices=["avx2", "avx512", "vnni"])
     a = p.parse_args()
-    select("avx2")
+    select(a.variant)
     lib = cpu_kernels()
     rng = np.random.default_rng(0)
     for bits, n, k in SHAPES:

@@ -60,9 +60,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("bf16", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
             _V4 | {"avx512_vnni", "avx512_bf16"}, "bf16", "vnni",
             "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8"),
+    # int16 past 8 rows rather than AVX-512 fp32 FMAs: 0.53-0.84x the time on the vnni build's
+    # 512-bit tile, 0.64-0.87x on the avx512 build's AVX2 one (benchmarks/bench_q8_i16.py,
+    # 128 rows, a Zen 4 running each build, 2026-12-04)
     Variant("vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
-            _V4 | {"avx512_vnni"}, "fp32", "vnni", "AVX-512 fp32 past 8 rows, AVX512-VNNI up to 8"),
-    Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, about="AVX-512 fp32"),
+            _V4 | {"avx512_vnni"}, "int16", "vnni",
+            "AVX512-VNNI int16 dot products past 8 rows, AVX512-VNNI up to 8"),
+    Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, "int16",
+            about="AVX2 int16 dot products past 8 rows, AVX-512 fp32 up to 8"),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "int16", "vnni",
             "AVX2 int16 dot products past 8 rows and up to 8"),
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
@@ -77,8 +82,9 @@ NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels 
 KQUANT = {"amx": "vnni", "bf16": "vnni", "vnni": "vnni", "avx512": "avx512", "avx2": "avx2",
           "neon": "neon", "generic": "generic"}
 # ... and past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows unpacked once a call against
-# all rows, in AVX512-BF16 dot products ("bf16"), AVX2 int16 ones with x in one int16 a
-# super-block ("int16", the x86 builds without BF16) or portable fp32 ("fp32", "generic");
+# all rows, in AVX512-BF16 dot products ("bf16"), int16 ones with x in one int16 a super-block
+# ("int16", the x86 builds without BF16: 512-bit vpdpwssd in the vnni build, AVX2 vpmaddwd in
+# the others) or portable fp32 ("fp32", "generic");
 # "int": the integer kernel above at every size (NEON: its sdot kernel; --batch-invariant: the
 # same bits whatever the batch).
 KQUANT_BATCH = {"amx": "bf16", "bf16": "bf16", "vnni": "int16", "avx512": "int16",

@@ -26,9 +26,10 @@ then depend on whether its step had more than 8 rows (the two kernels sum in dif
 rounded to bf16, fp32 sums: faster than the fp32 kernel there, at bf16's precision (tested by
 top-1 agreement with the fp32 reference, like the other quantized paths). Up to 8 rows as `amx`.
 
-`int16`: products of more than 8 rows on AVX2 (csrc/linear_kq_gemm.c's int16 tile): each
+`int16`: products of more than 8 rows in int16 (csrc/linear_kq_gemm.c's tile: AVX2 `vpmaddwd`,
+512-bit `vpdpwssd` in the vnni build; the x86 builds without BF16): each
 super-block of 256 weights rounded once a call to 13-bit integers, x to 15-bit ones a
-super-block, `vpmaddwd` summed exactly in int32; near fp32's top-1 agreement
+super-block, summed exactly in int32; near fp32's top-1 agreement
 (docs/cpu_kernels.md). Up to 8 rows as `amx`.
 
 `vnni` (the decode kernel): products of up to 8 rows (decode) in AVX512-VNNI integer

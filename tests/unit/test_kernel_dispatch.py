@@ -20,8 +20,8 @@ V3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split()  # a Zen 3 (x86-64-v3)
 V4 = [*V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]  # Skylake-X
 CPUS = {
     "zen3": (V3, "avx2", "int16", "vnni"),
-    "skylake-x": (V4, "avx512", "fp32", "fp32"),
-    "ice lake": ([*V4, "avx512_vnni"], "vnni", "fp32", "vnni"),
+    "skylake-x": (V4, "avx512", "int16", "fp32"),
+    "ice lake": ([*V4, "avx512_vnni"], "vnni", "int16", "vnni"),
     "zen4": ([*V4, "avx512_vnni", "avx512_bf16"], "bf16", "bf16", "vnni"),
     "sapphire rapids": ([*V4, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"], "amx",
                         "amx", "vnni"),
