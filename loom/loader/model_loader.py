@@ -76,9 +76,10 @@ class LoadedModel:
 
 def default_quantization(reader: object, device: torch.device, dtype: torch.dtype) -> str | None:
     """What `quantization=None` runs (the checkpoint's own): a GGUF file whose linear layers are
-    all in 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) or K-quants (Q2_K to
-    Q6_K) keeps them as they are on the CPU with fp32 activations ("int8":
-    the 32-wide blocks on Loom's int8 grid, exact; the K-quants as stored, loom.quant.kquant);
+    all in 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), IQ4_XS or K-quants (Q2_K
+    to Q6_K) keeps them as they are on the CPU with fp32 activations ("int8": the 32-wide
+    blocks and IQ4_XS's sub-blocks on Loom's int8 grid, exact; the K-quants as stored,
+    loom.quant.kquant);
     anything else runs in `dtype` (None), said in one log line where the file is quantized."""
     if reader is None:
         return None

@@ -3,7 +3,8 @@
 The 32-wide block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) are unpacked with vectorized
 torch ops; every other type the `gguf` package knows (K-quants, other IQ types, BF16 ...) goes
 through its reference numpy implementation. Tests check the torch paths against the `gguf`
-reference.
+reference. Those formats and IQ4_XS (whose sub-blocks of 32 are IQ4_NL blocks with a scale of
+their own) convert to Loom's int8 grid exactly (`q8_groups`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ def _unpack(
     raise AssertionError(qtype)
 
 
+def _iq4_xs_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS super-blocks [n, 136] (fp16 d; 2 bytes of the 8 sub-blocks' scales' high 2 bits,
+    4 bytes of their low nibbles; 128 bytes of indices, each sub-block of 32 as an IQ4_NL block's
+    16 bytes) -> (levels + 128 [8n, 32] uint8, scales [8n, 1]): sub-block j's weights are
+    d (ls_j - 32) level, ls_j 6 bits (ggml's dequantize_row_iq4_xs). The scale is exact in fp32
+    (an fp16 d times an integer below 64)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
+    j = torch.arange(8)
+    ls = ((blocks[:, 4 + j // 2].int() >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4
+    scale = (d * (ls - 32).float()).reshape(-1, 1)
+    q = IQ4_NL_LEVELS[unpack_nibbles(blocks[:, 8:].reshape(8 * n, 16)).long()]
+    return q.to(torch.uint8), scale
+
+
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, type_size] uint8 -> [n, 32] float32.
 
@@ -81,6 +98,9 @@ def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q
     """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
     Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
+    if qtype == GGMLQuantizationType.IQ4_XS:
+        q, scale = _iq4_xs_groups(blocks)
+        return Q8Groups(q, scale, scale * -128.0, 8)
     q, d, zero, m = _unpack(qtype, blocks, packed=True)
     if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255 (+128: the sign bit flipped)
         q, zero = q.view(torch.uint8).bitwise_xor(128), zero + 128
@@ -97,9 +117,13 @@ TORCH_TYPES = {
 }
 
 
+# what converts to the int8 grid exactly: the 32-wide block formats, and IQ4_XS
+GRID_TYPES = TORCH_TYPES | {GGMLQuantizationType.IQ4_XS}
+
+
 def groupable(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
-    """Whether `q8_groups` takes a tensor: 2-D, in a 32-wide block format."""
-    return qtype in TORCH_TYPES and len(shape) == 2
+    """Whether `q8_groups` takes a tensor: 2-D, in a 32-wide block format or IQ4_XS."""
+    return qtype in GRID_TYPES and len(shape) == 2
 
 
 def _blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -110,8 +134,10 @@ def _blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
 
 def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
               shape: tuple[int, ...]) -> Q8Groups | None:
-    """Raw GGUF data of a 2-D tensor [rows, cols] in a 32-wide block format -> Loom's int8 grid
-    (loom.quant.int8), holding the same values `dequantize` gives; None for other tensors."""
+    """Raw GGUF data of a 2-D tensor [rows, cols] in a 32-wide block format or IQ4_XS -> Loom's
+    int8 grid (loom.quant.int8), holding the same values `dequantize` gives (q scale + min:
+    exactly in real arithmetic; fp32 rounds IQ4_XS's 17-bit scales' products as it rounds
+    the reference's); None for other tensors."""
     if not groupable(qtype, shape):
         return None
     rows, cols = shape

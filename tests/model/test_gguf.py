@@ -29,17 +29,36 @@ from tests.tiny_models import make_tiny_model
 T = GGMLQuantizationType
 
 
-def _quantize(x: np.ndarray, qtype) -> np.ndarray:
-    """The `gguf` package's quantizer, and a plain nearest-level one for IQ4_NL (which it lacks):
-    d = max|x| / 127 a block of 32, each value's nearest level, GGUF's nibble order."""
-    if qtype != T.IQ4_NL:
-        return quantize(x, qtype)
+def _nearest_levels(b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Blocks of 32 [n, 32] over their scales [n, 1] -> the nearest IQ4_NL levels' indices as
+    GGUF's 16 bytes of nibbles a block."""
     levels = np.array(IQ4_NL.kvalues)
-    b = x.reshape(-1, 32)
-    d = (np.abs(b).max(1, keepdims=True) / 127).astype(np.float16)
     idx = np.abs(b[:, :, None] / np.maximum(d, 1e-30)[:, :, None] - levels).argmin(-1)
-    qs = (idx[:, :16] | idx[:, 16:] << 4).astype(np.uint8)
-    return np.concatenate([d.view(np.uint8), qs], 1).reshape(x.shape[0], -1)
+    return (idx[:, :16] | idx[:, 16:] << 4).astype(np.uint8)
+
+
+def _quantize(x: np.ndarray, qtype) -> np.ndarray:
+    """The `gguf` package's quantizer, and plain nearest-level ones for IQ4_NL and IQ4_XS (which
+    it lacks): IQ4_NL d = max|x| / 127 a block of 32; IQ4_XS a sub-block's scale d (ls - 32)
+    as near max|x| / 127 as d = the largest of them / 31 allows; each value's nearest level."""
+    if qtype not in (T.IQ4_NL, T.IQ4_XS):
+        return quantize(x, qtype)
+    b = x.reshape(-1, 32)
+    want = np.abs(b).max(1, keepdims=True) / 127
+    if qtype == T.IQ4_NL:
+        d = want.astype(np.float16)
+        return np.concatenate([d.view(np.uint8), _nearest_levels(b, d)], 1).reshape(
+            x.shape[0], -1)
+    want = want.reshape(-1, 8)
+    d = (want.max(1, keepdims=True) / 31).astype(np.float16)
+    ls = np.clip(np.rint(want / np.maximum(d.astype(np.float32), 1e-30)), 1, 31) + 32
+    ls = ls.astype(np.int64)
+    high = (((ls >> 4) & 3) << 2 * np.arange(8)).sum(1, keepdims=True).astype(np.uint16)
+    low = (ls[:, 0::2] & 15 | (ls[:, 1::2] & 15) << 4).astype(np.uint8)
+    scale = (d.astype(np.float32) * (ls - 32)).reshape(-1, 1)
+    qs = _nearest_levels(b, scale).reshape(-1, 128)
+    return np.concatenate([d.view(np.uint8), high.view(np.uint8), low, qs], 1).reshape(
+        x.shape[0], -1)
 
 
 @pytest.mark.parametrize("qtype", sorted(TORCH_TYPES | {T.F16, T.BF16}, key=lambda t: t.value))
@@ -61,6 +80,23 @@ def test_k_quant_blocks_dequantize_to_the_reference(qtype) -> None:
     ours = dequantize(raw, qtype, (4, 512))
     ref = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
     torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
+    """IQ4_XS's sub-blocks of 32 on the int8 grid (levels + 128, scale d (ls - 32), minimum
+    -128 scale): every weight the `gguf` package's value, for every scale byte pattern."""
+    size = GGML_QUANT_SIZES[T.IQ4_XS][1]
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (6, 4 * size), dtype=np.uint8)
+    d = (rng.random(24) * 1e-2).astype(np.float16)  # finite fp16 d; the rest random bytes
+    raw.reshape(-1, size)[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    g = q8_groups(raw, T.IQ4_XS, (6, 1024))
+    assert g.bits == 8 and g.q.shape == (6, 1024) and g.scale.shape == (6, 32)
+    ref = torch.from_numpy(gguf_dequantize(raw, T.IQ4_XS).astype(np.float64)).reshape(6, 1024)
+    assert (g.min == -128 * g.scale).all()
+    exact = (g.q.double() - 128) * g.scale.double().repeat_interleave(32, 1)
+    torch.testing.assert_close(exact, ref, rtol=0, atol=0)
+    torch.testing.assert_close(g.dequantize(), ref.float(), rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -287,14 +323,18 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order
 
 
-def test_iq4_nl_runs_on_the_int8_grid_by_default(tmp_path) -> None:
-    """An IQ4_NL file (every 2-D tensor in it) keeps its values exactly by default: its levels
-    + 128 as 8-bit integers on Loom's int8 grid (scale d, minimum -128 d), no fp32 expansion;
-    the logits are the fp32 reference's but for the sums' order."""
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS], ids=lambda q: q.name)
+def test_iq4_runs_on_the_int8_grid_by_default(tmp_path, qtype) -> None:
+    """An IQ4_NL or IQ4_XS file (every 2-D tensor in it) keeps its values exactly by default: its
+    levels + 128 as 8-bit integers on Loom's int8 grid (scale d, or IQ4_XS's d (ls - 32) a
+    sub-block; minimum -128 times it), no fp32 expansion; the logits are the fp32 reference's
+    but for the sums' order."""
     require_cpu_kernels()
-    folder = make_tiny_model("llama", tmp_path / "hf")
+    wide = ({"hidden_size": 256, "intermediate_size": 256, "head_dim": 64} if qtype == T.IQ4_XS
+            else {})
+    folder = make_tiny_model("llama", tmp_path / "hf", **wide)  # IQ4_XS: rows of 256s
     f32 = write_gguf(folder, tmp_path / "f32.gguf", "llama")
-    raw = {t.name: (_quantize(np.asarray(t.data, dtype=np.float32), T.IQ4_NL), T.IQ4_NL)
+    raw = {t.name: (_quantize(np.asarray(t.data, dtype=np.float32), qtype), qtype)
            for t in GGUFReader(str(f32)).tensors if len(t.shape) == 2}
     source = resolve_model(str(write_gguf(folder, tmp_path / "iq4.gguf", "llama", raw=raw)))
     ref = load_model(source, dtype="float32", quantization="none")

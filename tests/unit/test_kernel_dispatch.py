@@ -134,7 +134,7 @@ def _gguf(*types: str, cols: int = 64) -> SimpleNamespace:
 
 def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(caplog) -> None:
     """quantization=None: a GGUF file's 32-wide blocks and Q2_K / Q4_K / Q5_K / Q6_K stay as they
-    are (on the CPU in fp32); other types without a native kernel yet (IQ4_XS) keep the reference
+    are (on the CPU in fp32); other types without a native kernel yet (IQ3_S) keep the reference
     path, said in one warning; float files and Hugging Face folders run in their dtype."""
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels")
@@ -143,6 +143,7 @@ def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(capl
     assert default_quantization(_gguf("Q4_0", "Q5_0", "Q5_1"), cpu, f32) == "int8"
     assert default_quantization(_gguf("Q4_K", "Q6_K", "Q5_K", "Q8_0", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("IQ4_NL", "Q4_K", cols=256), cpu, f32) == "int8"
+    assert default_quantization(_gguf("IQ4_XS", "Q5_K", "Q6_K", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("Q3_K", "Q5_K", "Q6_K", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("Q2_K", "Q3_K", "Q4_K", cols=256), cpu, f32) == "int8"
     assert default_quantization(_gguf("F16", "F32"), cpu, f32) is None
@@ -154,14 +155,14 @@ def test_default_quantization_keeps_native_blocks_and_says_what_it_does_not(capl
     assert default_quantization(moe, cpu, f32) == "int8"
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="loom.loader.model_loader"):
-        assert default_quantization(_gguf("IQ4_XS", "Q4_K", "Q8_0", cols=256), cpu, f32) is None
+        assert default_quantization(_gguf("IQ3_S", "Q4_K", "Q8_0", cols=256), cpu, f32) is None
         assert default_quantization(_gguf("Q4_0"), cpu, torch.bfloat16) is None
-        experts.tensor_type = Q.IQ4_XS
+        experts.tensor_type = Q.IQ3_S
         assert default_quantization(moe, cpu, f32) is None
     first, second, third = (r.getMessage() for r in caplog.records)
-    assert "IQ4_XS have no native kernel yet" in first and "--quantization int8" in first
+    assert "IQ3_S have no native kernel yet" in first and "--quantization int8" in first
     assert "float32 activations only" in second
-    assert "IQ4_XS have no native kernel yet" in third
+    assert "IQ3_S have no native kernel yet" in third
 
 
 def test_the_flag_offers_every_build() -> None:
