@@ -234,5 +234,6 @@ def test_startup_says_what_it_serves(server) -> None:
     log = server.log_path.read_text(errors="replace")
     line = next(x for x in log.splitlines() if "Loom serves " in x)
     assert f"Loom serves smollm2 at {server.url} " in line
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf (LlamaForCausalLM, GGUF Q4_1 weights" in line
+    assert ("SmolLM2-135M-Instruct.Q4_1.gguf (LlamaForCausalLM, GGUF Q4_1 weights kept as int8 "
+            "groups of 32 (exact)") in line
     assert "| kernels: " in line and f"| KV cache: {tokens} tokens (" in line

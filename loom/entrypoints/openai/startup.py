@@ -5,7 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from loom.engine.llm_engine import LLMEngine
+
+
+def _kept(model: nn.Module) -> str:
+    """How a GGUF file's own quantization is held (the default): its K-quant super-blocks as
+    stored, its other blocks (32-wide formats, IQ4_NL, IQ4_XS) exactly on the int8 grid."""
+    from loom.quant.int8 import Int8Embedding, Int8Linear
+    from loom.quant.kquant import KQuantLinear
+
+    kinds = {type(m) for m in model.modules()}
+    held = []
+    if KQuantLinear in kinds:
+        held.append("K-quant super-blocks as stored")
+    if kinds & {Int8Linear, Int8Embedding}:
+        held.append("int8 groups of 32 (exact)")
+    return " and ".join(held) or "stored"
 
 
 def _weights(engine: LLMEngine) -> str:
@@ -21,7 +38,7 @@ def _weights(engine: LLMEngine) -> str:
     if quant is None:
         how = f"run in {dtype}"
     elif quant == "int8" and source.kind == "gguf" and engine.args.quantization is None:
-        how = f"kept as int8 groups of 32 (exact for 32-wide GGUF blocks), {dtype} activations"
+        how = f"kept as {_kept(engine.loaded.model)}, {dtype} activations"
     else:
         how = f"quantized to {quant}, {dtype} activations"
     return (f"{source.path.name} ({engine.model_config.architecture}, {fmt} weights {how}, "
