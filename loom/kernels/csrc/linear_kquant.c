@@ -379,6 +379,9 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         const __m512i m_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(-64), 1);
         const __m512i c_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        // Q2_K / Q3_K: bits 0-1 or 2-3 (low), 4-5 or 6-7 (high) down to 0-1
+        const __m512i v_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const __m512i v_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
         const uint8_t *qh = blk + (fmt == Q6_K ? 128 : fmt == Q3_K ? 32 : 16);
         // Q3_K's third bits: byte l's bit 4c + t for weight 128c + 32t + l, t per 256-bit half
         const __m512i HM = fmt == Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(
@@ -387,22 +390,22 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         for (int c = 0; c < 2; c++) {
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                 (const __m256i *)(qh + 32 * c)));
-            const __m512i h0 = _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo);
-            const __m512i h1 = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi);
-            if (fmt != Q6_K) {  // the values at bits 4-5, down to 0-1
-                W[2 * c] = _mm512_srli_epi16(h0, 4);
-                W[2 * c + 1] = _mm512_srli_epi16(h1, 4);
+            if (fmt != Q6_K) {  // the values straight down to bits 0-1 (masked: within bytes)
+                W[2 * c] = _mm512_srlv_epi16(_mm512_and_si512(H, m_lo), v_lo);
+                W[2 * c + 1] = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), v_hi);
                 if (fmt == Q3_K)
                     for (int k = 0; k < 2; k++) {  // t = 2k (first half), 2k + 1 (second)
-                        const __m512i n = _mm512_inserti64x4(
-                            _mm512_set1_epi16((short)(4 * c + 2 * k)),
-                            _mm256_set1_epi16((short)(4 * c + 2 * k + 1)), 1);
-                        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(HM, n),
-                                                            _mm512_set1_epi8(1));
-                        W[2 * c + k] = _mm512_or_si512(W[2 * c + k], _mm512_slli_epi16(hb, 2));
+                        const __m512i bit = _mm512_inserti64x4(
+                            _mm512_set1_epi8((char)(1 << (4 * c + 2 * k))),
+                            _mm256_set1_epi8((char)(1 << (4 * c + 2 * k + 1))), 1);
+                        W[2 * c + k] = _mm512_mask_add_epi8(
+                            W[2 * c + k], _mm512_test_epi8_mask(HM, bit), W[2 * c + k],
+                            _mm512_set1_epi8(4));
                     }
                 continue;
             }
+            const __m512i h0 = _mm512_sllv_epi16(_mm512_and_si512(H, m_lo), c_lo);
+            const __m512i h1 = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), c_hi);
             const __m512i L = _mm512_loadu_si512(blk + 64 * c);
             // (nibbles & 15) | the high bits (0xEC: (a & c) | b), which the masks leave alone at
             // bits 4-5
