@@ -86,6 +86,24 @@ def _iq4_xs_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _iq4_xs_grid(blocks: torch.Tensor) -> Q8Groups:
+    """IQ4_XS super-blocks [n, 136] -> the int8 grid, a group a sub-block (the C kernels'
+    loom_iq4_xs_grid where they are loaded, else `_iq4_xs_groups`: the same values)."""
+    from loom.kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None:
+        q, scale = _iq4_xs_groups(blocks)
+        return Q8Groups(q, scale, scale * -128.0, 8)
+    n = blocks.shape[0]
+    blocks = blocks.contiguous()
+    q = torch.empty(8 * n, 32, dtype=torch.uint8)
+    scale, mins = torch.empty(8 * n, 1), torch.empty(8 * n, 1)
+    lib.loom_iq4_xs_grid(blocks.data_ptr(), n, q.data_ptr(), scale.data_ptr(), mins.data_ptr(),
+                         torch.get_num_threads())
+    return Q8Groups(q, scale, mins, 8)
+
+
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, type_size] uint8 -> [n, 32] float32.
 
@@ -105,8 +123,7 @@ def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
     Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
     if qtype == GGMLQuantizationType.IQ4_XS:
-        q, scale = _iq4_xs_groups(blocks)
-        return Q8Groups(q, scale, scale * -128.0, 8)
+        return _iq4_xs_grid(blocks)
     q, d, zero, m = _unpack(qtype, blocks, packed=True)
     if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255 (+128: the sign bit flipped)
         q, zero = q.view(torch.uint8).bitwise_xor(128), zero + 128

@@ -19,7 +19,7 @@ from loom.loader.model_loader import load_model
 from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
 from loom.layers.embedding import VocabEmbedding
 from loom.quant.fp16 import Fp16Linear
-from loom.quant.gguf_dequant import TORCH_TYPES, dequantize, q8_groups
+from loom.quant.gguf_dequant import TORCH_TYPES, _iq4_xs_groups, dequantize, q8_groups
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
@@ -97,6 +97,9 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
     exact = (g.q.double() - 128) * g.scale.double().repeat_interleave(32, 1)
     torch.testing.assert_close(exact, ref, rtol=0, atol=0)
     torch.testing.assert_close(g.dequantize(), ref.float(), rtol=0, atol=0)
+    # the C conversion (where the kernels load) and the numpy one give the same bytes
+    q, scale = _iq4_xs_groups(torch.from_numpy(raw.reshape(-1, size)))
+    assert torch.equal(q.reshape(6, 1024), g.q) and torch.equal(scale.reshape(6, 32), g.scale)
 
 
 @pytest.mark.slow

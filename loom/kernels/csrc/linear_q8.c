@@ -24,6 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "half.h"  // loom_f16_to_f32
 #include "loom.h"
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -547,4 +548,36 @@ void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *s
         for (int64_t g = 0; g < groups; g++)
             loom_quantize_q8_group(w + n * K + g * GROUP, q + n * K + g * GROUP,
                                    scales + n * groups + g, mins + n * groups + g);
+}
+
+// IQ4_XS super-blocks (136 bytes: fp16 d; scales_h, 2 bits a sub-block; scales_l, 4 bits a
+// sub-block; 128 bytes of indices, a sub-block's 16 as an IQ4_NL block's: low nibbles its first
+// 16 weights, high its last) -> a group a sub-block: q = level + 128 in weight order, scale
+// d (ls - 32) (an fp16 d times an integer below 64: exact in fp32), minimum -128 scale. The
+// values of loom.quant.gguf_dequant's numpy path (tested); ~10x its speed where a model's every
+// linear is IQ4_XS.
+void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
+                      int num_threads)
+{
+    // ggml's kvalues_iq4nl + 128
+    static const uint8_t level[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                      129, 141, 153, 166, 181, 197, 217, 241};
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *b = blocks + i * 136;
+        const float d = loom_f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+        const int high = b[2] | b[3] << 8;
+        for (int j = 0; j < 8; j++) {
+            const int ls = (b[4 + j / 2] >> 4 * (j % 2) & 15) | (high >> 2 * j & 3) << 4;
+            const float s = d * (float)(ls - 32);
+            scales[8 * i + j] = s;
+            mins[8 * i + j] = -128.0f * s;
+            const uint8_t *qs = b + 8 + 16 * j;
+            uint8_t *o = q + (8 * i + j) * 32;
+            for (int l = 0; l < 16; l++) {
+                o[l] = level[qs[l] & 15];
+                o[16 + l] = level[qs[l] >> 4];
+            }
+        }
+    }
 }

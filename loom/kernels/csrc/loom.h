@@ -97,6 +97,10 @@ int loom_i16_available(void);
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads);
+// GGUF IQ4_XS super-blocks [n, 136 bytes] onto the grid exactly, a group a sub-block of 32:
+// q [8n, 32], scales and mins [8n] (loom.quant.gguf_dequant's conversion, in C).
+void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
+                      int num_threads);
 
 // AMX tiles (linear_amx.c); 1 if this process can run them.
 int loom_amx_available(void);
