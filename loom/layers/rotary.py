@@ -123,8 +123,11 @@ class RotaryEmbedding(nn.Module):
         left for check_positions to refuse."""
         if self.filled >= self.max_position or not positions.numel():
             return
-        need = int(positions.max()) + 1
-        if need > self.filled:
+        self.ensure_rows(int(positions.max()) + 1)
+
+    def ensure_rows(self, need: int) -> None:
+        """`ensure` for a step whose largest position is need - 1 (known to the caller)."""
+        if self.filled < need and self.filled < self.max_position:
             self._fill(min(max(need, 2 * self.filled), self.max_position))
 
     def check_positions(self, positions: torch.Tensor) -> None:
