@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,19 @@ def _cache_dir() -> Path:
 _CACHE_FORMAT = 2
 
 
-def _gguf_cache_key(path: Path) -> str:
+def _gguf_cache_key(path: Path, fmt: int = _CACHE_FORMAT) -> str:
     stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CACHE_FORMAT}"
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{fmt}"
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _drop_older_formats(path: Path) -> None:
+    """Remove this file's tokenizer folders of earlier cache formats (Gemma 3's format 1 held
+    33 MB), once its current one is written."""
+    for fmt in range(1, _CACHE_FORMAT):
+        old = _cache_dir() / _gguf_cache_key(path, fmt)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _compact_merges(path: Path) -> None:
@@ -157,6 +167,7 @@ def _load_hf_tokenizer(source: ModelSource) -> Any:
         tok.save_pretrained(str(cached))
         if (cached / "tokenizer.json").is_file():
             _compact_merges(cached / "tokenizer.json")
+        _drop_older_formats(source.path)
     except OSError as e:  # a read-only home must not stop serving
         logger.warning("could not cache the tokenizer in %s: %s", cached, e)
     return tok

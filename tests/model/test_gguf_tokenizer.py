@@ -74,7 +74,8 @@ def test_files_beside_the_gguf_leave_it_to_auto_tokenizer(tmp_path) -> None:
 def test_the_cache_holds_merges_as_strings_that_encode_the_same(tmp_path, monkeypatch) -> None:
     """The converted tokenizer.json keeps BPE merges as "a b" strings (parsed faster than
     pairs, loom.tokenizer.tokenizer._compact_merges): the same ids as the pairs it was saved
-    with, on the packaged model; merges holding a space are left as pairs."""
+    with, on the packaged model; merges holding a space are left as pairs. The file's folder
+    of the earlier format goes once the new one is written."""
     import json
 
     from tokenizers import Tokenizer as RawTokenizer
@@ -84,8 +85,12 @@ def test_the_cache_holds_merges_as_strings_that_encode_the_same(tmp_path, monkey
 
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
     source = resolve_model(None)
+    old = tokenizer_module._cache_dir() / tokenizer_module._gguf_cache_key(source.path, 1)
+    (old / "tokenizer.json").parent.mkdir(parents=True)
+    (old / "tokenizer.json").write_text("{}")  # the same file's format-1 folder, dropped below
     tok = tokenizer_module.Tokenizer.from_source(source)  # converts into the fresh cache
     folder = tokenizer_module._tokenizer_folder(source)
+    assert folder != old and folder.is_dir() and not old.exists()
     data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     merges = data["model"]["merges"]
     assert len(merges) > 40000 and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
