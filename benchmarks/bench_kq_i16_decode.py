@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from loom.kernels import cpu_kernels, kernel_choice
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.model.test_kquant import random_blocks  # noqa: E402
+from tests.model.test_kquant import random_blocks, reference  # noqa: E402
 
 
 def build() -> ctypes.CDLL:
@@ -55,10 +54,11 @@ def main() -> None:
     lib, proto = cpu_kernels(), build()
     q4k = GGMLQuantizationType.Q4_K
     rng = np.random.default_rng(0)
-    mats = [random_blocks(q4k, a.n, a.k, rng).data for _ in range(a.layers)]
+    blocks = [random_blocks(q4k, a.n, a.k, rng) for _ in range(a.layers)]
+    mats = [b.data for b in blocks]
     print(f"build {kernel_choice().variant}, {a.threads} threads, {a.layers} Q4_K layers of "
           f"{a.n} x {a.k}, medians of {a.rounds} rounds")
-    w64 = torch.from_numpy(dequantize(mats[-1].numpy(), q4k).astype(np.float64)).reshape(a.n, a.k)
+    w64 = torch.from_numpy(reference(blocks[-1]).astype(np.float64))  # the layer ys hold
     for rows in (1, 2, 3, 4, 6, 8):
         x = torch.randn(rows, a.k)
         ys = {"loom": torch.empty(rows, a.n), "proto": torch.empty(rows, a.n)}

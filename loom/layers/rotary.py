@@ -127,7 +127,7 @@ class RotaryEmbedding(nn.Module):
 
     def ensure_rows(self, need: int) -> None:
         """`ensure` for a step whose largest position is need - 1 (known to the caller)."""
-        if self.filled < need and self.filled < self.max_position:
+        if need > self.filled:  # (_fill does nothing once the table is whole)
             self._fill(min(max(need, 2 * self.filled), self.max_position))
 
     def check_positions(self, positions: torch.Tensor) -> None:

@@ -38,11 +38,6 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
 # IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241, 8-bit integers on the grid
 IQ4_NL_LEVELS = torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128
-# a byte of two indices -> its two levels + 128 (low nibble's first) as one uint16: numpy's
-# lookup by the bytes themselves took 0.3x the time of torch's by int64 indices
-_LEVEL_PAIRS = np.stack([IQ4_NL_LEVELS.numpy()[np.arange(256) & 15],
-                         IQ4_NL_LEVELS.numpy()[np.arange(256) >> 4]], 1).astype(np.uint8)
-_LEVEL_PAIRS = _LEVEL_PAIRS.view(np.uint16).reshape(256)
 
 
 def _unpack(
@@ -69,32 +64,16 @@ def _unpack(
     raise AssertionError(qtype)
 
 
-def _iq4_xs_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ4_XS super-blocks [n, 136] (fp16 d; 2 bytes of the 8 sub-blocks' scales' high 2 bits,
-    4 bytes of their low nibbles; 128 bytes of indices, each sub-block of 32 as an IQ4_NL block's
-    16 bytes) -> (levels + 128 [8n, 32] uint8, scales [8n, 1]): sub-block j's weights are
-    d (ls_j - 32) level, ls_j 6 bits (ggml's dequantize_row_iq4_xs). The scale is exact in fp32
-    (an fp16 d times an integer below 64)."""
-    n = blocks.shape[0]
-    d = _f16(blocks, 0)
-    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
-    j = torch.arange(8)
-    ls = ((blocks[:, 4 + j // 2].int() >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4
-    scale = (d * (ls - 32).float()).reshape(-1, 1)
-    pairs = _LEVEL_PAIRS[blocks[:, 8:].numpy()].view(np.uint8)  # [n, 128 x 2]: low, high
-    q = torch.from_numpy(pairs).view(8 * n, 16, 2).transpose(1, 2).reshape(8 * n, 32)
-    return q, scale
-
-
 def _iq4_xs_grid(blocks: torch.Tensor) -> Q8Groups:
-    """IQ4_XS super-blocks [n, 136] -> the int8 grid, a group a sub-block (the C kernels'
-    loom_iq4_xs_grid where they are loaded, else `_iq4_xs_groups`: the same values)."""
+    """IQ4_XS super-blocks [n, 136] (fp16 d; the 8 sub-blocks' 6-bit scales ls; 128 bytes of
+    indices, each sub-block of 32 as an IQ4_NL block's 16) -> the int8 grid, a group a sub-block:
+    levels + 128, scale d (ls - 32) (exact in fp32), minimum -128 scale (the C kernels'
+    loom_iq4_xs_grid: the grid is loaded only where they are, loom.quant.int8.grouped_available)."""
     from loom.kernels import cpu_kernels
 
     lib = cpu_kernels()
     if lib is None:
-        q, scale = _iq4_xs_groups(blocks)
-        return Q8Groups(q, scale, scale * -128.0, 8)
+        raise RuntimeError("IQ4_XS onto the int8 grid needs Loom's C kernels")
     n = blocks.shape[0]
     blocks = blocks.contiguous()
     q = torch.empty(8 * n, 32, dtype=torch.uint8)

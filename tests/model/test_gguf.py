@@ -19,8 +19,8 @@ from loom.loader.model_loader import load_model
 from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
 from loom.layers.embedding import VocabEmbedding
 from loom.quant.fp16 import Fp16Linear
-from loom.quant.gguf_dequant import TORCH_TYPES, _iq4_xs_groups, dequantize, q8_groups
-from loom.quant.int8 import Int8Embedding, Int8Linear
+from loom.quant.gguf_dequant import IQ4_NL_LEVELS, TORCH_TYPES, _f16, dequantize, q8_groups
+from loom.quant.int8 import Int8Embedding, Int8Linear, unpack_nibbles
 from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
 from tests.paged_batch import PagedBatch, rel_err
@@ -82,6 +82,18 @@ def test_k_quant_blocks_dequantize_to_the_reference(qtype) -> None:
     torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
 
 
+def _iq4_xs_reference(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS super-blocks [n, 136] -> (levels + 128 [8n, 32], scales d (ls - 32) [8n, 1]) in
+    torch, as ggml's dequantize_row_iq4_xs reads them: the C conversion's reference."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
+    j = torch.arange(8)
+    ls = ((blocks[:, 4 + j // 2].int() >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4
+    q = IQ4_NL_LEVELS[unpack_nibbles(blocks[:, 8:].reshape(8 * n, 16)).long()]
+    return q.to(torch.uint8), (d * (ls - 32).float()).reshape(-1, 1)
+
+
 def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
     """IQ4_XS's sub-blocks of 32 on the int8 grid (levels + 128, scale d (ls - 32), minimum
     -128 scale): every weight the `gguf` package's value, for every scale byte pattern."""
@@ -97,8 +109,8 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
     exact = (g.q.double() - 128) * g.scale.double().repeat_interleave(32, 1)
     torch.testing.assert_close(exact, ref, rtol=0, atol=0)
     torch.testing.assert_close(g.dequantize(), ref.float(), rtol=0, atol=0)
-    # the C conversion (where the kernels load) and the numpy one give the same bytes
-    q, scale = _iq4_xs_groups(torch.from_numpy(raw.reshape(-1, size)))
+    # the C conversion gives ggml's sub-block layout byte for byte
+    q, scale = _iq4_xs_reference(torch.from_numpy(raw.reshape(-1, size)))
     assert torch.equal(q.reshape(6, 1024), g.q) and torch.equal(scale.reshape(6, 32), g.scale)
 
 

@@ -379,8 +379,7 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
         const __m512i m_hi = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(-64), 1);
         const __m512i c_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-        // Q2_K / Q3_K: bits 0-1 or 2-3 (low), 4-5 or 6-7 (high) down to 0-1
-        const __m512i v_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        // Q2_K / Q3_K: bits 0-1 or 2-3 (low: c_hi's shifts), 4-5 or 6-7 (high) down to 0-1
         const __m512i v_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
         const uint8_t *qh = blk + (fmt == Q6_K ? 128 : fmt == Q3_K ? 32 : 16);
         // Q3_K's third bits: byte l's bit 4c + t for weight 128c + 32t + l, t per 256-bit half
@@ -391,7 +390,7 @@ static inline __attribute__((always_inline)) void unpack512(const uint8_t *blk, 
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                 (const __m256i *)(qh + 32 * c)));
             if (fmt != Q6_K) {  // the values straight down to bits 0-1 (masked: within bytes)
-                W[2 * c] = _mm512_srlv_epi16(_mm512_and_si512(H, m_lo), v_lo);
+                W[2 * c] = _mm512_srlv_epi16(_mm512_and_si512(H, m_lo), c_hi);
                 W[2 * c + 1] = _mm512_srlv_epi16(_mm512_and_si512(H, m_hi), v_hi);
                 if (fmt == Q3_K)
                     for (int k = 0; k < 2; k++) {  // t = 2k (first half), 2k + 1 (second)
