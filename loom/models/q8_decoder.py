@@ -62,7 +62,8 @@ class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it
             return cls(None, None, None, None, None, 0, LINEAR_PARTS,
                        ctypes.cast(arr, ctypes.POINTER(cls)), len(parts), 0, linear.out_features)
         half = getattr(linear, "_half", None)
-        half = (None, None) if half is None else (t.data_ptr() for t in half)
+        half = (None, None) if half is None else (
+            None if t is None else t.data_ptr() for t in half)
         return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
                    linear.min.data_ptr(), *half, linear.bits, LINEAR_Q8, None, 0, 0,
                    getattr(linear, "out_features", 0))

@@ -59,6 +59,9 @@ GROUP = 32
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
                  "bf16": "loom_linear_q8_bf16", "int16": "loom_linear_q8_i16"}
 DECODE_ROWS = 8  # up to this many rows a product is decode's (linear_q8.c's M_DIRECT)
+# Symmetric groups' zero point by bits (linear_vnni.c's ZERO): Q4_0's 8, Q8_0's (and the IQ4
+# levels') 128 as they sit on the grid
+ZERO = {4: 8, 8: 128}
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,8 +219,9 @@ class Int8Linear(_OnGrid, nn.Module):
     # the batch), "amx" or "bf16" (see the module doc). Set by the loader.
     batch_kernel = "fp32"
     # fp16 copies of the scales and minimums: set (by use_vnni), products of up to 8 rows run
-    # on the VNNI kernel (decode_kernel "vnni"), which reads them
-    _half: tuple[torch.Tensor, torch.Tensor] | None = None
+    # on the VNNI kernel (decode_kernel "vnni"), which reads them; the minimums None where
+    # every group's is -ZERO[bits] times its scale (the kernel takes them from the scales)
+    _half: tuple[torch.Tensor, torch.Tensor | None] | None = None
     # Write every output into one buffer kept across calls (grown as needed): each result is
     # then valid only until the next call. The loader sets it on the output projection, whose
     # logits (vocab x rows: tens of MB at many rows) the runner consumes within its step; a
@@ -265,7 +269,12 @@ class Int8Linear(_OnGrid, nn.Module):
         scales and minimums (exact for GGUF's blocks, which store them in fp16; rounded to
         fp16 otherwise: 4 bytes a group beside the fp32 ones)."""
         assert self.grouped
-        self._half = (self.scale.to(torch.float16), self.min.to(torch.float16))
+        scale, mins = self.scale.to(torch.float16), self.min.to(torch.float16)
+        # Symmetric groups (Q4_0, Q8_0, IQ4_NL, IQ4_XS files): the kernel forms each minimum
+        # from its scale, the same fp16 value (checked here), and reads 2 bytes a group fewer
+        if torch.equal(mins.float(), scale.float() * -ZERO[self.bits]):
+            mins = None
+        self._half = (scale, mins)
 
     @property
     def decode_kernel(self) -> str:
@@ -287,7 +296,8 @@ class Int8Linear(_OnGrid, nn.Module):
                 name, scale, mins = BATCH_KERNELS[self.batch_kernel], self.scale, self.min
             rc = getattr(cpu_kernels(), name)(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
-                self.weight_int8.data_ptr(), scale.data_ptr(), mins.data_ptr(),
+                self.weight_int8.data_ptr(), scale.data_ptr(),
+                None if mins is None else mins.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr(),
                 self.out_features, out.data_ptr(), self.out_features, self.bits,
                 torch.get_num_threads(),

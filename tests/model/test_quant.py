@@ -22,6 +22,7 @@ from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import dequantize
 from loom.quant.int4 import Int4Linear
 from loom.quant.int8 import (
+    ZERO,
     Int8Embedding,
     Int8Linear,
     Q8Groups,
@@ -638,6 +639,31 @@ def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
         q_fp32 = q(many)  # past 8 rows: the batch kernel (fp32), which the vnni copies skip
         q._half = None
         assert torch.equal(q_fp32, q(many))
+
+
+@pytest.mark.parametrize("build", ["vnni", "avx2"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_symmetric_groups_skip_their_minimums(bits, build) -> None:
+    """Groups whose minimum is -ZERO[bits] times their scale (Q4_0's -8 d, Q8_0's and the IQ4
+    levels' -128 d): use_vnni keeps no fp16 minimums and the kernel forms them from the scales,
+    giving the bits it gives reading them (blocks and ragged chunks, 1 to 8 rows); a group off
+    that rule keeps them read."""
+    require_int_decode(build)
+    g = torch.Generator().manual_seed(11)
+    zero = ZERO[bits]
+    for m, k, n in [(1, 96, 21), (3, 576, 33), (8, 2080, 17), (2, 4096, 9)]:
+        lin, q = _random_int8(k, n, True, bits, g)
+        d = (torch.rand(n, k // 32, 1, generator=g) + 0.5).half().float() / 64
+        q._hold(Q8Groups(q.weight_int8, d, d * -zero, bits))
+        x = torch.randn(m, k, generator=g)
+        q.use_vnni()
+        assert q._half[1] is None
+        got = q(x)
+        q._half = (q._half[0], q.min.half())  # the same minimums, read
+        assert torch.equal(got, q(x)), (m, k, n)
+    q.min[0, 0] += d[0, 0, 0]  # one group off the rule
+    q.use_vnni()
+    assert q._half[1] is not None
 
 
 @pytest.mark.slow

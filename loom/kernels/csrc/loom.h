@@ -123,7 +123,8 @@ void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const ui
                               int team);
 
 // AVX512-VNNI (linear_vnni.c), up to loom_linear_q8_direct_rows rows: scales and minimums as
-// fp16 copies; each thread's x buffer reserved before a team runs.
+// fp16 copies (minimums NULL: -8 (4-bit) or -128 (8-bit) times each scale); each thread's x
+// buffer reserved before a team runs.
 int loom_vnni_available(void);
 int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         const uint16_t *scales, const uint16_t *mins, const float *bias,
@@ -206,7 +207,7 @@ enum { LOOM_LINEAR_Q8 = 0, LOOM_LINEAR_KQ = 1, LOOM_LINEAR_PARTS = 2, LOOM_LINEA
 typedef struct LoomLinearQ8 {
     const uint8_t *w;
     const float *s, *m;
-    const uint16_t *s16, *m16;
+    const uint16_t *s16, *m16;  // fp16 copies for the VNNI kernel; m16 NULL: symmetric groups
     int64_t bits;  // per stored weight: 8 or 4 (Q8); the ggml format 10 to 14 (KQ)
     int64_t kind;  // LOOM_LINEAR_*
     // LOOM_LINEAR_PARTS: num_parts parts (each LOOM_LINEAR_Q8 or LOOM_LINEAR_KQ), part i writing
