@@ -133,7 +133,8 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
                  kq: frozenset[str] = frozenset()) -> None:
     """int8 loaded straight into its layers, never whole in fp32: every linear the grouped
     kernel takes becomes an empty Int8Linear (its `load_rows` copies checkpoint groups or
-    quantizes float rows), 4 bits a weight where all its sources are 4-bit GGUF blocks. The
+    quantizes float rows), 4 bits a weight where all its sources are 4-bit GGUF blocks of one
+    kind (Q4_0/Q4_1's values, or IQ4_NL/IQ4_XS's level indices). The
     token embedding, and the output projection, become int8 only when the checkpoint already
     holds them on the grid (GGUF block formats: exact); otherwise they stay float and the head
     takes fp16 later (quantize_model_). A linear with a K-quant source among `kq` (and an
@@ -144,7 +145,8 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
             replace_module(model, name, KQuantLinear(m.in_features, m.out_features,
                                                      m.bias is not None))
         elif isinstance(m, nn.Linear) and name != HEAD and m.in_features % GROUP == 0:
-            bits = 4 if all(grouped.get(s) == 4 for s in _sources(model, name)) else 8
+            codes = {grouped.get(s) for s in _sources(model, name)}  # 4-bit where all share one
+            bits = codes.pop() if len(codes) == 1 and None not in codes else 8
             replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
                                                          m.bias is not None, bits=bits))
     vocab, hidden = config.vocab_size, config.hidden_size

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL
 from gguf.quants import dequantize as gguf_dequantize
 
-from loom.quant.int8 import Q8Groups, unpack_nibbles
+from loom.quant.int8 import IQ4, Q8Groups, unpack_nibbles
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -36,7 +36,8 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 # 4-bit block formats -> where their 16 bytes of nibbles start in a block
 NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
-# IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241, 8-bit integers on the grid
+# IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241 (the float32 path; the grid
+# keeps the indices: loom.quant.int8.IQ4)
 IQ4_NL_LEVELS = torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128
 
 
@@ -66,9 +67,10 @@ def _unpack(
 
 def _iq4_xs_grid(blocks: torch.Tensor) -> Q8Groups:
     """IQ4_XS super-blocks [n, 136] (fp16 d; the 8 sub-blocks' 6-bit scales ls; 128 bytes of
-    indices, each sub-block of 32 as an IQ4_NL block's 16) -> the int8 grid, a group a sub-block:
-    levels + 128, scale d (ls - 32) (exact in fp32), minimum -128 scale (the C kernels'
-    loom_iq4_xs_grid: the grid is loaded only where they are, loom.quant.int8.grouped_available)."""
+    indices, each sub-block of 32 as an IQ4_NL block's 16) -> the grid's IQ4 form, a group a
+    sub-block: its indices as stored, scale d (ls - 32) (exact in fp32), minimum -128 scale (the
+    C kernels' loom_iq4_xs_grid: the grid is loaded only where they are,
+    loom.quant.int8.grouped_available)."""
     from loom.kernels import cpu_kernels
 
     lib = cpu_kernels()
@@ -76,11 +78,11 @@ def _iq4_xs_grid(blocks: torch.Tensor) -> Q8Groups:
         raise RuntimeError("IQ4_XS onto the int8 grid needs Loom's C kernels")
     n = blocks.shape[0]
     blocks = blocks.contiguous()
-    q = torch.empty(8 * n, 32, dtype=torch.uint8)
+    q = torch.empty(8 * n, 16, dtype=torch.uint8)
     scale, mins = torch.empty(8 * n, 1), torch.empty(8 * n, 1)
     lib.loom_iq4_xs_grid(blocks.data_ptr(), n, q.data_ptr(), scale.data_ptr(), mins.data_ptr(),
                          torch.get_num_threads())
-    return Q8Groups(q, scale, mins, 8)
+    return Q8Groups(q, scale, mins, IQ4)
 
 
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
@@ -100,9 +102,13 @@ def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.
 def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
     """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
-    Q4_0 and Q4_1 keep their 16 bytes of nibbles as they are (4 bits a weight, the same order)."""
+    Q4_0, Q4_1 and IQ4_NL keep their 16 bytes of nibbles as they are (4 bits a weight, the same
+    order; IQ4_NL's index its levels: the grid's IQ4 form)."""
     if qtype == GGMLQuantizationType.IQ4_XS:
         return _iq4_xs_grid(blocks)
+    if qtype == GGMLQuantizationType.IQ4_NL:
+        d = _f16(blocks, 0)
+        return Q8Groups(blocks[:, 2:].contiguous(), d, d * -128.0, IQ4)
     q, d, zero, m = _unpack(qtype, blocks, packed=True)
     if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255 (+128: the sign bit flipped)
         q, zero = q.view(torch.uint8).bitwise_xor(128), zero + 128
@@ -149,7 +155,10 @@ def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
 
 
 def group_bits(qtype: GGMLQuantizationType) -> int:
-    """Bits a weight of `q8_groups`' result for a tensor of `qtype` (a `groupable` type)."""
+    """`bits` of `q8_groups`' result for a tensor of `qtype` (a `groupable` type): 4, IQ4
+    (nibbles indexing IQ4_NL's levels) or 8."""
+    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        return IQ4
     return 4 if qtype in NIBBLE_TYPES else 8
 
 

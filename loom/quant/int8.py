@@ -6,7 +6,9 @@ group's least to its greatest weight), fp32 activations and sums. Decode on a CP
 reading weights: this reads a quarter of fp32's bytes (plus a quarter of that for scales and
 minimums). A GGUF 4-bit group (16 levels 15 steps apart) lands exactly on the grid, since
 255 = 15 * 17: a Q4_0/Q4_1 model keeps its weights, and keeps them two a byte (GGUF's own
-nibbles; see Q8Groups), so decode reads 6 bits a weight. Every output is summed in the same
+nibbles; see Q8Groups), so decode reads 5 bits a weight (4.5 where each group's minimum is a
+fixed multiple of its scale). IQ4_NL and IQ4_XS blocks keep their nibbles too: each indexes
+IQ4_NL's 16 levels (`IQ4`). Every output is summed in the same
 order whatever the batch, so a request computes the same bits alone as batched.
 
 Elsewhere (CUDA, or no C compiler): per-output-channel int8 weights through torch's
@@ -54,14 +56,20 @@ from torch import nn
 from loom.kernels import cpu_kernels
 
 GROUP = 32
+# `bits` of 4-bit nibbles that index IQ4_NL's 16 levels + 128 (IQ4_Q) rather than being the
+# values: loom.h's 4 | LOOM_Q8_LEVELS, as the kernels take it
+LEVELS = 0x100
+IQ4 = 4 | LEVELS
+IQ4_Q = torch.tensor([1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241],
+                     dtype=torch.uint8)  # ggml's kvalues_iq4nl + 128 (loom.h's loom_iq4_q)
 # the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
 # linear_bf16.c)
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
                  "bf16": "loom_linear_q8_bf16", "int16": "loom_linear_q8_i16"}
 DECODE_ROWS = 8  # up to this many rows a product is decode's (linear_q8.c's M_DIRECT)
-# Symmetric groups' zero point by bits (linear_vnni.c's ZERO): Q4_0's 8, Q8_0's (and the IQ4
-# levels') 128 as they sit on the grid
-ZERO = {4: 8, 8: 128}
+# Symmetric groups' zero point by bits (linear_vnni.c's ZERO): Q4_0's 8, Q8_0's and the IQ4
+# levels' 128 as they sit on the grid
+ZERO = {4: 8, 8: 128, IQ4: 128}
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,7 +112,8 @@ class Q8Groups:
     q holds one uint8 per weight (`bits` 8), or, where every q is below 16 (GGUF's Q4_0 and
     Q4_1), two (`bits` 4): q is then uint8 [N, K / 2] in GGUF's order, each group of 32 in 16
     bytes whose low nibbles are its first 16 values and whose high nibbles are its last 16. The
-    kernels give the same bits for either: the values are the same."""
+    kernels give the same bits for either: the values are the same. `bits` IQ4: two a byte as
+    4, each nibble i standing for the value IQ4_Q[i] (IQ4_NL's and IQ4_XS's indices as stored)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -113,12 +122,12 @@ class Q8Groups:
 
     @classmethod
     def empty(cls, rows: int, cols: int, bits: int = 8) -> Q8Groups:
-        return cls(torch.empty((rows, cols * bits // 8), dtype=torch.uint8),
+        return cls(torch.empty((rows, cols * (bits & 0xFF) // 8), dtype=torch.uint8),
                    torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)), bits)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.q.shape[0], self.q.shape[1] * 8 // self.bits))
+        return torch.Size((self.q.shape[0], self.q.shape[1] * 8 // (self.bits & 0xFF)))
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q8Groups:
         """`fn` (an indexing or a permutation of rows) applied to q, scales and minimums."""
@@ -131,15 +140,17 @@ class Q8Groups:
         """q as uint8 [N, K], one value per weight."""
         if self.bits == 8:
             return self.q
-        return unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(self.shape)
+        q = unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(self.shape)
+        return IQ4_Q[q.long()] if self.bits == IQ4 else q
 
     def to_bits(self, bits: int) -> Q8Groups:
-        """The same values in `bits` per weight; 4 needs every q below 16 (ValueError)."""
+        """The same values in `bits` per weight; 4 needs every q below 16, and IQ4 comes only
+        from IQ4 (ValueError)."""
         if bits == self.bits:
             return self
         if bits == 8:
             return Q8Groups(self.values(), self.scale, self.min)
-        if bool((self.q > 15).any()):
+        if bits == IQ4 or self.bits == IQ4 or bool((self.q > 15).any()):
             raise ValueError("weights have more than 16 levels per group: they need 8 bits")
         n, k = self.q.shape
         v = self.q.reshape(n, k // 32, 2, 16)
@@ -169,7 +180,7 @@ class _OnGrid:
     bits: int
 
     def _hold(self, groups: Q8Groups) -> None:
-        self.bits = groups.bits  # per stored weight: 8, or 4 (two a byte; see Q8Groups)
+        self.bits = groups.bits  # per stored weight: 8, or 4 or IQ4 (two a byte; see Q8Groups)
         self.register_buffer("weight_int8", groups.q)  # type: ignore[attr-defined]
         self.register_buffer("scale", groups.scale)  # type: ignore[attr-defined]
         self.register_buffer("min", groups.min)  # type: ignore[attr-defined]
@@ -322,6 +333,7 @@ class Int8Linear(_OnGrid, nn.Module):
         return self._out[:rows]
 
     def extra_repr(self) -> str:
-        kind = (f"{self.bits}-bit values in groups of 32, fp32 scales and minimums"
+        kind = ("4-bit IQ4_NL level indices" if self.bits == IQ4 else f"{self.bits}-bit values")
+        kind = (f"{kind} in groups of 32, fp32 scales and minimums"
                 if self.grouped else "per channel, bf16")
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({kind})"

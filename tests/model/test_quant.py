@@ -22,6 +22,8 @@ from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import dequantize
 from loom.quant.int4 import Int4Linear
 from loom.quant.int8 import (
+    IQ4,
+    IQ4_Q,
     ZERO,
     Int8Embedding,
     Int8Linear,
@@ -109,6 +111,38 @@ def test_int8_4bit_storage_gives_the_same_bits(k, n) -> None:
     with pytest.raises(ValueError, match="more than 16 levels"):
         two.load_rows(slice(0, 1), Q8Groups(q[:1] + 1 + q[:1] * 16, groups.scale[:1],
                                             groups.min[:1]))
+
+
+@pytest.mark.parametrize("k, n", [(576, 51), (2048, 100)])
+def test_int8_iq4_storage_gives_the_same_bits(k, n) -> None:
+    """IQ4_NL level indices two a byte (bits IQ4): their values are IQ4_Q's (levels + 128),
+    and every batch size and path of the fp32 kernel, its embedding lookup included, gives the
+    bits those values one a byte give; 4-bit values cannot become indices."""
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(6)
+    idx = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.01
+    packed = Q8Groups(idx, scale, -128 * scale).to_bits(4)
+    iq4 = Q8Groups(packed.q, scale, -128 * scale, IQ4)
+    assert iq4.shape == (n, k) and torch.equal(iq4.values(), IQ4_Q[idx.long()])
+    wide = iq4.to_bits(8)
+    assert wide.bits == 8 and torch.equal(wide.q, IQ4_Q[idx.long()])
+    torch.testing.assert_close(iq4.dequantize(), wide.dequantize(), rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        packed.to_bits(IQ4)
+    one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=IQ4)
+    one.load_rows(None, wide)
+    two.load_rows(None, iq4)
+    assert two.weight_int8.shape == (n, k // 2) and two.bits == IQ4
+    one.bias.copy_(torch.randn(n, generator=g))
+    two.bias.copy_(one.bias)
+    x = torch.randn(70, k, generator=g)
+    for rows in (1, 2, 3, 5, 8, 9, 70):
+        assert torch.equal(two(x[:rows]), one(x[:rows]))
+    emb = Int8Embedding(n, k, IQ4)
+    emb.load_rows(None, iq4)
+    ids = torch.tensor([3, 0, n - 1, 3])
+    torch.testing.assert_close(emb(ids), wide.dequantize(ids), rtol=0, atol=0)
 
 
 def test_int8_keeps_gguf_4bit_groups_exactly() -> None:
@@ -520,12 +554,13 @@ def test_int8_batch_kernel_agrees_with_reference(teacher_forced, kernel, require
 def _random_int8(k: int, n: int, bias: bool, bits: int,
                  g: torch.Generator) -> tuple[nn.Linear, Int8Linear]:
     """A random linear (weights ~ 0.05 N(0, 1)) and its Int8Linear, 8-bit or 4-bit (the 8-bit
-    values' low nibbles)."""
+    values' low nibbles), or IQ4 (those nibbles as IQ4_NL level indices, minimum -128 scale)."""
     lin = nn.Linear(k, n, bias=bias)
     lin.weight.data = torch.randn(n, k, generator=g) * 0.05
     q = Int8Linear(lin)
-    if bits == 4:
-        q._hold(Q8Groups(q.weight_int8 & 15, q.scale, q.min).to_bits(4))
+    if bits != 8:
+        packed = Q8Groups(q.weight_int8 & 15, q.scale, q.min).to_bits(4)
+        q._hold(packed if bits == 4 else Q8Groups(packed.q, q.scale, -128 * q.scale, IQ4))
     return lin, q
 
 
@@ -544,7 +579,7 @@ def _int16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["amx", "bf16", "int16"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4])
 def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
     """The AMX, bf16 and int16 kernels against float64 sums of the same weights, for rows past a
     tile, a ragged last tile of weights and of rows, a bias, both weight widths, K not a
@@ -605,7 +640,7 @@ def test_int8_vnni_kernel_agrees_with_reference(build, teacher_forced, monkeypat
 
 
 @pytest.mark.parametrize("build", ["vnni", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4])
 def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
     """The VNNI kernel against float64 sums of the same weights (with fp16 scales and minimums,
     which it reads), 1 to 8 rows, ragged chunks (3 and 18 groups) and rows (an odd N), a bias,
@@ -642,7 +677,7 @@ def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
 
 
 @pytest.mark.parametrize("build", ["vnni", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4])
 def test_symmetric_groups_skip_their_minimums(bits, build) -> None:
     """Groups whose minimum is -ZERO[bits] times their scale (Q4_0's -8 d, Q8_0's and the IQ4
     levels' -128 d): use_vnni keeps no fp16 minimums and the kernel forms them from the scales,

@@ -49,6 +49,30 @@ int main(void)
                          mins[n * K / 32 + k / 32]);
             bad += !close_to(y[m * N + n], want, 1e-4);
         }
+    // IQ4_NL level indices two a byte (bits 4 | LOOM_Q8_LEVELS): q's low nibbles, each standing
+    // for its level + 128; one row (the direct path) and M (the block path)
+    static const int iq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
+                                217, 241};
+    static uint8_t q4[N * K / 2];
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < K / 32; g++)
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *v = q + n * K + g * 32;
+                q4[n * K / 2 + g * 16 + j] = (uint8_t)((v[j] & 15) | (v[j + 16] & 15) << 4);
+            }
+    for (int rows = 1; rows <= M; rows += M - 1) {
+        if (loom_linear_q8_f32(x, rows, K, K, q4, scales, mins, NULL, N, y, N, 4 | 0x100, 2))
+            bad += 1000;
+        for (int m = 0; m < rows; m++)
+            for (int n = 0; n < N; n++) {
+                double want = 0.0;
+                for (int k = 0; k < K; k++)
+                    want += (double)x[m * K + k] *
+                            ((double)iq4[q[n * K + k] & 15] * scales[n * K / 32 + k / 32] +
+                             mins[n * K / 32 + k / 32]);
+                bad += !close_to(y[m * N + n], want, 1e-4);
+            }
+    }
     static float gu[3 * 2 * D], out[3 * D];
     for (int i = 0; i < 3 * 2 * D; i++) gu[i] = 8.0f * rnd();
     loom_silu_mul_f32(gu, out, 3, D, 2);

@@ -536,16 +536,18 @@ static int run_layers(Step *s, Team *t)
 // nibbles.
 static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
 {
-    const int64_t groups = H / 32, row_bytes = H * E->table.bits / 8;
+    const int code = (int)E->table.bits, lv = code & LOOM_Q8_LEVELS;
+    const int64_t groups = H / 32, row_bytes = H * LOOM_Q8_WIDTH(code) / 8;
     for (int64_t t = 0; t < M; t++) {
         const uint8_t *q = E->table.w + E->ids[t] * row_bytes;
         const float *sc = E->table.s + E->ids[t] * groups, *mn = E->table.m + E->ids[t] * groups;
         float *o = out + t * H;
         for (int64_t g = 0; g < groups; g++)
             for (int j = 0; j < 32; j++) {
-                const int v = E->table.bits == 8 ? q[g * 32 + j]
-                              : j < 16           ? q[g * 16 + j] & 15
-                                                 : q[g * 16 + j - 16] >> 4;
+                const int n = code == 8 ? q[g * 32 + j]
+                              : j < 16  ? q[g * 16 + j] & 15
+                                        : q[g * 16 + j - 16] >> 4;
+                const int v = lv ? loom_iq4_q[n] : n;
                 const float p = (float)v * sc[g];
                 o[g * 32 + j] = p + mn[g];
             }

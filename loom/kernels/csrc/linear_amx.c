@@ -37,7 +37,7 @@
 #define X_BYTES (1024 * 1024)  // x tiles a pass (see loom_linear_q8_amx)
 // The tiles take q - CENTER, the fold min + CENTER * scale: the same weights, and q * x and
 // min * sum(x) no longer nearly cancel (they did, and lost digits, for 8-bit groups).
-#define CENTER(bits) ((bits) == 8 ? 128 : 8)
+#define CENTER(bits) ((bits) == 4 ? 8 : 128)  // 8-bit and LOOM_Q8_LEVELS values: 128
 
 // 1 if AMX tiles can run in this process (the CPU and the compiler have them and Linux grants
 // the tile state: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), 0 if not.
@@ -85,7 +85,7 @@ static inline __m512 centered(__m128i q, int center)
 static void slab_fill(const uint8_t *w, const float *scales, const float *mins, int bits,
                       int64_t K, int64_t n0, int64_t N, uint16_t *slab, float *sc, float *mc)
 {
-    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    const int64_t row_bytes = K * LOOM_Q8_WIDTH(bits) / 8, groups = K / GROUP;
     for (int64_t r = 0; r < TILE; r++) {
         if (n0 + r >= N) {
             for (int64_t g = 0; g < groups; g++) {
@@ -104,6 +104,11 @@ static void slab_fill(const uint8_t *w, const float *scales, const float *mins, 
                 const __m128i b = _mm_loadu_si128((const __m128i *)(q + g * GROUP / 2));
                 lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
                 hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                if (bits & LOOM_Q8_LEVELS) {  // the nibbles' values: IQ4_NL's levels + 128
+                    const __m128i t = _mm_loadu_si128((const __m128i *)loom_iq4_q);
+                    lo = _mm_shuffle_epi8(t, lo);
+                    hi = _mm_shuffle_epi8(t, hi);
+                }
             }
             _mm512_storeu_si512(slab + (g * TILE + r) * GROUP,
                                 (__m512i)_mm512_cvtne2ps_pbh(centered(hi, CENTER(bits)),

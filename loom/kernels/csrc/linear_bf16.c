@@ -49,8 +49,10 @@ static inline __attribute__((always_inline)) void group_bf16(const uint8_t *q, i
                                                              uint16_t *out)
 {
     __m512 lo, hi;
-    if (bits == 4) {
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (bits != 8) {  // the nibbles' 16 values (LOOM_Q8_LEVELS: IQ4_NL's)
+        const __m512 iota = bits & LOOM_Q8_LEVELS
+            ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
+            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(m));
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
         lo = _mm512_permutexvar_ps(b, table);
@@ -74,7 +76,7 @@ static void block_pass(const uint16_t *xb, int64_t m0, int64_t m1, int64_t K, co
                        float *y, int64_t ldy, int bits, int64_t n0, int64_t nb_rows,
                        uint16_t *wbuf)
 {
-    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    const int64_t row_bytes = K * LOOM_Q8_WIDTH(bits) / 8, groups = K / GROUP;
     const int64_t nb = N - n0 < nb_rows ? N - n0 : nb_rows;
     for (int64_t r = 0; r < nb; r++)
         for (int64_t g = 0; g < groups; g++)

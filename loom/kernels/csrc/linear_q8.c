@@ -24,6 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "half.h"  // loom_f16_to_f32
 #include "loom.h"
 #ifdef __AVX2__
@@ -42,9 +43,10 @@
 #define FAR_ROW 1024        // (prefetcht1, as linear_vnni.c; 0.85x the 1.7B shape's layers)
 #define PF_S 128
 #define R_MAX 2             // weight rows at once there
+#define LV4 (4 | LOOM_Q8_LEVELS)
 // Two 4-bit weight rows at once for one or two x rows (~1.5x, in cache and out); 8-bit rows
 // stream from memory at full speed one at a time and measured slower two at a time.
-#define R_OF(m, bits) ((bits) == 4 && (m) <= 2 ? 2 : 1)
+#define R_OF(m, bits) ((bits) != 8 && (m) <= 2 ? 2 : 1)
 
 // LANES floats a vector: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8.
 // Every path below sums in LANES lanes, so a machine's direct and block paths agree bit for bit
@@ -87,24 +89,33 @@ static inline __attribute__((always_inline)) vf cvt_bytes(const uint8_t *p)
 }
 // Weights 32 g + j .. 32 g + j + LANES - 1 (j a multiple of LANES: a constant where this
 // inlines) of a row q holding `bits` per weight: 8, one byte each, or 4, GGUF's order: group g's
-// 16 bytes at 16 g hold its values 0..15 in their low nibbles and 16..31 in their high ones. The
-// same floats either way.
+// 16 bytes at 16 g hold its values 0..15 in their low nibbles and 16..31 in their high ones
+// (4 | LOOM_Q8_LEVELS: each nibble i the value loom_iq4_q[i]). The same floats either way.
 static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const int bits,
                                                          const int64_t g, const int j)
 {
     if (bits == 8) return cvt_bytes(q + g * GROUP + j);
     const uint8_t *p = q + g * (GROUP / 2) + (j & 15);
+    const int lv = bits & LOOM_Q8_LEVELS;
 #if LANES == 16
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return (vf)_mm512_cvtepi32_ps(j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F))
-                                         : _mm512_srli_epi32(b, 4));
+    const __m512i i = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F))
+                             : _mm512_srli_epi32(b, 4);
+    return (vf)_mm512_cvtepi32_ps(
+        lv ? _mm512_permutexvar_epi32(
+                 i, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
+           : i);
 #elif defined(__AVX2__)
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    return (vf)_mm256_cvtepi32_ps(j < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F))
-                                         : _mm256_srli_epi32(b, 4));
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p), nib = _mm_set1_epi8(0x0F);
+    const __m128i i = j < 16 ? _mm_and_si128(v, nib) : _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        lv ? _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)loom_iq4_q), i) : i));
 #else
     vf r;
-    for (int i = 0; i < LANES; i++) r[i] = (float)(j < 16 ? p[i] & 0x0F : p[i] >> 4);
+    for (int i = 0; i < LANES; i++) {
+        const int v = j < 16 ? p[i] & 0x0F : p[i] >> 4;
+        r[i] = (float)(lv ? loom_iq4_q[v] : v);
+    }
     return r;
 #endif
 }
@@ -116,10 +127,12 @@ static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const
 // shifted down). The same floats as weight(cvt_part(...)), in 5 instructions instead of 8 (~20%
 // faster for one row through a layer larger than L2: one stream's decode is bound by
 // instructions here, not by memory).
-static inline __attribute__((always_inline)) void group_lookup(const uint8_t *p, float s,
-                                                               float m, vf w[2])
+static inline __attribute__((always_inline)) void group_lookup(const uint8_t *p, const int bits,
+                                                               float s, float m, vf w[2])
 {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota = bits & LOOM_Q8_LEVELS  // the nibbles' values
+        ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
+        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = (__m512)weight((vf)iota, s, m);
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     w[0] = (vf)_mm512_permutexvar_ps(b, table);
@@ -135,8 +148,8 @@ static inline __attribute__((always_inline)) void group_weights(const uint8_t *q
                                                                 vf w[GROUP / LANES])
 {
 #if LANES == 16
-    if (bits == 4) {
-        group_lookup(q + g * (GROUP / 2), s, m, w);
+    if (bits != 8) {
+        group_lookup(q + g * (GROUP / 2), bits, s, m, w);
         return;
     }
 #endif
@@ -187,7 +200,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(
     const uint8_t *q, int64_t row_bytes, const float *sc, const float *mn, int64_t groups,
     const int R, const int bits, int64_t g)
 {
-    const int64_t at = g * GROUP * bits / 8;  // group g's first byte in a row
+    const int64_t at = g * GROUP * LOOM_Q8_WIDTH(bits) / 8;  // group g's first byte in a row
     if (at % 64 == 0)
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(q + r * row_bytes + at + PF_Q);
@@ -320,6 +333,11 @@ static inline __attribute__((always_inline)) void direct_unit(
         CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
         CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
         }
+    else if (bits == LV4)
+        switch (M) {
+        CASE(1, LV4) CASE(2, LV4) CASE(3, LV4) CASE(4, LV4)
+        CASE(5, LV4) CASE(6, LV4) CASE(7, LV4) CASE(8, LV4)
+        }
     else
         switch (M) {
         CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
@@ -366,7 +384,7 @@ void *loom_scratch(int which, size_t bytes)
 // 0 if the kernel takes rows of K weights stored `bits` a weight; -1 if not.
 int loom_linear_q8_check(int64_t K, int bits)
 {
-    return K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4) ? -1 : 0;
+    return K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4 && bits != LV4) ? -1 : 0;
 }
 
 // x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8) or [N, K / 2] (bits 4, see
@@ -378,7 +396,7 @@ int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        float *y, int64_t ldy, int bits, int num_threads)
 {
     if (loom_linear_q8_check(K, bits)) return -1;
-    const int64_t row_bytes = K * bits / 8;
+    const int64_t row_bytes = K * LOOM_Q8_WIDTH(bits) / 8;
     const int64_t groups = K / GROUP;
     if (M <= M_DIRECT) {
         // R_OF(M, bits) weight rows a unit, in guided chunks, not a fixed half each: a
@@ -461,7 +479,7 @@ void loom_linear_q8_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          const float *scales, const float *mins, const float *bias, int64_t N,
                          float *y, int64_t ldy, int bits, int64_t *next, int team)
 {
-    const int64_t row_bytes = K * bits / 8, groups = K / GROUP;
+    const int64_t row_bytes = K * LOOM_Q8_WIDTH(bits) / 8, groups = K / GROUP;
     const int R = R_OF(M, bits);
     for (int64_t u0, u1; loom_take_units(next, (N + R - 1) / R, 16 / R, team, &u0, &u1);)
         for (int64_t u = u0; u < u1; u++)
@@ -552,16 +570,13 @@ void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *s
 
 // IQ4_XS super-blocks (136 bytes: fp16 d; scales_h, 2 bits a sub-block; scales_l, 4 bits a
 // sub-block; 128 bytes of indices, a sub-block's 16 as an IQ4_NL block's: low nibbles its first
-// 16 weights, high its last) -> a group a sub-block: q = level + 128 in weight order, scale
-// d (ls - 32) (an fp16 d times an integer below 64: exact in fp32), minimum -128 scale. The
-// values of loom.quant.gguf_dequant's numpy path (tested); ~10x its speed where a model's every
-// linear is IQ4_XS.
+// 16 weights, high its last) -> a group a sub-block on the LOOM_Q8_LEVELS grid: its 16 bytes of
+// indices as they are (the nibbles' values loom_iq4_q: levels + 128), scale d (ls - 32) (an
+// fp16 d times an integer below 64: exact in fp32), minimum -128 scale. The values of the
+// `gguf` package's dequantizer (tested).
 void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
                       int num_threads)
 {
-    // ggml's kvalues_iq4nl + 128
-    static const uint8_t level[16] = {1,   24,  45,  63,  79,  93,  106, 118,
-                                      129, 141, 153, 166, 181, 197, 217, 241};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *b = blocks + i * 136;
@@ -572,12 +587,7 @@ void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scale
             const float s = d * (float)(ls - 32);
             scales[8 * i + j] = s;
             mins[8 * i + j] = -128.0f * s;
-            const uint8_t *qs = b + 8 + 16 * j;
-            uint8_t *o = q + (8 * i + j) * 32;
-            for (int l = 0; l < 16; l++) {
-                o[l] = level[qs[l] & 15];
-                o[16 + l] = level[qs[l] >> 4];
-            }
         }
+        memcpy(q + 128 * i, b + 8, 128);
     }
 }

@@ -77,10 +77,10 @@
 #define FAR_ROW 1024  // the AVX2 form's narrowest row with the L2 prefetch
 #define PF_S 128      // scales and minimums prefetched ahead
 // Symmetric groups (mins NULL: Q4_0, Q8_0, IQ4_NL, IQ4_XS on the int8 grid): every group's
-// minimum is -ZERO(bits) times its scale, taken from the scales (a power of two: the same fp16
+// minimum is -ZERO(bits, lv) times its scale, taken from the scales (a power of two: the same fp16
 // product the stored minimum would be) instead of read, 2 bytes a group fewer (1/10 of Q4_0's
 // bytes, 1/18 of Q8_0's).
-#define ZERO(bits) ((bits) == 4 ? 8 : 128)
+#define ZERO(bits, lv) ((bits) == 4 && !(lv) ? 8 : 128)
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
 
@@ -185,7 +185,7 @@ static inline __m512i chunk_group(int bits)
 // 8-bit: the even bytes, then the odd ones. Word i of each vector comes from bytes 2i and
 // 2i + 1, so vpdpwssd's lane k (words 2k, 2k + 1) sums bytes 4k .. 4k + 3.
 static inline __attribute__((always_inline)) void unpack(__m512i v, const int bits,
-                                                         __m512i *w)
+                                                         const int lv, __m512i *w)
 {
     if (bits == 4) {
         const __m512i nib = _mm512_set1_epi16(0x000F);
@@ -193,6 +193,11 @@ static inline __attribute__((always_inline)) void unpack(__m512i v, const int bi
         w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
         w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         w[3] = _mm512_srli_epi16(v, 12);
+        if (lv) {  // LOOM_Q8_LEVELS: each nibble i is the value loom_iq4_q[i] (vpermw)
+            const __m512i t = _mm512_cvtepu8_epi16(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)loom_iq4_q)));
+            for (int k = 0; k < 4; k++) w[k] = _mm512_permutexvar_epi16(w[k], t);
+        }
     } else {
         w[0] = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF));
         w[1] = _mm512_srli_epi16(v, 8);
@@ -357,7 +362,8 @@ static inline __attribute__((always_inline)) void chunk_vnni(
 // rstep]). M, R and bits are constants at each call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
-    int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
+    int64_t row_bytes, const int bits, const int lv, const uint16_t *sc, const uint16_t *mn,
+    int64_t groups,
     const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
     const int64_t qs = rstep * row_bytes, ss = rstep * groups;  // from one row to the next
@@ -392,15 +398,15 @@ static inline __attribute__((always_inline)) void rows_vnni(
             s[r] = _mm512_permutexvar_ps(gsel, sg);
         }
         // sum q X over the block, in S chains a sum (independent dependency chains where M R
-        // is small): below 2^31 (|X| <= 32639, a lane: 32 products of q <= 15, or 16 of
-        // q <= 255), so exact in any order
+        // is small): below 2^31 (|X| <= 32639, a lane: 32 products of q <= 15, or of
+        // LOOM_Q8_LEVELS' q <= 241, or 16 of q <= 255), so exact in any order
         const int S = M * R >= 4 ? 1 : M * R >= 2 ? 2 : 4;
         __m512i dot[4][TILE * UNIT];
         for (int c = 0; c < S; c++)
             for (int i = 0; i < M * R; i++) dot[c][i] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             __m512i w[UNIT][4];
-            for (int r = 0; r < R; r++) unpack(u[r][j], bits, w[r]);
+            for (int r = 0; r < R; r++) unpack(u[r][j], bits, lv, w[r]);
             for (int m = 0; m < M; m++) {
                 const uint8_t *xm = xq + m * xstride + (bk * 4 + j) * nv * 64;
                 __m512i x[4];
@@ -433,7 +439,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
         __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
             const uint8_t *p = q + r * qs + g0 * GROUP * bits / 8;
-            unpack(_mm512_maskz_loadu_epi8(wk, p), bits, w[r]);
+            unpack(_mm512_maskz_loadu_epi8(wk, p), bits, lv, w[r]);
             const __m128i sh = _mm_maskz_loadu_epi16(sk, sc + r * ss + g0);
             s[r] = _mm512_permutexvar_ps(csel, _mm512_castps128_ps512(_mm_cvtph_ps(sh)));
         }
@@ -449,7 +455,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
             const __m512 mins = mn
                 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + r * ss + g))
                 : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sc + r * ss + g)),
-                                _mm512_set1_ps(-(float)ZERO(bits)));
+                                _mm512_set1_ps(-(float)ZERO(bits, lv)));
             for (int m = 0; m < M; m++) {
                 const float *sx = (const float *)(xq + m * xstride + L.sx);
                 acc[m * R + r] = _mm512_fmadd_ps(mins, _mm512_load_ps(sx + g), acc[m * R + r]);
@@ -527,7 +533,7 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
 // gives a chunk's: 4-bit: the low nibbles of the even bytes, of the odd bytes, then the high
 // nibbles of the even and of the odd bytes; 8-bit: the even bytes, then the odd ones.
 static inline __attribute__((always_inline)) void unpack_half(__m256i v, const int bits,
-                                                              __m256i *w)
+                                                              const int lv, __m256i *w)
 {
     if (bits == 4) {
         const __m256i nib = _mm256_set1_epi16(0x000F);
@@ -535,6 +541,13 @@ static inline __attribute__((always_inline)) void unpack_half(__m256i v, const i
         w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
         w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         w[3] = _mm256_srli_epi16(v, 12);
+        if (lv) {  // LOOM_Q8_LEVELS: nibble i -> loom_iq4_q[i] by vpshufb, the high byte zeroed
+            const __m256i t = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)loom_iq4_q));
+            const __m256i hi0 = _mm256_set1_epi16((short)0x8000);  // bit 7: a zero byte
+            for (int k = 0; k < 4; k++)
+                w[k] = _mm256_shuffle_epi8(t, _mm256_or_si256(w[k], hi0));
+        }
     } else {
         w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x00FF));
         w[1] = _mm256_srli_epi16(v, 8);
@@ -552,7 +565,8 @@ static inline __attribute__((always_inline)) float hsum8(__m256 v)
 // M <= TILE x rows against R <= UNIT weight rows, as the AVX-512 rows_vnni.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
-    int64_t row_bytes, const int bits, const uint16_t *sc, const uint16_t *mn, int64_t groups,
+    int64_t row_bytes, const int bits, const int lv, const uint16_t *sc, const uint16_t *mn,
+    int64_t groups,
     const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
     const int64_t qs = rstep * row_bytes, ss = rstep * groups;
@@ -585,7 +599,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
                     ? _mm256_loadu_si256((const __m256i *)p)  // one 4-bit group: 16 bytes
                     : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p));
                 unpack_half(have == hg ? v : _mm256_inserti128_si256(v, _mm_setzero_si128(), 1),
-                            bits, w[r]);
+                            bits, lv, w[r]);
                 const uint16_t *sr = sc + r * ss + g0;
                 int two = sr[0];  // the half's scales (fp16), 0 for a missing second group
                 if (have == 2) memcpy(&two, sr, 4);
@@ -616,7 +630,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
             if (groups - g < 8) memcpy(tail, mr, (size_t)(groups - g) * 2);
             __m256 mins = _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(groups - g < 8 ? tail : mr)));
-            if (!mn) mins = _mm256_mul_ps(mins, _mm256_set1_ps(-(float)ZERO(bits)));
+            if (!mn) mins = _mm256_mul_ps(mins, _mm256_set1_ps(-(float)ZERO(bits, lv)));
             for (int m = 0; m < M; m++) {
                 const float *sx = (const float *)(xq + m * xstride + L.sx);
                 acc[m * R + r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sx + g), acc[m * R + r]);
@@ -633,31 +647,36 @@ static inline __attribute__((always_inline)) void rows_vnni(
 
 // Weight unit u (its rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where UNIT's comment says,
 // else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
-// with their bias: M, bits and R picked here, so each case runs with constants.
+// with their bias: M, bits (loom.h's code: 8, 4 or 4 | LOOM_Q8_LEVELS) and R picked here, so
+// each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
                       const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
 {
-    const int64_t groups = K / GROUP, row_bytes = K * bits / 8;
-    const int far = bits == 4 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
+    const int width = LOOM_Q8_WIDTH(bits);
+    const int64_t groups = K / GROUP, row_bytes = K * width / 8;
+    const int far = width == 4 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
     const int64_t step = far ? (N + 1) / 2 : 1, n0 = far ? u : u * UNIT;
     int64_t rows = 0;  // the unit's rows within N
     while (rows < UNIT && n0 + rows * step < N) rows++;
-#define ROWS(m, b, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
-                                   scales + (n) * groups, mins ? mins + (n) * groups : NULL, \
-                                   groups, r, step, bias ? bias + (n) : NULL, yt + (n), ldy)
-#define ROWS_R(m, b) \
-    if (R_OF(b, m) == UNIT && rows == UNIT) { ROWS(m, b, UNIT, n0); } \
-    else { for (int64_t i = 0; i < rows; i++) ROWS(m, b, 1, n0 + i * step); }
-#define CASES(b) switch (tile) { \
-    case 1: ROWS_R(1, b) break; case 2: ROWS_R(2, b) break; \
-    case 3: ROWS_R(3, b) break; default: ROWS_R(4, b) break; }
+#define ROWS(m, b, lv, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
+                                       lv, scales + (n) * groups, \
+                                       mins ? mins + (n) * groups : NULL, groups, r, step, \
+                                       bias ? bias + (n) : NULL, yt + (n), ldy)
+#define ROWS_R(m, b, lv) \
+    if (R_OF(b, m) == UNIT && rows == UNIT) { ROWS(m, b, lv, UNIT, n0); } \
+    else { for (int64_t i = 0; i < rows; i++) ROWS(m, b, lv, 1, n0 + i * step); }
+#define CASES(b, lv) switch (tile) { \
+    case 1: ROWS_R(1, b, lv) break; case 2: ROWS_R(2, b, lv) break; \
+    case 3: ROWS_R(3, b, lv) break; default: ROWS_R(4, b, lv) break; }
     // past TILE x rows, tiles of at most TILE (the weights come again from L1)
     for (int64_t m0 = 0, tiles = (M + TILE - 1) / TILE; m0 < M;) {
         const int64_t tile = (M - m0 + tiles - 1) / tiles;
         const uint8_t *xt = xq + m0 * L.stride;
         float *yt = y + m0 * ldy;
-        if (bits == 4) { CASES(4) } else { CASES(8) }
+        if (bits == 4) { CASES(4, 0) }
+        else if (bits == 8) { CASES(8, 0) }
+        else { CASES(4, LOOM_Q8_LEVELS) }
         m0 += tile;
         tiles--;
     }
@@ -678,13 +697,13 @@ int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const
 {
 #ifdef HAVE_VNNI
     if (loom_linear_q8_check(K, bits)) return -1;
-    const XLayout L = x_layout(K, bits);
+    const XLayout L = x_layout(K, LOOM_Q8_WIDTH(bits));
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);
     if (!xq) return -2;
     const int64_t units = (N + UNIT - 1) / UNIT;
     for (int64_t m0 = 0; m0 < M; m0 += M_MAX) {
         const int64_t rows = M - m0 < M_MAX ? M - m0 : M_MAX;
-        quantize_x(x + m0 * ldx, rows, K, ldx, bits, xq);
+        quantize_x(x + m0 * ldx, rows, K, ldx, LOOM_Q8_WIDTH(bits), xq);
         // guided chunks, as linear_q8.c's direct path (a thread the OS lends away leaves its
         // rows to the others)
 #pragma omp parallel for schedule(guided, 16 / UNIT) num_threads(num_threads)
@@ -723,9 +742,9 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
                               int64_t ldy, int bits, int64_t *next, int team)
 {
 #ifdef HAVE_VNNI
-    const XLayout L = x_layout(K, bits);
+    const XLayout L = x_layout(K, LOOM_Q8_WIDTH(bits));
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);  // reserved: no failure
-    quantize_x(x, M, K, ldx, bits, xq);
+    quantize_x(x, M, K, ldx, LOOM_Q8_WIDTH(bits), xq);
     for (int64_t u0, u1; loom_take_units(next, (N + UNIT - 1) / UNIT, 16 / UNIT, team, &u0,
                                          &u1);)
         for (int64_t u = u0; u < u1; u++)

@@ -75,7 +75,14 @@ void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64
 
 // ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
 // W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):
-// w = q * scale + min; `bits` 8 (a byte a weight) or 4 (two a byte, GGUF's nibble order).
+// w = q * scale + min; `bits` 8 (a byte a weight) or 4 (two a byte, GGUF's nibble order), or
+// 4 | LOOM_Q8_LEVELS: two a byte, each nibble i standing for q = loom_iq4_q[i] (IQ4_NL's 16
+// levels + 128: IQ4_NL and IQ4_XS files at 4 bits a weight, their minimums -128 scale), then
+// as an 8-bit q in every kernel.
+#define LOOM_Q8_LEVELS 0x100
+#define LOOM_Q8_WIDTH(bits) ((bits) & 0xFF)  // bits a stored weight: 8 or 4
+static const uint8_t loom_iq4_q[16] = {1,   24,  45,  63,  79,  93,  106, 118,  // ggml's
+                                       129, 141, 153, 166, 181, 197, 217, 241};  // + 128
 
 extern const int loom_linear_q8_direct_rows;  // the most rows the direct (decode) path takes
 int loom_linear_q8_check(int64_t K, int bits);
@@ -97,8 +104,8 @@ int loom_i16_available(void);
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads);
-// GGUF IQ4_XS super-blocks [n, 136 bytes] onto the grid exactly, a group a sub-block of 32:
-// q [8n, 32], scales and mins [8n] (loom.quant.gguf_dequant's conversion, in C).
+// GGUF IQ4_XS super-blocks [n, 136 bytes] onto the LOOM_Q8_LEVELS grid exactly, a group a
+// sub-block of 32: q [8n, 16] (the indices as stored), scales and mins [8n].
 void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
                       int num_threads);
 
@@ -208,7 +215,7 @@ typedef struct LoomLinearQ8 {
     const uint8_t *w;
     const float *s, *m;
     const uint16_t *s16, *m16;  // fp16 copies for the VNNI kernel; m16 NULL: symmetric groups
-    int64_t bits;  // per stored weight: 8 or 4 (Q8); the ggml format 10 to 14 (KQ)
+    int64_t bits;  // Q8: 8, 4 or 4 | LOOM_Q8_LEVELS (above); KQ: the ggml format 10 to 14
     int64_t kind;  // LOOM_LINEAR_*
     // LOOM_LINEAR_PARTS: num_parts parts (each LOOM_LINEAR_Q8 or LOOM_LINEAR_KQ), part i writing
     // output columns [parts[i].n0, parts[i].n0 + parts[i].n) (a bias: the KQ kernel adds its
