@@ -37,9 +37,9 @@ super-block, summed exactly in int32; near fp32's top-1 agreement
 `vnni` (the decode kernel): products of up to 8 rows (decode) in AVX512-VNNI integer
 dot products (csrc/linear_vnni.c; Intel Ice Lake, AMD Zen 4 and later): x in two int8 digits a
 group of 32 (16 significant bits), the weights as they are, scales and minimums read from fp16
-copies (GGUF's own precision; 4 bytes a group more memory): a little faster than the fp32
-kernel, near fp32's top-1 agreement (docs/cpu_kernels.md has both figures). A
-request's bits then depend on whether its step had more than 8 rows.
+copies (GGUF's own precision; 4 bytes a group more memory, 2 for symmetric groups): a little
+faster than the fp32 kernel, near fp32's top-1 agreement (docs/cpu_kernels.md has both
+figures). A request's bits then depend on whether its step had more than 8 rows.
 
 Outputs return in the activations' dtype. Quality is tested against the unquantized reference
 by top-1 agreement and a logit-error bound.
@@ -278,7 +278,7 @@ class Int8Linear(_OnGrid, nn.Module):
     def use_vnni(self) -> None:
         """Run products of up to 8 rows on linear_vnni.c, which reads fp16 copies of the
         scales and minimums (exact for GGUF's blocks, which store them in fp16; rounded to
-        fp16 otherwise: 4 bytes a group beside the fp32 ones)."""
+        fp16 otherwise: 4 bytes a group beside the fp32 ones, 2 for symmetric groups)."""
         assert self.grouped
         scale, mins = self.scale.to(torch.float16), self.min.to(torch.float16)
         # Symmetric groups (Q4_0, Q8_0, IQ4_NL, IQ4_XS files): the kernel forms each minimum
