@@ -42,15 +42,13 @@ IQ4_NL_LEVELS = torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128
 
 
 def _unpack(
-    qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool = False,
+    qtype: GGMLQuantizationType, blocks: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """blocks [n, type_size] uint8 -> (integers [n, 32], d [n, 1], zero, m [n, 1] or None): each
-    weight is d * (integer - zero), plus m where the format has one. `packed`: a 4-bit format's
-    integers stay its 16 bytes of nibbles [n, 16], in GGUF's order."""
+    weight is d * (integer - zero), plus m where the format has one."""
     d = _f16(blocks, 0)
     if qtype in NIBBLE_TYPES:
-        qs = blocks[:, NIBBLE_TYPES[qtype]:]
-        q = qs if packed else unpack_nibbles(qs)
+        q = unpack_nibbles(blocks[:, NIBBLE_TYPES[qtype]:])
         if qtype == GGMLQuantizationType.Q4_0:
             return q, d, 8, None
         return q, d, 0, _f16(blocks, 2)
@@ -103,16 +101,24 @@ def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q
     """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
     scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
     Q4_0, Q4_1 and IQ4_NL keep their 16 bytes of nibbles as they are (4 bits a weight, the same
-    order; IQ4_NL's index its levels: the grid's IQ4 form)."""
+    order; IQ4_NL's index its levels: the grid's IQ4 form). In one pass of the C kernels'
+    (loom_q8_blocks_grid, loom_iq4_xs_grid), which the grid needs anyway
+    (loom.quant.int8.grouped_available); the float32 path (`dequantize`) is torch's."""
+    from loom.kernels import cpu_kernels
+
     if qtype == GGMLQuantizationType.IQ4_XS:
         return _iq4_xs_grid(blocks)
-    if qtype == GGMLQuantizationType.IQ4_NL:
-        d = _f16(blocks, 0)
-        return Q8Groups(blocks[:, 2:].contiguous(), d, d * -128.0, IQ4)
-    q, d, zero, m = _unpack(qtype, blocks, packed=True)
-    if q.dtype == torch.int8:  # Q8_0's -127..127 -> 1..255 (+128: the sign bit flipped)
-        q, zero = q.view(torch.uint8).bitwise_xor(128), zero + 128
-    return Q8Groups(q.to(torch.uint8), d, d * -float(zero) if m is None else m, group_bits(qtype))
+    lib = cpu_kernels()
+    if lib is None:
+        raise RuntimeError(f"{qtype.name} onto the int8 grid needs Loom's C kernels")
+    n, bits = blocks.shape[0], group_bits(qtype)
+    blocks = blocks.contiguous()
+    q = torch.empty(n, 32 * (bits & 0xFF) // 8, dtype=torch.uint8)
+    scale, mins = torch.empty(n, 1), torch.empty(n, 1)
+    rc = lib.loom_q8_blocks_grid(blocks.data_ptr(), n, int(qtype), q.data_ptr(),
+                                 scale.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+    assert rc == 0, qtype
+    return Q8Groups(q, scale, mins, bits)
 
 
 TORCH_TYPES = {

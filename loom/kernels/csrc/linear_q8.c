@@ -568,6 +568,45 @@ void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *s
                                    scales + n * groups + g, mins + n * groups + g);
 }
 
+// GGUF's 32-wide blocks [n, size] of ggml type `type` onto the grid exactly, a group a block:
+// q [n, 16] for Q4_0 / Q4_1 (the nibbles as stored) and IQ4_NL (its indices: LOOM_Q8_LEVELS),
+// [n, 32] for Q5_0 / Q5_1 (nibble + 16 x fifth bit) and Q8_0 (q + 128); fp32 scales d and
+// minimums (the block's m, or -zero d: Q4_0 8, Q5_0 16, Q8_0 and IQ4_NL 128, exact). One pass
+// over the file's bytes on num_threads threads. Returns 0, or -1 for another type.
+int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
+                        float *mins, int num_threads)
+{
+    enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };
+    const int size = type == Q4_0 || type == IQ4_NL ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22
+                     : type == Q5_1 ? 24 : type == Q8_0 ? 34 : 0;
+    if (!size) return -1;
+    const int has_m = type == Q4_1 || type == Q5_1;
+    const float zero = type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : 128.0f;
+    const int five = type == Q5_0 || type == Q5_1, width = five || type == Q8_0 ? 32 : 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *b = blocks + i * size;
+        const float d = loom_f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+        scales[i] = d;
+        mins[i] = has_m ? loom_f16_to_f32((uint16_t)(b[2] | b[3] << 8)) : -zero * d;
+        uint8_t *o = q + i * width;
+        if (type == Q8_0) {
+            for (int j = 0; j < 32; j++) o[j] = (uint8_t)(b[2 + j] ^ 0x80);
+        } else if (five) {
+            const uint8_t *qh = b + (has_m ? 4 : 2), *qs = qh + 4;
+            uint32_t h;
+            memcpy(&h, qh, 4);
+            for (int j = 0; j < 16; j++) {
+                o[j] = (uint8_t)((qs[j] & 15) | (h >> j & 1) << 4);
+                o[16 + j] = (uint8_t)((qs[j] >> 4) | (h >> (16 + j) & 1) << 4);
+            }
+        } else {
+            memcpy(o, b + (has_m ? 4 : 2), 16);
+        }
+    }
+    return 0;
+}
+
 // IQ4_XS super-blocks (136 bytes: fp16 d; scales_h, 2 bits a sub-block; scales_l, 4 bits a
 // sub-block; 128 bytes of indices, a sub-block's 16 as an IQ4_NL block's: low nibbles its first
 // 16 weights, high its last) -> a group a sub-block on the LOOM_Q8_LEVELS grid: its 16 bytes of

@@ -104,6 +104,10 @@ int loom_i16_available(void);
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads);
+// GGUF's 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: ggml's type ids) onto the
+// grid exactly, a group a block; -1 for another type.
+int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
+                        float *mins, int num_threads);
 // GGUF IQ4_XS super-blocks [n, 136 bytes] onto the LOOM_Q8_LEVELS grid exactly, a group a
 // sub-block of 32: q [8n, 16] (the indices as stored), scales and mins [8n].
 void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
