@@ -359,12 +359,11 @@ static inline __attribute__((always_inline)) void chunk_vnni(
 
 // M <= TILE x rows (quantized, xq) against R <= UNIT weight rows from q, rstep rows apart
 // (row_bytes a row; fp16 scales and minimums `groups` a row): out[m * ldy + r rstep] (+ bias[r
-// rstep]). M, R and bits are constants at each call site.
+// rstep]). M, R, bits (4 or 8) and lv (LOOM_Q8_LEVELS or 0) are constants at each call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const int lv, const uint16_t *sc, const uint16_t *mn,
-    int64_t groups,
-    const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
+    int64_t groups, const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
     const int64_t qs = rstep * row_bytes, ss = rstep * groups;  // from one row to the next
     __m512 acc[TILE * UNIT];  // [m * R + r]
@@ -566,8 +565,7 @@ static inline __attribute__((always_inline)) float hsum8(__m256 v)
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const int lv, const uint16_t *sc, const uint16_t *mn,
-    int64_t groups,
-    const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
+    int64_t groups, const int R, const int64_t rstep, const float *bias, float *out, int64_t ldy)
 {
     const int64_t qs = rstep * row_bytes, ss = rstep * groups;
     const int far = row_bytes >= FAR_ROW;
