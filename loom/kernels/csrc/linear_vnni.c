@@ -56,7 +56,8 @@
 // the 135M's short rows ran as well or better as neighbours there); 8-bit rows from two x rows
 // (Gemma 3 270M's Q5_0 / Q8_0 layers and head at two streams: 1.5x; the 1.7B shape in Q8_0
 // 1.2-1.3x at two to eight). At one x row 8-bit rows run alone (far pairs took 1.09x the time on
-// Gemma 3, and gained nothing on the 1.7B shape). docs/cpu_kernels.md.
+// Gemma 3, and gained nothing on the 1.7B shape; neighbour pairs ran 640-wide rows 1.28x faster
+// from L2 but took Gemma 3's stack step 1.125x the time). docs/cpu_kernels.md.
 #define UNIT 2
 #define FAR_K 2048
 #ifdef VNNI_512
