@@ -20,7 +20,7 @@ from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_m
 from loom.layers.embedding import VocabEmbedding
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import IQ4_NL_LEVELS, TORCH_TYPES, _f16, dequantize, q8_groups
-from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear, unpack_nibbles
+from loom.quant.int8 import IQ4, IQ4_Q, Int8Embedding, Int8Linear, unpack_nibbles
 from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
 from tests.paged_batch import PagedBatch, rel_err
@@ -106,6 +106,7 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
     raw.reshape(-1, size)[:, :2] = d.view(np.uint8).reshape(-1, 2)
     g = q8_groups(raw, T.IQ4_XS, (6, 1024))
     assert g.bits == IQ4 and g.q.shape == (6, 512) and g.scale.shape == (6, 32)
+    assert torch.equal(IQ4_Q.short(), IQ4_NL_LEVELS)  # the grid's table is ggml's levels + 128
     ref = torch.from_numpy(gguf_dequantize(raw, T.IQ4_XS).astype(np.float64)).reshape(6, 1024)
     assert (g.min == -128 * g.scale).all()
     exact = (g.values().double() - 128) * g.scale.double().repeat_interleave(32, 1)
