@@ -120,6 +120,32 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
                                                                       g.scale)
 
 
+def test_iq4_nl_experts_keep_their_indices(tmp_path) -> None:
+    """A mixture of experts in IQ4_NL, its stacked [experts, rows, cols] tensors too: every
+    expert's linears keep the 4-bit indices (bits IQ4) and the logits are the fp32
+    reference's but for the sums' order (the fp32 kernels)."""
+    from loom.models.moe import SparseMoeBlock
+
+    require_cpu_kernels()
+    folder = make_tiny_model("qwen3-moe", tmp_path / "hf")
+    f32 = write_gguf(folder, tmp_path / "f32.gguf", "qwen3moe")
+    raw = {}
+    for t in GGUFReader(str(f32)).tensors:
+        x = np.asarray(t.data, dtype=np.float32)
+        if x.ndim >= 2 and x.shape[-1] % 32 == 0:
+            q = _quantize(x.reshape(-1, x.shape[-1]), T.IQ4_NL)
+            raw[t.name] = (q.reshape(*x.shape[:-1], -1), T.IQ4_NL)
+    source = resolve_model(str(write_gguf(folder, tmp_path / "iq4.gguf", "qwen3moe", raw=raw)))
+    got = load_model(source, dtype="float32", batch_invariant=True)
+    block = next(m for m in got.model.modules() if isinstance(m, SparseMoeBlock))
+    assert all(isinstance(e.down_proj, Int8Linear) and e.down_proj.bits == IQ4
+               for e in block.experts)
+    ref = load_model(source, dtype="float32", quantization="none")
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    out_ref, out = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(got).step({"r": ids})["r"]
+    assert rel_err(out, out_ref) < 1e-5
+
+
 @pytest.mark.slow
 def test_smollm2_tensors_equal_gguf_reference() -> None:
     reader = GGUFReader(str(default_gguf_path()))
