@@ -124,6 +124,7 @@ def test_iq4_nl_experts_keep_their_indices(tmp_path) -> None:
     """A mixture of experts in IQ4_NL, its stacked [experts, rows, cols] tensors too: every
     expert's linears keep the 4-bit indices (bits IQ4) and the logits are the fp32
     reference's but for the sums' order (the fp32 kernels)."""
+    from loom.entrypoints.openai.startup import _kept
     from loom.models.moe import SparseMoeBlock
 
     require_cpu_kernels()
@@ -140,6 +141,7 @@ def test_iq4_nl_experts_keep_their_indices(tmp_path) -> None:
     block = next(m for m in got.model.modules() if isinstance(m, SparseMoeBlock))
     assert all(isinstance(e.down_proj, Int8Linear) and e.down_proj.bits == IQ4
                for e in block.experts)
+    assert _kept(got.model) == "int8 groups of 32 (exact, IQ4 as 4-bit level indices)"
     ref = load_model(source, dtype="float32", quantization="none")
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     out_ref, out = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(got).step({"r": ids})["r"]

@@ -12,16 +12,19 @@ if TYPE_CHECKING:
 
 def _kept(model: nn.Module) -> str:
     """How a GGUF file's own quantization is held (the default): its K-quant super-blocks as
-    stored, its other blocks (32-wide formats, IQ4_NL, IQ4_XS) exactly on the int8 grid."""
-    from loom.quant.int8 import Int8Embedding, Int8Linear
+    stored, its other blocks (32-wide formats, IQ4_NL, IQ4_XS) exactly on the int8 grid (IQ4's
+    as their 4-bit level indices)."""
+    from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear
     from loom.quant.kquant import KQuantLinear
 
     kinds = {type(m) for m in model.modules()}
     held = []
     if KQuantLinear in kinds:
         held.append("K-quant super-blocks as stored")
-    if kinds & {Int8Linear, Int8Embedding}:
-        held.append("int8 groups of 32 (exact)")
+    grid = [m for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))]
+    if grid:
+        iq4 = any(m.bits == IQ4 for m in grid)
+        held.append("int8 groups of 32 (exact" + (", IQ4 as 4-bit level indices)" if iq4 else ")"))
     return " and ".join(held) or "stored"
 
 
