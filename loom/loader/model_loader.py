@@ -233,9 +233,10 @@ def _select_kernels(device: torch.device, name: str, batch_invariant: bool
     return kernels
 
 
-def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None) -> None:
+def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None,
+              keep_float: bool = False) -> None:
     """quantize_model_, then give the int8 linears `kernels`' batch and decode kernels."""
-    quantize_model_(model, quantization)
+    quantize_model_(model, quantization, keep_float)
     # Beside the quantized kernels the oneDNN fp32 path was slower end to end, though faster
     # alone (docs/cpu_kernels.md); the remaining fp32 linears keep F.linear.
     for module in model.modules():
@@ -323,7 +324,9 @@ def load_model(
         model.get_submodule(HEAD).load_rows(None, model.get_submodule(EMBED).blocks)
     model.init_buffers(device)
     if quantization is not None and int4 is None:
-        _quantize(model, quantization, kernels)
+        # a GGUF file's own quantization: a linear the grid cannot take (a width that is not
+        # a multiple of 32, stored F32/F16 in the file) keeps the file's values in fp32
+        _quantize(model, quantization, kernels, keep_float=requested is None and reader is not None)
     model.eval()
     _log_kquants(model, kernels)
     if reader is not None:  # the file's pages read once at load (converted tensors) go back

@@ -54,8 +54,10 @@ def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
         return [futures[i].result() for i in range(len(linears))]
 
 
-def quantize_model_(model: nn.Module, method: str) -> None:
+def quantize_model_(model: nn.Module, method: str, keep_float: bool = False) -> None:
     """The decoder's linears take `method`; the output projection takes fp16 where fbgemm runs.
+    `keep_float`: the linears still float keep their weights (a GGUF file's own quantization,
+    whose float tensors are the file's values: only the head changes).
 
     The output projection is where quantization moves top-1 agreement most (tests/model/
     test_quant.py), and at one stream it is a large share of a step in fp32. fp16 weights with
@@ -66,4 +68,5 @@ def quantize_model_(model: nn.Module, method: str) -> None:
     head = getattr(model, HEAD, None)
     if method in ("int8", "int4") and isinstance(head, nn.Linear) and fp16_available():
         replace_module(model, HEAD, Fp16Linear(head))
-    quantize_linears_(model, method, skip=() if method == "fp16" else (HEAD,))
+    if not keep_float:
+        quantize_linears_(model, method, skip=() if method == "fp16" else (HEAD,))

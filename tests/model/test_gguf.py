@@ -18,6 +18,7 @@ from loom.loader.gguf import GGUFError
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
 from loom.layers.embedding import VocabEmbedding
+from loom.layers.linear import Linear
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import IQ4_NL_LEVELS, TORCH_TYPES, _f16, dequantize, q8_groups
 from loom.quant.int8 import IQ4, IQ4_Q, Int8Embedding, Int8Linear, unpack_nibbles
@@ -120,28 +121,32 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
                                                                       g.scale)
 
 
-def test_iq4_nl_experts_keep_their_indices(tmp_path) -> None:
+@pytest.mark.parametrize("name,arch", [("qwen3-moe", "qwen3moe"), ("qwen2-moe", "qwen2moe")])
+def test_iq4_nl_experts_keep_their_indices(tmp_path, name, arch) -> None:
     """A mixture of experts in IQ4_NL, its stacked [experts, rows, cols] tensors too: every
-    expert's linears keep the 4-bit indices (bits IQ4) and the logits are the fp32
-    reference's but for the sums' order (the fp32 kernels)."""
+    expert's linears keep the 4-bit indices (bits IQ4), a linear no 32-wide block fits
+    (Qwen2-MoE's 48-wide shared expert, F32 in the file) keeps its values in fp32, and the
+    logits are the fp32 reference's but for the sums' order (the fp32 kernels)."""
     from loom.entrypoints.openai.startup import _kept
     from loom.models.moe import SparseMoeBlock
 
     require_cpu_kernels()
-    folder = make_tiny_model("qwen3-moe", tmp_path / "hf")
-    f32 = write_gguf(folder, tmp_path / "f32.gguf", "qwen3moe")
+    folder = make_tiny_model(name, tmp_path / "hf")
+    f32 = write_gguf(folder, tmp_path / "f32.gguf", arch)
     raw = {}
     for t in GGUFReader(str(f32)).tensors:
         x = np.asarray(t.data, dtype=np.float32)
         if x.ndim >= 2 and x.shape[-1] % 32 == 0:
             q = _quantize(x.reshape(-1, x.shape[-1]), T.IQ4_NL)
             raw[t.name] = (q.reshape(*x.shape[:-1], -1), T.IQ4_NL)
-    source = resolve_model(str(write_gguf(folder, tmp_path / "iq4.gguf", "qwen3moe", raw=raw)))
+    source = resolve_model(str(write_gguf(folder, tmp_path / "iq4.gguf", arch, raw=raw)))
     got = load_model(source, dtype="float32", batch_invariant=True)
     block = next(m for m in got.model.modules() if isinstance(m, SparseMoeBlock))
     assert all(isinstance(e.down_proj, Int8Linear) and e.down_proj.bits == IQ4
                for e in block.experts)
     assert _kept(got.model) == "int8 groups of 32 (exact, IQ4 as 4-bit level indices)"
+    if block.shared_expert is not None:  # 48 wide: F32 in the file, fp32 here
+        assert type(block.shared_expert.down_proj) is Linear
     ref = load_model(source, dtype="float32", quantization="none")
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     out_ref, out = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(got).step({"r": ids})["r"]
