@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import IQ4_NL
 from gguf.quants import dequantize as gguf_dequantize
 
-from loom.quant.int8 import IQ4, Q8Groups, unpack_nibbles
+from loom.quant.int8 import IQ4, IQ4_Q, Q8Groups, unpack_nibbles, width
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -36,9 +35,9 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 # 4-bit block formats -> where their 16 bytes of nibbles start in a block
 NIBBLE_TYPES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
-# IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241 (the float32 path; the grid
-# keeps the indices: loom.quant.int8.IQ4)
-IQ4_NL_LEVELS = torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128
+# IQ4_NL's levels (ggml's kvalues_iq4nl, -127..113) + 128: 1..241, the grid's IQ4 table (the
+# float32 path looks them up; the grid keeps the indices)
+IQ4_NL_LEVELS = IQ4_Q.to(torch.int16)
 
 
 def _unpack(
@@ -63,26 +62,6 @@ def _unpack(
     raise AssertionError(qtype)
 
 
-def _iq4_xs_grid(blocks: torch.Tensor) -> Q8Groups:
-    """IQ4_XS super-blocks [n, 136] (fp16 d; the 8 sub-blocks' 6-bit scales ls; 128 bytes of
-    indices, each sub-block of 32 as an IQ4_NL block's 16) -> the grid's IQ4 form, a group a
-    sub-block: its indices as stored, scale d (ls - 32) (exact in fp32), minimum -128 scale (the
-    C kernels' loom_iq4_xs_grid: the grid is loaded only where they are,
-    loom.quant.int8.grouped_available)."""
-    from loom.kernels import cpu_kernels
-
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("IQ4_XS onto the int8 grid needs Loom's C kernels")
-    n = blocks.shape[0]
-    blocks = blocks.contiguous()
-    q = torch.empty(8 * n, 16, dtype=torch.uint8)
-    scale, mins = torch.empty(8 * n, 1), torch.empty(8 * n, 1)
-    lib.loom_iq4_xs_grid(blocks.data_ptr(), n, q.data_ptr(), scale.data_ptr(), mins.data_ptr(),
-                         torch.get_num_threads())
-    return Q8Groups(q, scale, mins, IQ4)
-
-
 def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
     """blocks [n, type_size] uint8 -> [n, 32] float32.
 
@@ -98,23 +77,24 @@ def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.
 
 
 def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
-    """blocks [n, type_size] uint8 -> the int8 grid, one group per block, exactly: q in 0..255,
-    scale d, minimum m or -zero * d, so q * scale is exact (a small integer times an fp16 d).
-    Q4_0, Q4_1 and IQ4_NL keep their 16 bytes of nibbles as they are (4 bits a weight, the same
-    order; IQ4_NL's index its levels: the grid's IQ4 form). In one pass of the C kernels'
-    (loom_q8_blocks_grid, loom_iq4_xs_grid), which the grid needs anyway
-    (loom.quant.int8.grouped_available); the float32 path (`dequantize`) is torch's."""
+    """blocks [n, type_size] uint8 -> the int8 grid, one group per block of 32 (IQ4_XS: per
+    sub-block), exactly: q in 0..255, scale d (IQ4_XS's d (ls - 32), exact in fp32), minimum m
+    or -zero x the scale, so q * scale is exact (a small integer times an fp16 d). Q4_0, Q4_1,
+    IQ4_NL and IQ4_XS keep their 16 bytes of nibbles a group as they are (4 bits a weight, the
+    same order; the IQ4 ones index their levels: the grid's IQ4 form). In one pass of the C
+    kernels' loom_q8_blocks_grid, which the grid needs anyway (loom.quant.int8.
+    grouped_available); the float32 path (`dequantize`) is torch's."""
     from loom.kernels import cpu_kernels
 
-    if qtype == GGMLQuantizationType.IQ4_XS:
-        return _iq4_xs_grid(blocks)
     lib = cpu_kernels()
     if lib is None:
         raise RuntimeError(f"{qtype.name} onto the int8 grid needs Loom's C kernels")
+    block, _ = GGML_QUANT_SIZES[qtype]
     n, bits = blocks.shape[0], group_bits(qtype)
+    groups = n * block // 32
     blocks = blocks.contiguous()
-    q = torch.empty(n, 32 * (bits & 0xFF) // 8, dtype=torch.uint8)
-    scale, mins = torch.empty(n, 1), torch.empty(n, 1)
+    q = torch.empty(groups, 32 * width(bits) // 8, dtype=torch.uint8)
+    scale, mins = torch.empty(groups, 1), torch.empty(groups, 1)
     rc = lib.loom_q8_blocks_grid(blocks.data_ptr(), n, int(qtype), q.data_ptr(),
                                  scale.data_ptr(), mins.data_ptr(), torch.get_num_threads())
     assert rc == 0, qtype

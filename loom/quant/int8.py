@@ -62,6 +62,11 @@ LEVELS = 0x100
 IQ4 = 4 | LEVELS
 IQ4_Q = torch.tensor([1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241],
                      dtype=torch.uint8)  # ggml's kvalues_iq4nl + 128 (loom.h's loom_iq4_q)
+
+
+def width(bits: int) -> int:
+    """Bits a stored weight of `bits` (8, 4 or IQ4): loom.h's LOOM_Q8_WIDTH."""
+    return bits & 0xFF
 # the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
 # linear_bf16.c)
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
@@ -122,12 +127,12 @@ class Q8Groups:
 
     @classmethod
     def empty(cls, rows: int, cols: int, bits: int = 8) -> Q8Groups:
-        return cls(torch.empty((rows, cols * (bits & 0xFF) // 8), dtype=torch.uint8),
+        return cls(torch.empty((rows, cols * width(bits) // 8), dtype=torch.uint8),
                    torch.empty((rows, cols // GROUP)), torch.empty((rows, cols // GROUP)), bits)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.q.shape[0], self.q.shape[1] * 8 // (self.bits & 0xFF)))
+        return torch.Size((self.q.shape[0], self.q.shape[1] * 8 // width(self.bits)))
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q8Groups:
         """`fn` (an indexing or a permutation of rows) applied to q, scales and minimums."""
@@ -150,7 +155,9 @@ class Q8Groups:
             return self
         if bits == 8:
             return Q8Groups(self.values(), self.scale, self.min)
-        if bits == IQ4 or self.bits == IQ4 or bool((self.q > 15).any()):
+        if IQ4 in (bits, self.bits):
+            raise ValueError("IQ4 level indices come only from IQ4_NL / IQ4_XS blocks")
+        if bool((self.q > 15).any()):
             raise ValueError("weights have more than 16 levels per group: they need 8 bits")
         n, k = self.q.shape
         v = self.q.reshape(n, k // 32, 2, 16)

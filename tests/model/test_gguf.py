@@ -21,7 +21,7 @@ from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import IQ4_NL_LEVELS, TORCH_TYPES, _f16, dequantize, q8_groups
-from loom.quant.int8 import IQ4, IQ4_Q, Int8Embedding, Int8Linear, unpack_nibbles
+from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear, unpack_nibbles, width
 from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
 from tests.paged_batch import PagedBatch, rel_err
@@ -107,7 +107,8 @@ def test_iq4_xs_converts_to_the_int8_grid_exactly() -> None:
     raw.reshape(-1, size)[:, :2] = d.view(np.uint8).reshape(-1, 2)
     g = q8_groups(raw, T.IQ4_XS, (6, 1024))
     assert g.bits == IQ4 and g.q.shape == (6, 512) and g.scale.shape == (6, 32)
-    assert torch.equal(IQ4_Q.short(), IQ4_NL_LEVELS)  # the grid's table is ggml's levels + 128
+    # the grid's table (the float32 path's too) is ggml's levels + 128
+    assert torch.equal(IQ4_NL_LEVELS, torch.tensor(IQ4_NL.kvalues, dtype=torch.int16) + 128)
     ref = torch.from_numpy(gguf_dequantize(raw, T.IQ4_XS).astype(np.float64)).reshape(6, 1024)
     assert (g.min == -128 * g.scale).all()
     exact = (g.values().double() - 128) * g.scale.double().repeat_interleave(32, 1)
@@ -326,7 +327,7 @@ def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
     assert groups.q.dtype == torch.uint8 and groups.scale.shape == groups.min.shape == (6, 4)
     # Q4_0, Q4_1 and IQ4_NL keep their nibbles, two weights a byte (IQ4_NL's level indices)
     bits = 4 if qtype in (T.Q4_0, T.Q4_1) else IQ4 if qtype == T.IQ4_NL else 8
-    assert groups.bits == bits and groups.q.shape == (6, 128 * (bits & 0xFF) // 8)
+    assert groups.bits == bits and groups.q.shape == (6, 128 * width(bits) // 8)
     torch.testing.assert_close(groups.dequantize(), dequantize(raw, qtype, (6, 128)), rtol=0, atol=0)
 
 

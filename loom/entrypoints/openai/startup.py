@@ -17,14 +17,13 @@ def _kept(model: nn.Module) -> str:
     from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear
     from loom.quant.kquant import KQuantLinear
 
-    kinds = {type(m) for m in model.modules()}
+    grid = {m.bits for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))}
     held = []
-    if KQuantLinear in kinds:
+    if any(isinstance(m, KQuantLinear) for m in model.modules()):
         held.append("K-quant super-blocks as stored")
-    grid = [m for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))]
     if grid:
-        iq4 = any(m.bits == IQ4 for m in grid)
-        held.append("int8 groups of 32 (exact" + (", IQ4 as 4-bit level indices)" if iq4 else ")"))
+        held.append("int8 groups of 32 (exact" + (", IQ4 as 4-bit level indices)" if IQ4 in grid
+                                                  else ")"))
     return " and ".join(held) or "stored"
 
 

@@ -568,17 +568,19 @@ void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *s
                                    scales + n * groups + g, mins + n * groups + g);
 }
 
-// GGUF's 32-wide blocks [n, size] of ggml type `type` onto the grid exactly, a group a block:
-// q [n, 16] for Q4_0 / Q4_1 (the nibbles as stored) and IQ4_NL (its indices: LOOM_Q8_LEVELS),
-// [n, 32] for Q5_0 / Q5_1 (nibble + 16 x fifth bit) and Q8_0 (q + 128); fp32 scales d and
-// minimums (the block's m, or -zero d: Q4_0 8, Q5_0 16, Q8_0 and IQ4_NL 128, exact). One pass
-// over the file's bytes on num_threads threads. Returns 0, or -1 for another type.
+// GGUF blocks [n, size] of ggml type `type` onto the grid exactly, a group of 32 weights a
+// block (IQ4_XS: a group a sub-block, 8 a super-block of 256): q 16 bytes a group for Q4_0 /
+// Q4_1 (the nibbles as stored) and IQ4_NL / IQ4_XS (their indices as stored: LOOM_Q8_LEVELS),
+// 32 for Q5_0 / Q5_1 (nibble + 16 x fifth bit) and Q8_0 (q + 128); fp32 scales (d; IQ4_XS's
+// d (ls - 32), an fp16 d times an integer below 64) and minimums (the block's m, or -zero x the
+// scale: Q4_0 8, Q5_0 16, Q8_0 and the IQ4 levels 128), all exact. One pass over the file's
+// bytes on num_threads threads. Returns 0, or -1 for another type.
 int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
                         float *mins, int num_threads)
 {
-    enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };
+    enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, IQ4_XS = 23 };
     const int size = type == Q4_0 || type == IQ4_NL ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22
-                     : type == Q5_1 ? 24 : type == Q8_0 ? 34 : 0;
+                     : type == Q5_1 ? 24 : type == Q8_0 ? 34 : type == IQ4_XS ? 136 : 0;
     if (!size) return -1;
     const int has_m = type == Q4_1 || type == Q5_1;
     const float zero = type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : 128.0f;
@@ -587,6 +589,16 @@ int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, 
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *b = blocks + i * size;
         const float d = loom_f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+        if (type == IQ4_XS) {  // fp16 d; 2 bytes of the 8 scales' high 2 bits, 4 of their low
+            const int high = b[2] | b[3] << 8;  // nibbles; 16 index bytes a sub-block
+            for (int j = 0; j < 8; j++) {
+                const int ls = (b[4 + j / 2] >> 4 * (j % 2) & 15) | (high >> 2 * j & 3) << 4;
+                scales[8 * i + j] = d * (float)(ls - 32);
+                mins[8 * i + j] = -zero * scales[8 * i + j];
+            }
+            memcpy(q + 128 * i, b + 8, 128);
+            continue;
+        }
         scales[i] = d;
         mins[i] = has_m ? loom_f16_to_f32((uint16_t)(b[2] | b[3] << 8)) : -zero * d;
         uint8_t *o = q + i * width;
@@ -605,28 +617,4 @@ int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, 
         }
     }
     return 0;
-}
-
-// IQ4_XS super-blocks (136 bytes: fp16 d; scales_h, 2 bits a sub-block; scales_l, 4 bits a
-// sub-block; 128 bytes of indices, a sub-block's 16 as an IQ4_NL block's: low nibbles its first
-// 16 weights, high its last) -> a group a sub-block on the LOOM_Q8_LEVELS grid: its 16 bytes of
-// indices as they are (the nibbles' values loom_iq4_q: levels + 128), scale d (ls - 32) (an
-// fp16 d times an integer below 64: exact in fp32), minimum -128 scale. The values of the
-// `gguf` package's dequantizer (tested).
-void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
-                      int num_threads)
-{
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *b = blocks + i * 136;
-        const float d = loom_f16_to_f32((uint16_t)(b[0] | b[1] << 8));
-        const int high = b[2] | b[3] << 8;
-        for (int j = 0; j < 8; j++) {
-            const int ls = (b[4 + j / 2] >> 4 * (j % 2) & 15) | (high >> 2 * j & 3) << 4;
-            const float s = d * (float)(ls - 32);
-            scales[8 * i + j] = s;
-            mins[8 * i + j] = -128.0f * s;
-        }
-        memcpy(q + 128 * i, b + 8, 128);
-    }
 }

@@ -104,14 +104,10 @@ int loom_i16_available(void);
 void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *min);
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads);
-// GGUF's 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: ggml's type ids) onto the
-// grid exactly, a group a block; -1 for another type.
+// GGUF's 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and IQ4_XS (ggml's type
+// ids) onto the grid exactly, a group of 32 a block or sub-block; -1 for another type.
 int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
                         float *mins, int num_threads);
-// GGUF IQ4_XS super-blocks [n, 136 bytes] onto the LOOM_Q8_LEVELS grid exactly, a group a
-// sub-block of 32: q [8n, 16] (the indices as stored), scales and mins [8n].
-void loom_iq4_xs_grid(const uint8_t *blocks, int64_t n, uint8_t *q, float *scales, float *mins,
-                      int num_threads);
 
 // AMX tiles (linear_amx.c); 1 if this process can run them.
 int loom_amx_available(void);
@@ -134,8 +130,8 @@ void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const ui
                               int team);
 
 // AVX512-VNNI (linear_vnni.c), up to loom_linear_q8_direct_rows rows: scales and minimums as
-// fp16 copies (minimums NULL: -8 (4-bit) or -128 (8-bit) times each scale); each thread's x
-// buffer reserved before a team runs.
+// fp16 copies (minimums NULL: -8 (4-bit values) or -128 (8-bit, IQ4) times each scale); each
+// thread's x buffer reserved before a team runs.
 int loom_vnni_available(void);
 int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         const uint16_t *scales, const uint16_t *mins, const float *bias,
