@@ -37,7 +37,7 @@ SIGNATURES = {
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),
     "loom_quantize_q8": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int]),
-    "loom_q8_blocks_grid": (_int, [_ptr, _i64, _int, _ptr, _ptr, _ptr, _int]),
+    "loom_q8_blocks_grid": (_int, [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _int]),
     "loom_linear_q8_amx": (
         _int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _int, _int]
     ),

@@ -245,25 +245,26 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def iter_gguf_tensors(
     reader: GGUFFile, config: ModelConfig, arch: str, q8: bool = False,
-    kq: frozenset[str] = frozenset(),
+    kq: frozenset[str] = frozenset(), five: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor | Q8Groups | KBlocks]]:
     """(Hugging Face name, fp32 tensor) per tensor; with `q8`, 2-D tensors in a 32-wide block
-    format come as Loom's int8 grid instead (the same values, never materialized in fp32), and
-    the K-quant tensors named in `kq` as their blocks (KBlocks, as stored)."""
+    format come as Loom's int8 grid instead (the same values, never materialized in fp32; Q5_0
+    / Q5_1 in its 5-bit form where `five`), and the K-quant tensors named in `kq` as their
+    blocks (KBlocks, as stored)."""
     permute = arch in _PERMUTED_QK
     for t in reader.tensors:
         if t.name in _ROPE_FACTORS:
             continue
         names = _expert_names(t)
         if names:  # one tensor an expert, in the format the others of its kind get
-            experts = _read_experts(t, q8, names[0] in kq)
+            experts = _read_experts(t, q8, names[0] in kq, five)
             yield from zip(names, experts)
             _drop_if_copied(t, experts[0])
             continue
         name = hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
-        w = _read(t, q8, name in kq)
+        w = _read(t, q8, name in kq, five=five)
         heads = None
         if permute and name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
@@ -303,10 +304,11 @@ def _expert_shape(t: Any) -> tuple[int, ...]:
     return (t.shape[0] * t.shape[1], t.shape[2])
 
 
-def _read_experts(t: Any, q8: bool, kq: bool) -> list[torch.Tensor | Q8Groups | KBlocks]:
+def _read_experts(t: Any, q8: bool, kq: bool,
+                  five: bool = True) -> list[torch.Tensor | Q8Groups | KBlocks]:
     """An expert tensor's experts, each [rows, cols] as `_read` gives a 2-D tensor (int8
     groups, K-quant blocks or fp32): views of the whole, no copy."""
-    w = _read(t, q8, kq, _expert_shape(t))
+    w = _read(t, q8, kq, _expert_shape(t), five)
     rows = t.shape[1]
     parts = [slice(e * rows, (e + 1) * rows) for e in range(t.shape[0])]
     if isinstance(w, (Q8Groups, KBlocks)):
@@ -314,8 +316,8 @@ def _read_experts(t: Any, q8: bool, kq: bool) -> list[torch.Tensor | Q8Groups | 
     return [w[r] for r in parts]
 
 
-def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | None = None
-          ) -> torch.Tensor | Q8Groups | KBlocks:
+def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | None = None,
+          five: bool = True) -> torch.Tensor | Q8Groups | KBlocks:
     """Tensor `t`'s values in fp32 (in `shape`, default its own); with `q8`, a 2-D tensor in a
     32-wide block format as int8 groups instead; with `kq`, a K-quant tensor's blocks.
     GGUFError naming the tensor where its type cannot be read."""
@@ -323,16 +325,16 @@ def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | N
     try:
         if kq:
             return KBlocks.from_gguf(t.data, t.tensor_type, shape)
-        w = q8_groups(t.data, t.tensor_type, shape) if q8 else None
+        w = q8_groups(t.data, t.tensor_type, shape, five) if q8 else None
         return dequantize(t.data, t.tensor_type, shape) if w is None else w
     except (ValueError, RuntimeError) as e:  # includes UnsupportedTensorTypeError
         raise GGUFError(f"GGUF tensor {t.name!r} ({t.tensor_type.name}, {t.shape}): {e}") from None
 
 
-def q8_tensors(reader: GGUFFile) -> dict[str, int]:
-    """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True)` yields as
-    int8 groups."""
-    return {name: group_bits(qtype) for name, qtype, shape in matrices(reader)
+def q8_tensors(reader: GGUFFile, five: bool = True) -> dict[str, int]:
+    """Hugging Face name -> bits a weight, of the tensors `iter_gguf_tensors(q8=True, five=five)`
+    yields as int8 groups."""
+    return {name: group_bits(qtype, five) for name, qtype, shape in matrices(reader)
             if groupable(qtype, shape)}
 
 

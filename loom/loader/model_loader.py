@@ -27,7 +27,7 @@ from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace
 from loom.quant.fp16 import Fp16Linear, fp16_available
 from loom.quant.gguf_dequant import groupable
 from loom.quant.gptq import Int4Checkpoint
-from loom.quant.int8 import GROUP, Int8Embedding, Int8Linear, Q8Groups, grouped_available
+from loom.quant.int8 import GROUP, Q5, Int8Embedding, Int8Linear, Q8Groups, grouped_available
 from loom.quant.kquant import KBlocks, KQuantLinear
 from loom.quant.kquant import native as kquant_native
 
@@ -107,18 +107,18 @@ def default_quantization(reader: object, device: torch.device, dtype: torch.dtyp
 Weights = Callable[[], Iterator[tuple[str, torch.Tensor | Q8Groups | KBlocks]]]
 
 
-def _open(source: ModelSource, reader: object, q8: bool = False, kq: frozenset[str] = frozenset()
-          ) -> tuple[ModelConfig, Weights, dict[str, int]]:
+def _open(source: ModelSource, reader: object, q8: bool = False, kq: frozenset[str] = frozenset(),
+          five: bool = True) -> tuple[ModelConfig, Weights, dict[str, int]]:
     """(config, a function yielding the weights, the names it yields as int8 groups -> their
     bits a weight), from a GGUF file's `reader` (its header read once) or a Hugging Face
-    folder. `q8`: yield 32-wide GGUF block formats as int8 groups; `kq`: the K-quant tensors
-    to yield as their blocks."""
+    folder. `q8`: yield 32-wide GGUF block formats as int8 groups (Q5_0 / Q5_1 5 bits a weight
+    where `five`, else 8); `kq`: the K-quant tensors to yield as their blocks."""
     if source.kind == "gguf":
         config = gguf_loader.model_config_from_gguf(reader, source.path)
         arch = gguf_loader.gguf_architecture(reader)
-        grouped = gguf_loader.q8_tensors(reader) if q8 else {}
-        return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch, q8,
-                                                             kq), grouped
+        grouped = gguf_loader.q8_tensors(reader, five) if q8 else {}
+        return config, lambda: gguf_loader.iter_gguf_tensors(reader, config, arch, q8, kq,
+                                                             five), grouped
     return model_config_from_hf(source.path), lambda: iter_safetensors(source.path), {}
 
 
@@ -134,7 +134,8 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
     """int8 loaded straight into its layers, never whole in fp32: every linear the grouped
     kernel takes becomes an empty Int8Linear (its `load_rows` copies checkpoint groups or
     quantizes float rows), 4 bits a weight where all its sources are 4-bit GGUF blocks of one
-    kind (Q4_0/Q4_1's values, or IQ4_NL/IQ4_XS's level indices). The
+    kind (Q4_0/Q4_1's values, or IQ4_NL/IQ4_XS's level indices), 5 where they are Q5_0/Q5_1's
+    (or those and Q4_0/Q4_1's), else 8. The
     token embedding, and the output projection, become int8 only when the checkpoint already
     holds them on the grid (GGUF block formats: exact); otherwise they stay float and the head
     takes fp16 later (quantize_model_). A linear with a K-quant source among `kq` (and an
@@ -146,6 +147,8 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
                                                      m.bias is not None))
         elif isinstance(m, nn.Linear) and name != HEAD and m.in_features % GROUP == 0:
             codes = {grouped.get(s) for s in _sources(model, name)}  # 4-bit where all share one
+            if codes == {4, Q5}:  # Q4_0/Q4_1's values fit the 5-bit form
+                codes = {Q5}
             bits = codes.pop() if len(codes) == 1 and None not in codes else 8
             replace_module(model, name, Int8Linear.empty(m.in_features, m.out_features,
                                                          m.bias is not None, bits=bits))
@@ -295,7 +298,8 @@ def load_model(
     # the checkpoint's own (no --quantization): K-quant linears stay in their blocks
     kq = frozenset(gguf_loader.kq_tensors(reader)) if (
         direct_int8 and requested is None and reader is not None) else frozenset()
-    config, weight_iter, grouped = _open(source, reader, q8=direct_int8, kq=kq)
+    config, weight_iter, grouped = _open(source, reader, q8=direct_int8, kq=kq,
+                                         five=kernels is None or kernels.five_bit)
     model_cls = get_model_class(config)
     with torch.device("meta"):
         model = model_cls(config)

@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from loom.quant.int8 import IQ4, IQ4_Q, Q8Groups, unpack_nibbles, width
+from loom.quant.int8 import IQ4, IQ4_Q, Q5, Q8Groups, unpack_nibbles, width
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -76,27 +76,31 @@ def _dequant_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.
     return w if m is None else w.add_(m)
 
 
-def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor) -> Q8Groups:
-    """blocks [n, type_size] uint8 -> the int8 grid, one group per block of 32 (IQ4_XS: per
-    sub-block), exactly: q in 0..255, scale d (IQ4_XS's d (ls - 32), exact in fp32), minimum m
-    or -zero x the scale, so q * scale is exact (a small integer times an fp16 d). Q4_0, Q4_1,
-    IQ4_NL and IQ4_XS keep their 16 bytes of nibbles a group as they are (4 bits a weight, the
-    same order; the IQ4 ones index their levels: the grid's IQ4 form). In one pass of the C
-    kernels' loom_q8_blocks_grid, which the grid needs anyway (loom.quant.int8.
-    grouped_available); the float32 path (`dequantize`) is torch's."""
+def _q8_groups_of_blocks(qtype: GGMLQuantizationType, blocks: torch.Tensor, cols: int,
+                         five: bool = True) -> Q8Groups:
+    """blocks [n, type_size] uint8 of rows `cols` wide -> the int8 grid, one group per block of 32
+    (IQ4_XS: per sub-block), exactly: q in 0..255, scale d (IQ4_XS's d (ls - 32), exact in fp32),
+    minimum m or -zero x the scale, so q * scale is exact (a small integer times an fp16 d). Q4_0,
+    Q4_1, IQ4_NL and IQ4_XS keep their 16 bytes of nibbles a group as they are (4 bits a weight, the
+    same order; the IQ4 ones index their levels: the grid's IQ4 form); Q5_0 and Q5_1 keep them too,
+    and their fifth bits as a plane after each row's nibbles (the grid's 5-bit form; or, not `five`,
+    their values a byte). q comes flat. In one pass of the C kernels' loom_q8_blocks_grid, which the
+    grid needs anyway (loom.quant.int8.grouped_available); the float32 path (`dequantize`) is
+    torch's."""
     from loom.kernels import cpu_kernels
 
     lib = cpu_kernels()
     if lib is None:
         raise RuntimeError(f"{qtype.name} onto the int8 grid needs Loom's C kernels")
     block, _ = GGML_QUANT_SIZES[qtype]
-    n, bits = blocks.shape[0], group_bits(qtype)
+    n, bits = blocks.shape[0], group_bits(qtype, five)
     groups = n * block // 32
     blocks = blocks.contiguous()
-    q = torch.empty(groups, 32 * width(bits) // 8, dtype=torch.uint8)
+    q = torch.empty(groups * 32 * width(bits) // 8, dtype=torch.uint8)
     scale, mins = torch.empty(groups, 1), torch.empty(groups, 1)
     rc = lib.loom_q8_blocks_grid(blocks.data_ptr(), n, int(qtype), q.data_ptr(),
-                                 scale.data_ptr(), mins.data_ptr(), torch.get_num_threads())
+                                 scale.data_ptr(), mins.data_ptr(), cols // 32 if five else 0,
+                                 torch.get_num_threads())
     assert rc == 0, qtype
     return Q8Groups(q, scale, mins, bits)
 
@@ -126,25 +130,28 @@ def _blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     return _as_torch(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
 
 
-def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType,
-              shape: tuple[int, ...]) -> Q8Groups | None:
+def q8_groups(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+              five: bool = True) -> Q8Groups | None:
     """Raw GGUF data of a 2-D tensor [rows, cols] in a 32-wide block format or IQ4_XS -> Loom's
     int8 grid (loom.quant.int8), holding the same values `dequantize` gives (q scale + min:
     exactly in real arithmetic; fp32 rounds IQ4_XS's 17-bit scales' products as it rounds
-    the reference's); None for other tensors."""
+    the reference's); None for other tensors. `five`: Q5_0 / Q5_1 in the grid's 5-bit form,
+    else a byte a weight."""
     if not groupable(qtype, shape):
         return None
     rows, cols = shape
-    g = _q8_groups_of_blocks(qtype, _blocks(data, qtype))
+    g = _q8_groups_of_blocks(qtype, _blocks(data, qtype), cols, five)
     return Q8Groups(g.q.reshape(rows, -1), g.scale.reshape(rows, cols // 32),
                     g.min.reshape(rows, cols // 32), g.bits)
 
 
-def group_bits(qtype: GGMLQuantizationType) -> int:
+def group_bits(qtype: GGMLQuantizationType, five: bool = True) -> int:
     """`bits` of `q8_groups`' result for a tensor of `qtype` (a `groupable` type): 4, IQ4
-    (nibbles indexing IQ4_NL's levels) or 8."""
+    (nibbles indexing IQ4_NL's levels), Q5 (nibbles and fifth bits, where `five`) or 8."""
     if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
         return IQ4
+    if qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
+        return Q5 if five else 8
     return 4 if qtype in NIBBLE_TYPES else 8
 
 

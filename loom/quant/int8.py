@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -62,19 +63,22 @@ LEVELS = 0x100
 IQ4 = 4 | LEVELS
 IQ4_Q = torch.tensor([1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241],
                      dtype=torch.uint8)  # ggml's kvalues_iq4nl + 128 (loom.h's loom_iq4_q)
+# `bits` of values 0..31 as a row of 4-bit nibbles and a plane of fifth bits (GGUF's Q5_0 and
+# Q5_1; see Q8Groups)
+Q5 = 5
 
 
 def width(bits: int) -> int:
-    """Bits a stored weight of `bits` (8, 4 or IQ4): loom.h's LOOM_Q8_WIDTH."""
+    """Bits a stored weight of `bits` (8, 5, 4 or IQ4): loom.h's LOOM_Q8_WIDTH."""
     return bits & 0xFF
 # the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
 # linear_bf16.c)
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
                  "bf16": "loom_linear_q8_bf16", "int16": "loom_linear_q8_i16"}
 DECODE_ROWS = 8  # up to this many rows a product is decode's (linear_q8.c's M_DIRECT)
-# Symmetric groups' zero point by bits (linear_vnni.c's ZERO): Q4_0's 8, Q8_0's and the IQ4
-# levels' 128 as they sit on the grid
-ZERO = {4: 8, 8: 128, IQ4: 128}
+# Symmetric groups' zero point by bits (linear_vnni.c's ZERO): Q4_0's 8, Q5_0's 16, Q8_0's and
+# the IQ4 levels' 128 as they sit on the grid
+ZERO = {4: 8, Q5: 16, 8: 128, IQ4: 128}
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,7 +122,11 @@ class Q8Groups:
     Q4_1), two (`bits` 4): q is then uint8 [N, K / 2] in GGUF's order, each group of 32 in 16
     bytes whose low nibbles are its first 16 values and whose high nibbles are its last 16. The
     kernels give the same bits for either: the values are the same. `bits` IQ4: two a byte as
-    4, each nibble i standing for the value IQ4_Q[i] (IQ4_NL's and IQ4_XS's indices as stored)."""
+    4, each nibble i standing for the value IQ4_Q[i] (IQ4_NL's and IQ4_XS's indices as stored).
+    `bits` 5 (Q5), where every q is below 32 (GGUF's Q5_0 and Q5_1): a row is its values' low
+    four bits as `bits` 4 holds them, K / 2 bytes, then their fifth bits, K / 8 bytes: group g's
+    as a little-endian 32-bit word at K / 2 + 4 g, bit j standing for 16 in value j (GGUF's qh
+    as stored): [N, K * 5 / 8]."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -145,24 +153,37 @@ class Q8Groups:
         """q as uint8 [N, K], one value per weight."""
         if self.bits == 8:
             return self.q
-        q = unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(self.shape)
+        n, k = self.shape
+        if self.bits == Q5:
+            low = unpack_nibbles(self.q[:, :k // 2].reshape(-1, GROUP // 2)).view(n, k)
+            high = np.unpackbits(self.q[:, k // 2:].contiguous().numpy(), axis=1,
+                                 bitorder="little")
+            return low | torch.from_numpy(high).bitwise_left_shift_(4)
+        q = unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(n, k)
         return IQ4_Q[q.long()] if self.bits == IQ4 else q
 
     def to_bits(self, bits: int) -> Q8Groups:
-        """The same values in `bits` per weight; 4 needs every q below 16, and IQ4 comes only
-        from IQ4 (ValueError)."""
+        """The same values in `bits` per weight; 4 needs every q below 16, 5 below 32, and IQ4
+        comes only from IQ4 (ValueError)."""
         if bits == self.bits:
             return self
+        q = self.values()
         if bits == 8:
-            return Q8Groups(self.values(), self.scale, self.min)
+            return Q8Groups(q, self.scale, self.min)
         if IQ4 in (bits, self.bits):
             raise ValueError("IQ4 level indices come only from IQ4_NL / IQ4_XS blocks")
-        if bool((self.q > 15).any()):
-            raise ValueError("weights have more than 16 levels per group: they need 8 bits")
-        n, k = self.q.shape
-        v = self.q.reshape(n, k // 32, 2, 16)
-        return Q8Groups((v[:, :, 0] | v[:, :, 1] << 4).reshape(n, k // 2), self.scale,
-                        self.min, 4)
+        levels = 1 << width(bits)
+        if bool((q >= levels).any()):
+            raise ValueError(f"weights have more than {levels} levels per group: they need "
+                             "more bits")
+        n, k = q.shape
+        v = q.reshape(n, k // 32, 2, 16) & 15
+        low = (v[:, :, 0] | v[:, :, 1] << 4).reshape(n, k // 2)
+        if bits == 4:
+            return Q8Groups(low, self.scale, self.min, 4)
+        high = np.packbits((q >> 4).numpy(), axis=1, bitorder="little")
+        return Q8Groups(torch.cat([low, torch.from_numpy(high)], dim=1), self.scale, self.min,
+                        Q5)
 
     def dequantize(self, index: torch.Tensor | slice | None = None) -> torch.Tensor:
         """fp32 weights (rows `index`): q * scale + min. The kernels fuse the multiply-add; the
@@ -187,7 +208,7 @@ class _OnGrid:
     bits: int
 
     def _hold(self, groups: Q8Groups) -> None:
-        self.bits = groups.bits  # per stored weight: 8, or 4 or IQ4 (two a byte; see Q8Groups)
+        self.bits = groups.bits  # per stored weight: 8, 5, or 4 or IQ4 (see Q8Groups)
         self.register_buffer("weight_int8", groups.q)  # type: ignore[attr-defined]
         self.register_buffer("scale", groups.scale)  # type: ignore[attr-defined]
         self.register_buffer("min", groups.min)  # type: ignore[attr-defined]
@@ -288,7 +309,7 @@ class Int8Linear(_OnGrid, nn.Module):
         fp16 otherwise: 4 bytes a group beside the fp32 ones, 2 for symmetric groups)."""
         assert self.grouped
         scale, mins = self.scale.to(torch.float16), self.min.to(torch.float16)
-        # Symmetric groups (Q4_0, Q8_0, IQ4_NL, IQ4_XS files): the kernel forms each minimum
+        # Symmetric groups (Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS files): the kernel forms each minimum
         # from its scale, the same fp16 value (checked here), and reads 2 bytes a group fewer
         if torch.equal(mins.float(), scale.float() * -ZERO[self.bits]):
             mins = None

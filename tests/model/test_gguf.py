@@ -21,7 +21,7 @@ from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
 from loom.quant.fp16 import Fp16Linear
 from loom.quant.gguf_dequant import IQ4_NL_LEVELS, TORCH_TYPES, _f16, dequantize, q8_groups
-from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear, unpack_nibbles, width
+from loom.quant.int8 import IQ4, Q5, Int8Embedding, Int8Linear, unpack_nibbles, width
 from tests.cpu_kernels import require_cpu_kernels
 from tests.gguf_files import write_gguf
 from tests.paged_batch import PagedBatch, rel_err
@@ -318,6 +318,12 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path) -> None:
         load_model(resolve_model(str(path)))
 
 
+def _grid_bits(qtype: T, five: bool = True) -> int:
+    """The int8 grid's form for a tensor of `qtype` (Q5_0 / Q5_1: 5 bits where `five`)."""
+    return {T.Q4_0: 4, T.Q4_1: 4, T.IQ4_NL: IQ4, T.IQ4_XS: IQ4, T.Q5_0: Q5 if five else 8,
+            T.Q5_1: Q5 if five else 8}.get(qtype, 8)
+
+
 @pytest.mark.parametrize("qtype", sorted(TORCH_TYPES, key=lambda t: t.value))
 def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
     """int8 loads GGUF's 32-wide block formats onto its grid as they are: the same floats."""
@@ -325,10 +331,14 @@ def test_q8_groups_hold_the_dequantized_values(qtype) -> None:
     raw = _quantize(x, qtype)
     groups = q8_groups(raw, qtype, (6, 128))
     assert groups.q.dtype == torch.uint8 and groups.scale.shape == groups.min.shape == (6, 4)
-    # Q4_0, Q4_1 and IQ4_NL keep their nibbles, two weights a byte (IQ4_NL's level indices)
-    bits = 4 if qtype in (T.Q4_0, T.Q4_1) else IQ4 if qtype == T.IQ4_NL else 8
+    # Q4_0, Q4_1 and IQ4_NL keep their nibbles, two weights a byte (IQ4_NL's level indices),
+    # Q5_0 and Q5_1 their nibbles and fifth bits
+    bits = _grid_bits(qtype)
     assert groups.bits == bits and groups.q.shape == (6, 128 * width(bits) // 8)
     torch.testing.assert_close(groups.dequantize(), dequantize(raw, qtype, (6, 128)), rtol=0, atol=0)
+    wide = q8_groups(raw, qtype, (6, 128), five=False)  # Q5_0 / Q5_1 a byte a weight
+    assert wide.bits == _grid_bits(qtype, five=False)
+    torch.testing.assert_close(wide.dequantize(), groups.dequantize(), rtol=0, atol=0)
 
 
 def test_q8_groups_only_take_32_wide_block_formats() -> None:
@@ -342,8 +352,9 @@ def test_q8_groups_only_take_32_wide_block_formats() -> None:
 
 @pytest.mark.parametrize("name,arch,qtype,overrides", [
     ("llama", "llama", T.Q4_0, {}),  # untied head, permuted q/k rows; 4 bits a weight
-    # 4-bit where every source of a layer is: qkv and down take 8 bits, o and gate_up 4
+    # 4-bit where every source of a layer is: qkv takes 8 bits, o and gate_up 4, down 5
     ("llama", "llama", T.Q4_1, {"attn_v": T.Q8_0, "ffn_down": T.Q5_0}),
+    ("llama", "llama", T.Q4_0, {"attn_v": T.Q5_0}),  # qkv's 4- and 5-bit sources: 5 bits
     ("qwen2", "qwen2", T.Q8_0, {}),  # tied embedding and head, q/k/v biases
     ("llama-tied", "llama", T.Q4_0, {}),  # a tied head on 4-bit embeddings
     ("qwen3", "qwen3", T.Q5_1, {}),  # q/k norms: the per-module path
@@ -358,11 +369,14 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     q8 = load_model(source, dtype="float32", quantization="int8", batch_invariant=True)
     linears = {n: m for n, m in q8.model.model.named_modules() if isinstance(m, Int8Linear)}
     assert len(linears) == 2 * 4 and all(m.grouped for m in linears.values())
-    nibbles = {"qkv_proj": "attn_v" not in overrides, "o_proj": True, "gate_up_proj": True,
-               "down_proj": "ffn_down" not in overrides}
+    sources = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
+               "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
+    five = q8.kernels.five_bit  # Q5_0 / Q5_1 at 5 bits on AVX-512 builds, else 8
     for n, m in linears.items():
-        bits = 4 if qtype in (T.Q4_0, T.Q4_1) and nibbles[n.rpartition(".")[2]] else 8
-        assert m.bits == bits and m.weight_int8.shape[1] == m.in_features * bits // 8
+        codes = {_grid_bits(overrides.get(s, qtype), five)
+                 for s in sources[n.rpartition(".")[2]]}
+        bits = Q5 if codes == {4, Q5} else codes.pop() if len(codes) == 1 else 8
+        assert m.bits == bits and m.weight_int8.shape[1] == m.in_features * width(bits) // 8
     embed, head = q8.model.model.embed_tokens, q8.model.lm_head
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     out_ref, out_q8 = PagedBatch(ref).step({"r": ids})["r"], PagedBatch(q8).step({"r": ids})["r"]
@@ -372,7 +386,7 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
         return
     assert isinstance(embed, Int8Embedding) and isinstance(head, Int8Linear)
     assert (head.weight_int8 is embed.weight_int8) == q8.config.tie_word_embeddings
-    assert embed.bits == head.bits == (4 if qtype in (T.Q4_0, T.Q4_1) else 8)
+    assert embed.bits == head.bits == _grid_bits(qtype, five)
     torch.testing.assert_close(embed(torch.tensor(ids)), ref.model.model.embed_tokens(
         torch.tensor(ids)), rtol=0, atol=0)
     assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order

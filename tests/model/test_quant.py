@@ -24,12 +24,14 @@ from loom.quant.int4 import Int4Linear
 from loom.quant.int8 import (
     IQ4,
     IQ4_Q,
+    Q5,
     ZERO,
     Int8Embedding,
     Int8Linear,
     Q8Groups,
     quantize_groups,
     quantize_groups_fast,
+    width,
 )
 from loom.tokenizer.tokenizer import Tokenizer
 from loom.kernels.dispatch import runs_here, variants
@@ -83,10 +85,34 @@ def test_int8_block_path_is_batch_invariant(k, n, rows) -> None:
     assert torch.equal(q(x[:9]), out[:9])
 
 
+def _same_bits_as_bytes(wide: Q8Groups, packed: Q8Groups, g: torch.Generator) -> torch.Tensor:
+    """An Int8Linear holding `packed` gives the bits one holding the same values a byte each
+    (`wide`) gives, at every batch size and path of the fp32 kernel (1, 2: two weight rows at
+    once, else one; 9 and 70: the block path), and so does the embedding lookup. Returns
+    the inputs it tried."""
+    n, k = wide.shape
+    one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=packed.bits)
+    one.load_rows(None, wide)
+    two.load_rows(None, packed)
+    assert two.weight_int8.shape == (n, k * width(packed.bits) // 8)
+    one.bias.copy_(torch.randn(n, generator=g))
+    two.bias.copy_(one.bias)
+    x = torch.randn(70, k, generator=g)
+    for rows in (1, 2, 3, 5, 8, 9, 70):
+        assert torch.equal(two(x[:rows]), one(x[:rows]))
+    assert rel_err(two(x), x @ wide.dequantize().t() + one.bias) < 1e-5
+    emb = Int8Embedding(n, k, packed.bits)
+    emb.load_rows(None, packed)
+    ids = torch.tensor([3, 0, n - 1, 3])
+    torch.testing.assert_close(emb(ids), wide.dequantize(ids), rtol=0, atol=0)
+    return x
+
+
 @pytest.mark.parametrize("k, n", [(576, 51), (2048, 100)])  # 51: a last row alone
 def test_int8_4bit_storage_gives_the_same_bits(k, n) -> None:
     """Values below 16 (GGUF's Q4_0 / Q4_1) stored two a byte in GGUF's order: every batch size
-    and path gives the bits one a byte gives; more levels are refused."""
+    and path, and the embedding lookup, give the bits one a byte gives; more levels are
+    refused."""
     require_cpu_kernels()
     g = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -98,16 +124,8 @@ def test_int8_4bit_storage_gives_the_same_bits(k, n) -> None:
     # a group's byte j holds its values j (low nibble) and j + 16 (high)
     assert int(packed.q[1, 16 + 3]) == int(q[1, 32 + 3]) | int(q[1, 32 + 16 + 3]) << 4
     torch.testing.assert_close(packed.dequantize(), groups.dequantize(), rtol=0, atol=0)
-    one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=4)
-    for layer in (one, two):
-        layer.load_rows(None, groups)  # `two` packs them
-    assert two.weight_int8.shape == (n, k // 2)
-    one.bias.copy_(torch.randn(n, generator=g))
-    two.bias.copy_(one.bias)
-    x = torch.randn(70, k, generator=g)
-    for rows in (1, 2, 3, 5, 8, 9, 70):  # 1, 2: two weight rows at once (4-bit), else one
-        assert torch.equal(two(x[:rows]), one(x[:rows]))
-    assert rel_err(two(x), x @ groups.dequantize().t() + one.bias) < 1e-5
+    _same_bits_as_bytes(groups, packed, g)
+    two = Int8Linear.empty(k, n, True, bits=4)
     with pytest.raises(ValueError, match="more than 16 levels"):
         two.load_rows(slice(0, 1), Q8Groups(q[:1] + 1 + q[:1] * 16, groups.scale[:1],
                                             groups.min[:1]))
@@ -130,19 +148,30 @@ def test_int8_iq4_storage_gives_the_same_bits(k, n) -> None:
     torch.testing.assert_close(iq4.dequantize(), wide.dequantize(), rtol=0, atol=0)
     with pytest.raises(ValueError):
         packed.to_bits(IQ4)
-    one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=IQ4)
-    one.load_rows(None, wide)
-    two.load_rows(None, iq4)
-    assert two.weight_int8.shape == (n, k // 2) and two.bits == IQ4
-    one.bias.copy_(torch.randn(n, generator=g))
-    two.bias.copy_(one.bias)
-    x = torch.randn(70, k, generator=g)
-    for rows in (1, 2, 3, 5, 8, 9, 70):
-        assert torch.equal(two(x[:rows]), one(x[:rows]))
-    emb = Int8Embedding(n, k, IQ4)
-    emb.load_rows(None, iq4)
-    ids = torch.tensor([3, 0, n - 1, 3])
-    torch.testing.assert_close(emb(ids), wide.dequantize(ids), rtol=0, atol=0)
+    _same_bits_as_bytes(wide, iq4, g)
+
+
+@pytest.mark.parametrize("k, n", [(576, 51), (2048, 100)])
+def test_int8_5bit_storage_gives_the_same_bits(k, n) -> None:
+    """Values below 32 (GGUF's Q5_0 / Q5_1) as a row's nibbles then its fifth bits (bits Q5):
+    every batch size and path of the fp32 kernel, and the embedding lookup, give the bits the
+    values one a byte give; 33 levels are refused."""
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+    groups = Q8Groups(q, torch.rand(n, k // 32, generator=g) * 0.01,
+                      torch.randn(n, k // 32, generator=g) * 0.01)
+    five = groups.to_bits(Q5)
+    assert five.bits == Q5 and five.q.shape == (n, k * 5 // 8) and five.shape == (n, k)
+    assert torch.equal(five.values(), q) and torch.equal(five.to_bits(8).q, q)
+    # group 1's byte 3 holds values 3 and 19's low four bits; its fifth bits are the row's
+    # 32-bit word k / 2 + 4, bit j for value j (GGUF's qh)
+    assert int(five.q[2, 16 + 3]) == int(q[2, 32 + 3]) & 15 | (int(q[2, 32 + 19]) & 15) << 4
+    word = int.from_bytes(bytes(five.q[2, k // 2 + 4:k // 2 + 8].tolist()), "little")
+    assert all(word >> j & 1 == int(q[2, 32 + j]) >> 4 for j in range(32))
+    with pytest.raises(ValueError, match="more than 32 levels"):
+        Q8Groups(q | 32, groups.scale, groups.min).to_bits(Q5)
+    _same_bits_as_bytes(groups, five, g)
 
 
 def test_int8_keeps_gguf_4bit_groups_exactly() -> None:
@@ -554,11 +583,14 @@ def test_int8_batch_kernel_agrees_with_reference(teacher_forced, kernel, require
 def _random_int8(k: int, n: int, bias: bool, bits: int,
                  g: torch.Generator) -> tuple[nn.Linear, Int8Linear]:
     """A random linear (weights ~ 0.05 N(0, 1)) and its Int8Linear, 8-bit or 4-bit (the 8-bit
-    values' low nibbles), or IQ4 (those nibbles as IQ4_NL level indices, minimum -128 scale)."""
+    values' low nibbles), or IQ4 (those nibbles as IQ4_NL level indices, minimum -128 scale),
+    or Q5 (their low five bits)."""
     lin = nn.Linear(k, n, bias=bias)
     lin.weight.data = torch.randn(n, k, generator=g) * 0.05
     q = Int8Linear(lin)
-    if bits != 8:
+    if bits == Q5:
+        q._hold(Q8Groups(q.weight_int8 & 31, q.scale, q.min).to_bits(Q5))
+    elif bits != 8:
         packed = Q8Groups(q.weight_int8 & 15, q.scale, q.min).to_bits(4)
         q._hold(packed if bits == 4 else Q8Groups(packed.q, q.scale, -128 * q.scale, IQ4))
     return lin, q
@@ -579,7 +611,7 @@ def _int16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["amx", "bf16", "int16"])
-@pytest.mark.parametrize("bits", [8, 4, IQ4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4, Q5])
 def test_int8_batch_kernel_matches_float64(kernel, bits) -> None:
     """The AMX, bf16 and int16 kernels against float64 sums of the same weights, for rows past a
     tile, a ragged last tile of weights and of rows, a bias, both weight widths, K not a
@@ -640,7 +672,7 @@ def test_int8_vnni_kernel_agrees_with_reference(build, teacher_forced, monkeypat
 
 
 @pytest.mark.parametrize("build", ["vnni", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4, IQ4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4, Q5])
 def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
     """The VNNI kernel against float64 sums of the same weights (with fp16 scales and minimums,
     which it reads), 1 to 8 rows, ragged chunks (3 and 18 groups) and rows (an odd N), a bias,
@@ -677,12 +709,12 @@ def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
 
 
 @pytest.mark.parametrize("build", ["vnni", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4, IQ4])
+@pytest.mark.parametrize("bits", [8, 4, IQ4, Q5])
 def test_symmetric_groups_skip_their_minimums(bits, build) -> None:
-    """Groups whose minimum is -ZERO[bits] times their scale (Q4_0's -8 d, Q8_0's and the IQ4
-    levels' -128 d): use_vnni keeps no fp16 minimums and the kernel forms them from the scales,
-    giving the bits it gives reading them (blocks and ragged chunks, 1 to 8 rows); a group off
-    that rule keeps them read."""
+    """Groups whose minimum is -ZERO[bits] times their scale (Q4_0's -8 d, Q5_0's -16 d, Q8_0's and
+    the IQ4 levels' -128 d): use_vnni keeps no fp16 minimums and the kernel forms them from the
+    scales, giving the bits it gives reading them (blocks and ragged chunks, 1 to 8 rows); a group
+    off that rule keeps them read."""
     require_int_decode(build)
     g = torch.Generator().manual_seed(11)
     zero = ZERO[bits]

@@ -22,6 +22,28 @@ static int close_to(double got, double want, double tol)
     return fabs(got - want) <= tol * (1.0 + fabs(want));
 }
 
+// loom_linear_q8_f32 on weights w stored `bits` a weight, whose values are v [N, K], for one
+// x row (the direct path) and all M (the block path), against float64 sums: the misses.
+static int check_packed(const float *x, int M, int K, int N, const uint8_t *w, int bits,
+                        const int *v, const float *scales, const float *mins, float *y)
+{
+    int bad = 0;
+    for (int rows = 1; rows <= M; rows += M - 1) {
+        if (loom_linear_q8_f32(x, rows, K, K, w, scales, mins, NULL, N, y, N, bits, 2))
+            bad += 1000;
+        for (int m = 0; m < rows; m++)
+            for (int n = 0; n < N; n++) {
+                double want = 0.0;
+                for (int k = 0; k < K; k++)
+                    want += (double)x[m * K + k] *
+                            ((double)v[n * K + k] * scales[n * K / 32 + k / 32] +
+                             mins[n * K / 32 + k / 32]);
+                bad += !close_to(y[m * N + n], want, 1e-4);
+            }
+    }
+    return bad;
+}
+
 int main(void)
 {
     enum { M = 11, K = 96, N = 7, D = 40 };
@@ -39,18 +61,11 @@ int main(void)
                 bad += fabsf(v - w[n * K + g * 32 + j]) > 0.5001f * s + 1e-6f;
             }
         }
-    if (loom_linear_q8_f32(x, M, K, K, q, scales, mins, NULL, N, y, N, 8, 2)) bad += 1000;
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            double want = 0.0;
-            for (int k = 0; k < K; k++)
-                want += (double)x[m * K + k] *
-                        ((double)q[n * K + k] * scales[n * K / 32 + k / 32] +
-                         mins[n * K / 32 + k / 32]);
-            bad += !close_to(y[m * N + n], want, 1e-4);
-        }
+    static int v[N * K];  // the values the kernel should read: a byte each, then packed forms
+    for (int i = 0; i < N * K; i++) v[i] = q[i];
+    bad += check_packed(x, M, K, N, q, 8, v, scales, mins, y);
     // IQ4_NL level indices two a byte (bits 4 | LOOM_Q8_LEVELS): q's low nibbles, each standing
-    // for its level + 128; one row (the direct path) and M (the block path)
+    // for its level + 128
     static const int iq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
                                 217, 241};
     static uint8_t q4[N * K / 2];
@@ -60,19 +75,23 @@ int main(void)
                 const uint8_t *v = q + n * K + g * 32;
                 q4[n * K / 2 + g * 16 + j] = (uint8_t)((v[j] & 15) | (v[j + 16] & 15) << 4);
             }
-    for (int rows = 1; rows <= M; rows += M - 1) {
-        if (loom_linear_q8_f32(x, rows, K, K, q4, scales, mins, NULL, N, y, N, 4 | 0x100, 2))
-            bad += 1000;
-        for (int m = 0; m < rows; m++)
-            for (int n = 0; n < N; n++) {
-                double want = 0.0;
-                for (int k = 0; k < K; k++)
-                    want += (double)x[m * K + k] *
-                            ((double)iq4[q[n * K + k] & 15] * scales[n * K / 32 + k / 32] +
-                             mins[n * K / 32 + k / 32]);
-                bad += !close_to(y[m * N + n], want, 1e-4);
-            }
-    }
+    for (int i = 0; i < N * K; i++) v[i] = iq4[q[i] & 15];
+    bad += check_packed(x, M, K, N, q4, 4 | 0x100, v, scales, mins, y);
+    // the 5-bit form (bits 5): q's low five bits, a row's nibbles then its fifth bits (a 32-bit
+    // word a group, bit j for value j)
+    static uint8_t q5[N * K * 5 / 8];
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < K / 32; g++) {
+            const uint8_t *v = q + n * K + g * 32;
+            uint8_t *row = q5 + n * K * 5 / 8;
+            uint32_t h = 0;
+            for (int j = 0; j < 16; j++)
+                row[g * 16 + j] = (uint8_t)((v[j] & 15) | (v[j + 16] & 15) << 4);
+            for (int j = 0; j < 32; j++) h |= (uint32_t)(v[j] >> 4 & 1) << j;
+            for (int b = 0; b < 4; b++) row[K / 2 + 4 * g + b] = (uint8_t)(h >> 8 * b);
+        }
+    for (int i = 0; i < N * K; i++) v[i] = q[i] & 31;
+    bad += check_packed(x, M, K, N, q5, 5, v, scales, mins, y);
     static float gu[3 * 2 * D], out[3 * D];
     for (int i = 0; i < 3 * 2 * D; i++) gu[i] = 8.0f * rnd();
     loom_silu_mul_f32(gu, out, 3, D, 2);

@@ -48,11 +48,14 @@ def test_each_cpu_gets_its_best_build(cpu, name) -> None:
     assert choose(batch_invariant=True).batch == choose(batch_invariant=True).decode == "fp32"
     line = got.describe()
     assert "\n" not in line and f"{variant} build" in line and "--cpu-kernels" in line
+    # Q5_0 / Q5_1 keep 5 bits a weight where the build has AVX-512's mask registers
+    assert got.five_bit == ("avx512bw" in flags)
 
 
 def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
     cpu(["fp", "asimd", "asimddp"], "aarch64")
     assert choose().variant == "neon"
+    assert not choose().five_bit
     cpu(["fp", "asimd"], "aarch64")
     assert choose().variant == "generic"
     with pytest.raises(KernelChoiceError, match="unknown CPU kernels 'avx2' for aarch64"):

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 def _kept(model: nn.Module) -> str:
     """How a GGUF file's own quantization is held (the default): its K-quant super-blocks as
     stored, its other blocks (32-wide formats, IQ4_NL, IQ4_XS) exactly on the int8 grid (IQ4's
-    as their 4-bit level indices)."""
-    from loom.quant.int8 import IQ4, Int8Embedding, Int8Linear
+    as their 4-bit level indices, Q5_0 / Q5_1's at 5 bits where the kernels take them)."""
+    from loom.quant.int8 import IQ4, Q5, Int8Embedding, Int8Linear
     from loom.quant.kquant import KQuantLinear
 
     grid = {m.bits for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))}
@@ -22,8 +22,9 @@ def _kept(model: nn.Module) -> str:
     if any(isinstance(m, KQuantLinear) for m in model.modules()):
         held.append("K-quant super-blocks as stored")
     if grid:
-        held.append("int8 groups of 32 (exact" + (", IQ4 as 4-bit level indices)" if IQ4 in grid
-                                                  else ")"))
+        forms = [f for b, f in ((IQ4, "IQ4 as 4-bit level indices"), (Q5, "Q5 at 5 bits"))
+                 if b in grid]
+        held.append("int8 groups of 32 (" + ", ".join(["exact", *forms]) + ")")
     return " and ".join(held) or "stored"
 
 

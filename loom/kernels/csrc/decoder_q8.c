@@ -547,7 +547,9 @@ static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
                 const int n = code == 8 ? q[g * 32 + j]
                               : j < 16  ? q[g * 16 + j] & 15
                                         : q[g * 16 + j - 16] >> 4;
-                const int v = lv ? loom_iq4_q[n] : n;
+                const int v = lv ? loom_iq4_q[n]
+                              : code == LOOM_Q8_Q5 ? n | (int)(loom_q5_high(q, H, g) >> j & 1) << 4
+                                                   : n;
                 const float p = (float)v * sc[g];
                 o[g * 32 + j] = p + mn[g];
             }

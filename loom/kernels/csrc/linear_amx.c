@@ -37,7 +37,7 @@
 #define X_BYTES (1024 * 1024)  // x tiles a pass (see loom_linear_q8_amx)
 // The tiles take q - CENTER, the fold min + CENTER * scale: the same weights, and q * x and
 // min * sum(x) no longer nearly cancel (they did, and lost digits, for 8-bit groups).
-#define CENTER(bits) ((bits) == 4 ? 8 : 128)  // 8-bit and LOOM_Q8_LEVELS values: 128
+#define CENTER(bits) ((bits) == 4 ? 8 : (bits) == LOOM_Q8_Q5 ? 16 : 128)  // and LEVELS: 128
 
 // 1 if AMX tiles can run in this process (the CPU and the compiler have them and Linux grants
 // the tile state: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), 0 if not.
@@ -108,6 +108,12 @@ static void slab_fill(const uint8_t *w, const float *scales, const float *mins, 
                     const __m128i t = _mm_loadu_si128((const __m128i *)loom_iq4_q);
                     lo = _mm_shuffle_epi8(t, lo);
                     hi = _mm_shuffle_epi8(t, hi);
+                }
+                if (bits == LOOM_Q8_Q5) {  // + 16 by each fifth bit
+                    const uint32_t h = loom_q5_high(q, K, g);
+                    const __m128i k16 = _mm_set1_epi8(16);
+                    lo = _mm_mask_add_epi8(lo, (__mmask16)h, lo, k16);
+                    hi = _mm_mask_add_epi8(hi, (__mmask16)(h >> 16), hi, k16);
                 }
             }
             _mm512_storeu_si512(slab + (g * TILE + r) * GROUP,

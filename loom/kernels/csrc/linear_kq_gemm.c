@@ -408,14 +408,14 @@ static void panel_row(const uint8_t *w, int fmt, int64_t K, int64_t n, int64_t k
 static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t kc, int16_t *out,
                      float *side)
 {
-    const int width = LOOM_Q8_WIDTH(src->bits);  // 8 or 4 (LOOM_Q8_LEVELS: values 1..241)
+    const int width = LOOM_Q8_WIDTH(src->bits);  // 8, 5 or 4 (LOOM_Q8_LEVELS: values 1..241)
     const int64_t groups = K / 32, row_bytes = K * width / 8;
     const uint8_t *q = src->w + n * row_bytes;
     const float *s = src->s + n * groups, *m = src->m + n * groups;
-    const float qmax = src->bits == 4 ? 15.0f : 255.0f;
+    const float qmax = src->bits == 4 ? 15.0f : src->bits == LOOM_Q8_Q5 ? 31.0f : 255.0f;
     for (int64_t c = k0; c < k0 + kc; c += QK, out += QK, side += SIDE) {
         // the panel reads a chunk of a row, then the next row's: ahead to the next row's
-        for (int64_t i = 0; i < QK * width / 8; i += 64)
+        for (int64_t i = 0; i < QK * width / 8; i += 64)  // (5-bit rows: about there)
             __builtin_prefetch(q + row_bytes + c * width / 8 + i);
         const int64_t have = K - c < QK ? K - c : QK;  // a multiple of 32
         float bound = 0.0f;
@@ -438,6 +438,14 @@ static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t k
                                           : _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
                 if (src->bits & LOOM_Q8_LEVELS)  // the nibbles' values
                     u = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)loom_iq4_q), u);
+                if (src->bits == LOOM_Q8_Q5) {  // byte i gets 16 where bit k % 32 + i is set
+                    const int h = (int)(loom_q5_high(q, K, g) >> (k & 31) & 0xFFFF);
+                    const __m128i sel = _mm_set1_epi64x((long long)0x8040201008040201ull);
+                    const __m128i t = _mm_and_si128(
+                        _mm_unpacklo_epi64(_mm_set1_epi8((char)h), _mm_set1_epi8((char)(h >> 8))),
+                        sel);
+                    u = _mm_or_si128(u, _mm_and_si128(_mm_cmpeq_epi8(t, sel), _mm_set1_epi8(16)));
+                }
                 b0 = _mm256_cvtepu8_epi32(u);
                 b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(u, 8));
             }

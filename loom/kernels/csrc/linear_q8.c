@@ -44,6 +44,7 @@
 #define PF_S 128
 #define R_MAX 2             // weight rows at once there
 #define LV4 (4 | LOOM_Q8_LEVELS)
+#define Q5 LOOM_Q8_Q5
 // Two 4-bit weight rows at once for one or two x rows (~1.5x, in cache and out); 8-bit rows
 // stream from memory at full speed one at a time and measured slower two at a time.
 #define R_OF(m, bits) ((bits) != 8 && (m) <= 2 ? 2 : 1)
@@ -90,30 +91,37 @@ static inline __attribute__((always_inline)) vf cvt_bytes(const uint8_t *p)
 // Weights 32 g + j .. 32 g + j + LANES - 1 (j a multiple of LANES: a constant where this
 // inlines) of a row q holding `bits` per weight: 8, one byte each, or 4, GGUF's order: group g's
 // 16 bytes at 16 g hold its values 0..15 in their low nibbles and 16..31 in their high ones
-// (4 | LOOM_Q8_LEVELS: each nibble i the value loom_iq4_q[i]). The same floats either way.
+// (4 | LOOM_Q8_LEVELS: each nibble i the value loom_iq4_q[i]; LOOM_Q8_Q5: bit i of h, the
+// group's fifth bits, adds 16 to value i). The same floats either way.
 static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const int bits,
-                                                         const int64_t g, const int j)
+                                                         const int64_t g, const int j,
+                                                         const uint32_t h)
 {
     if (bits == 8) return cvt_bytes(q + g * GROUP + j);
     const uint8_t *p = q + g * (GROUP / 2) + (j & 15);
-    const int lv = bits & LOOM_Q8_LEVELS;
+    const int lv = bits & LOOM_Q8_LEVELS, five = bits == LOOM_Q8_Q5;
 #if LANES == 16
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __m512i i = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F))
-                             : _mm512_srli_epi32(b, 4);
+    __m512i i = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
+    if (five) i = _mm512_mask_or_epi32(i, (__mmask16)(h >> j), i, _mm512_set1_epi32(16));
     return (vf)_mm512_cvtepi32_ps(
         lv ? _mm512_permutexvar_epi32(
                  i, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
            : i);
 #elif defined(__AVX2__)
     const __m128i v = _mm_loadl_epi64((const __m128i *)p), nib = _mm_set1_epi8(0x0F);
-    const __m128i i = j < 16 ? _mm_and_si128(v, nib) : _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    __m128i i = j < 16 ? _mm_and_si128(v, nib) : _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    if (five) {  // byte k gets 16 where bit j + k of h is set
+        const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128i t = _mm_and_si128(_mm_set1_epi8((char)(h >> j)), sel);
+        i = _mm_or_si128(i, _mm_and_si128(_mm_cmpeq_epi8(t, sel), _mm_set1_epi8(16)));
+    }
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
         lv ? _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)loom_iq4_q), i) : i));
 #else
     vf r;
     for (int i = 0; i < LANES; i++) {
-        const int v = j < 16 ? p[i] & 0x0F : p[i] >> 4;
+        const int v = (j < 16 ? p[i] & 0x0F : p[i] >> 4) | (five ? (h >> (j + i) & 1) << 4 : 0);
         r[i] = (float)(lv ? loom_iq4_q[v] : v);
     }
     return r;
@@ -127,33 +135,48 @@ static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const
 // shifted down). The same floats as weight(cvt_part(...)), in 5 instructions instead of 8 (~20%
 // faster for one row through a layer larger than L2: one stream's decode is bound by
 // instructions here, not by memory).
+// 5-bit groups (h their fifth bits): two tables, the values 0..15 and 16..31, each weight's
+// fifth bit picking its table (vpermt2ps reads an index's bit 4 so).
 static inline __attribute__((always_inline)) void group_lookup(const uint8_t *p, const int bits,
-                                                               float s, float m, vf w[2])
+                                                               float s, float m, uint32_t h,
+                                                               vf w[2])
 {
     const __m512 iota = bits & LOOM_Q8_LEVELS  // the nibbles' values
         ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
         : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = (__m512)weight((vf)iota, s, m);
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    if (bits == LOOM_Q8_Q5) {
+        const __m512 high = (__m512)weight((vf)_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), s, m);
+        const __m512i nib = _mm512_set1_epi32(0x0F), k16 = _mm512_set1_epi32(16);
+        const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi32(b, 4);
+        w[0] = (vf)_mm512_permutex2var_ps(
+            table, _mm512_mask_or_epi32(lo, (__mmask16)h, lo, k16), high);
+        w[1] = (vf)_mm512_permutex2var_ps(
+            table, _mm512_mask_or_epi32(hi, (__mmask16)(h >> 16), hi, k16), high);
+        return;
+    }
     w[0] = (vf)_mm512_permutexvar_ps(b, table);
     w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 #endif
 
-// Group g of a row q (`bits` a weight) as GROUP / LANES vectors of weights q * s + m: through
-// group_lookup for 4-bit rows where it applies, else converted LANES at a time. The same floats
-// either way.
+// Group g of a row q of K weights (`bits` a weight) as GROUP / LANES vectors of weights
+// q * s + m: through group_lookup for 4- and 5-bit rows where it applies, else converted LANES
+// at a time. The same floats either way.
 static inline __attribute__((always_inline)) void group_weights(const uint8_t *q, const int bits,
-                                                                int64_t g, float s, float m,
-                                                                vf w[GROUP / LANES])
+                                                                int64_t K, int64_t g, float s,
+                                                                float m, vf w[GROUP / LANES])
 {
+    const uint32_t h = bits == LOOM_Q8_Q5 ? loom_q5_high(q, K, g) : 0;
 #if LANES == 16
     if (bits != 8) {
-        group_lookup(q + g * (GROUP / 2), bits, s, m, w);
+        group_lookup(q + g * (GROUP / 2), bits, s, m, h, w);
         return;
     }
 #endif
-    for (int j = 0; j < GROUP / LANES; j++) w[j] = weight(cvt_part(q, bits, g, j * LANES), s, m);
+    for (int j = 0; j < GROUP / LANES; j++)
+        w[j] = weight(cvt_part(q, bits, g, j * LANES, h), s, m);
 }
 
 // LANES lanes to 8: lane i plus lane i + 8 (the identity at 8 lanes).
@@ -200,7 +223,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(
     const uint8_t *q, int64_t row_bytes, const float *sc, const float *mn, int64_t groups,
     const int R, const int bits, int64_t g)
 {
-    const int64_t at = g * GROUP * LOOM_Q8_WIDTH(bits) / 8;  // group g's first byte in a row
+    // group g's first byte in a row (5-bit rows: of its nibbles)
+    const int64_t at = g * GROUP * (bits == LOOM_Q8_Q5 ? 4 : LOOM_Q8_WIDTH(bits)) / 8;
     if (at % 64 == 0)
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(q + r * row_bytes + at + PF_Q);
@@ -210,6 +234,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(sc + r * groups + g + PF_S);
             __builtin_prefetch(mn + r * groups + g + PF_S);
+            if (bits == LOOM_Q8_Q5)  // the fifth bits' plane, 16 groups a line
+                __builtin_prefetch(q + r * row_bytes + groups * 16 + 4 * g + 64);
         }
 }
 
@@ -229,8 +255,8 @@ static inline __attribute__((always_inline)) void rows_direct(
         prefetch_rows(q, row_bytes, sc, mn, groups, R, bits, g);
         vf w[R_MAX][GROUP / LANES];
         for (int r = 0; r < R; r++)
-            group_weights(q + r * row_bytes, bits, g, sc[r * groups + g], mn[r * groups + g],
-                          w[r]);
+            group_weights(q + r * row_bytes, bits, K, g, sc[r * groups + g],
+                          mn[r * groups + g], w[r]);
         for (int j = 0; j < GROUP / LANES; j++)
             for (int m = 0; m < M; m++) {
                 const vf u = loadv(x + m * ldx + g * GROUP + j * LANES);
@@ -294,8 +320,13 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
                      float *y, int64_t ldy)
 {
     const int64_t groups = K / GROUP, nb = N - n0 < nb_rows ? N - n0 : nb_rows;
-    for (int64_t g = n0 * groups; g < (n0 + nb) * groups; g++)  // rows are whole groups
-        group_weights(w, bits, g, scales[g], mins[g], (vf *)(wbuf + (g - n0 * groups) * GROUP));
+    const int64_t row_bytes = K * LOOM_Q8_WIDTH(bits) / 8;
+    for (int64_t r = 0; r < nb; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = (n0 + r) * groups + g;
+            group_weights(w + (n0 + r) * row_bytes, bits, K, g, scales[at], mins[at],
+                          (vf *)(wbuf + (r * groups + g) * GROUP));
+        }
     const int64_t nbp = (nb + 2) / 3 * 3;
     for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0.0f;
     for (int64_t m = m0; m < m1; m += 4) {
@@ -337,6 +368,11 @@ static inline __attribute__((always_inline)) void direct_unit(
         switch (M) {
         CASE(1, LV4) CASE(2, LV4) CASE(3, LV4) CASE(4, LV4)
         CASE(5, LV4) CASE(6, LV4) CASE(7, LV4) CASE(8, LV4)
+        }
+    else if (bits == Q5)
+        switch (M) {
+        CASE(1, Q5) CASE(2, Q5) CASE(3, Q5) CASE(4, Q5)
+        CASE(5, Q5) CASE(6, Q5) CASE(7, Q5) CASE(8, Q5)
         }
     else
         switch (M) {
@@ -384,13 +420,14 @@ void *loom_scratch(int which, size_t bytes)
 // 0 if the kernel takes rows of K weights stored `bits` a weight; -1 if not.
 int loom_linear_q8_check(int64_t K, int bits)
 {
-    return K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4 && bits != LV4) ? -1 : 0;
+    return K % GROUP != 0 || K <= 0 || (bits != 8 && bits != 4 && bits != LV4 && bits != Q5)
+        ? -1 : 0;
 }
 
-// x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8) or [N, K / 2] (bits 4, see
-// cvt_part); scales, mins: [N, K / 32]; bias: [N] or NULL; y: [M, N] rows ldy floats apart. K
-// must be a multiple of 32. Returns 0, -1 on bad K or bits, or -2 when the block buffer cannot
-// be allocated.
+// x: [M, K] rows ldx floats apart; w: [N, K] uint8 (bits 8), [N, K / 2] (bits 4, see
+// cvt_part) or [N, K * 5 / 8] (LOOM_Q8_Q5); scales, mins: [N, K / 32]; bias: [N] or NULL; y:
+// [M, N] rows ldy floats apart. K must be a multiple of 32. Returns 0, -1 on bad K or bits, or
+// -2 when the block buffer cannot be allocated.
 int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                        const float *scales, const float *mins, const float *bias, int64_t N,
                        float *y, int64_t ldy, int bits, int num_threads)
@@ -568,23 +605,26 @@ void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *s
                                    scales + n * groups + g, mins + n * groups + g);
 }
 
-// GGUF blocks [n, size] of ggml type `type` onto the grid exactly, a group of 32 weights a
-// block (IQ4_XS: a group a sub-block, 8 a super-block of 256): q 16 bytes a group for Q4_0 /
-// Q4_1 (the nibbles as stored) and IQ4_NL / IQ4_XS (their indices as stored: LOOM_Q8_LEVELS),
-// 32 for Q5_0 / Q5_1 (nibble + 16 x fifth bit) and Q8_0 (q + 128); fp32 scales (d; IQ4_XS's
-// d (ls - 32), an fp16 d times an integer below 64) and minimums (the block's m, or -zero x the
-// scale: Q4_0 8, Q5_0 16, Q8_0 and the IQ4 levels 128), all exact. One pass over the file's
-// bytes on num_threads threads. Returns 0, or -1 for another type.
+// GGUF blocks [n, size] of ggml type `type` onto the grid exactly, a group of 32 weights a block
+// (IQ4_XS: a group a sub-block, 8 a super-block of 256): q 16 bytes a group for Q4_0 / Q4_1 (the
+// nibbles as stored) and IQ4_NL / IQ4_XS (their indices as stored: LOOM_Q8_LEVELS), Q5_0 / Q5_1's
+// nibbles so and their fifth bits in a plane after each row of row_groups groups (LOOM_Q8_Q5;
+// row_groups 0: 32 bytes a group, nibble + 16 x fifth bit), 32 for Q8_0 (q + 128); fp32 scales (d;
+// IQ4_XS's d (ls - 32), an fp16 d times an integer below 64) and minimums (the block's m, or -zero
+// x the scale: Q4_0 8, Q5_0 16, Q8_0 and the IQ4 levels 128), all exact. One pass over the file's
+// bytes on num_threads threads. Returns 0, or -1 for another type or a row length that does not
+// fit.
 int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
-                        float *mins, int num_threads)
+                        float *mins, int64_t row_groups, int num_threads)
 {
     enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, IQ4_XS = 23 };
     const int size = type == Q4_0 || type == IQ4_NL ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22
                      : type == Q5_1 ? 24 : type == Q8_0 ? 34 : type == IQ4_XS ? 136 : 0;
-    if (!size) return -1;
+    const int five = type == Q5_0 || type == Q5_1;
+    if (!size || (five && (row_groups < 0 || (row_groups && n % row_groups)))) return -1;
     const int has_m = type == Q4_1 || type == Q5_1;
     const float zero = type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : 128.0f;
-    const int five = type == Q5_0 || type == Q5_1, width = five || type == Q8_0 ? 32 : 16;
+    const int width = type == Q8_0 || (five && !row_groups) ? 32 : 16;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *b = blocks + i * size;
@@ -601,19 +641,25 @@ int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, 
         }
         scales[i] = d;
         mins[i] = has_m ? loom_f16_to_f32((uint16_t)(b[2] | b[3] << 8)) : -zero * d;
-        uint8_t *o = q + i * width;
         if (type == Q8_0) {
+            uint8_t *o = q + i * 32;
             for (int j = 0; j < 32; j++) o[j] = (uint8_t)(b[2 + j] ^ 0x80);
-        } else if (five) {
+        } else if (five && !row_groups) {  // a byte a value
             const uint8_t *qh = b + (has_m ? 4 : 2), *qs = qh + 4;
             uint32_t h;
             memcpy(&h, qh, 4);
+            uint8_t *o = q + i * 32;
             for (int j = 0; j < 16; j++) {
                 o[j] = (uint8_t)((qs[j] & 15) | (h >> j & 1) << 4);
                 o[16 + j] = (uint8_t)((qs[j] >> 4) | (h >> (16 + j) & 1) << 4);
             }
+        } else if (five) {  // qh, then the nibbles: to the row's nibbles and its plane
+            const int64_t r = i / row_groups, g = i % row_groups;
+            uint8_t *row = q + r * row_groups * 20;
+            memcpy(row + 16 * g, b + (has_m ? 8 : 6), 16);
+            memcpy(row + 16 * row_groups + 4 * g, b + (has_m ? 4 : 2), 4);
         } else {
-            memcpy(o, b + (has_m ? 4 : 2), 16);
+            memcpy(q + i * width, b + (has_m ? 4 : 2), 16);
         }
     }
     return 0;

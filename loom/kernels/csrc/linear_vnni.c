@@ -81,7 +81,11 @@
 // minimum is -ZERO(bits, lv) times its scale, taken from the scales (a power of two: the same fp16
 // product the stored minimum would be) instead of read, 2 bytes a group fewer (1/10 of Q4_0's
 // bytes, 1/18 of Q8_0's).
-#define ZERO(bits, lv) ((bits) == 4 && !(lv) ? 8 : 128)
+#define ZERO(bits, lv) ((lv) == LOOM_Q8_Q5 ? 16 : (bits) == 4 && !(lv) ? 8 : 128)
+// LOOM_Q8_Q5 rows (K / 2 bytes of nibbles, then the fifth bits): the nibbles are read as 4-bit
+// rows' (their x layout), and each unpacked vector of words gets 16 where its fifth bit is set
+// (one mask a vector from the group's bits, one masked add; AVX2: a compare and an add).
+#define LAYOUT(bits) (LOOM_Q8_WIDTH(bits) == 8 ? 8 : 4)  // the x layout's width
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
 
@@ -194,7 +198,7 @@ static inline __attribute__((always_inline)) void unpack(__m512i v, const int bi
         w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
         w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         w[3] = _mm512_srli_epi16(v, 12);
-        if (lv) {  // LOOM_Q8_LEVELS: each nibble i is the value loom_iq4_q[i] (vpermw)
+        if (lv == LOOM_Q8_LEVELS) {  // each nibble i is the value loom_iq4_q[i] (vpermw)
             const __m512i t = _mm512_cvtepu8_epi16(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)loom_iq4_q)));
             for (int k = 0; k < 4; k++) w[k] = _mm512_permutexvar_epi16(w[k], t);
@@ -358,9 +362,38 @@ static inline __attribute__((always_inline)) void chunk_vnni(
     }
 }
 
+// The fifth bits of a 5-bit row's block (16 group words at h, group order) for its unpacked
+// vectors: lane L (words 2L, 2L + 1) of hl (hh) holds the low (high) half of group
+// block_group(L)'s word twice. Vector k of transposed vector j holds in word n the value
+// 16 (k / 2) + 4 j + 2 (n % 2) + k % 2 of lane n / 2's group (block_word), so its mask tests
+// bit 4 j + 2 (n % 2) + k % 2 of that half.
+static inline __attribute__((always_inline)) void block_high(const uint8_t *h, __m512i gsel,
+                                                             __m512i *hl, __m512i *hh)
+{
+    const __m512i w = _mm512_permutexvar_epi32(gsel, _mm512_loadu_si512((const void *)h));
+    *hl = _mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                     0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
+    *hh = _mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                     2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)));
+}
+
+// + 16 to the words of the XV = 4 unpacked vectors w whose bit (`bit` shifted by k % 2 for
+// vector k) is set in hl (vectors 0, 1) or hh (2, 3).
+static inline __attribute__((always_inline)) void add_high(__m512i *w, __m512i hl, __m512i hh,
+                                                           __m512i bit)
+{
+    const __m512i k16 = _mm512_set1_epi16(16);
+    for (int k = 0; k < 4; k++) {
+        const __mmask32 set = _mm512_test_epi16_mask(k < 2 ? hl : hh,
+                                                     _mm512_slli_epi16(bit, k % 2));
+        w[k] = _mm512_mask_add_epi16(w[k], set, w[k], k16);
+    }
+}
+
 // M <= TILE x rows (quantized, xq) against R <= UNIT weight rows from q, rstep rows apart
 // (row_bytes a row; fp16 scales and minimums `groups` a row): out[m * ldy + r rstep] (+ bias[r
-// rstep]). M, R, bits (4 or 8) and lv (LOOM_Q8_LEVELS or 0) are constants at each call site.
+// rstep]). M, R, bits (4 or 8: the layout) and lv (LOOM_Q8_LEVELS, LOOM_Q8_Q5 with bits 4, or
+// 0) are constants at each call site.
 static inline __attribute__((always_inline)) void rows_vnni(
     const uint8_t *xq, const int M, int64_t xstride, const XLayout L, const uint8_t *q,
     int64_t row_bytes, const int bits, const int lv, const uint16_t *sc, const uint16_t *mn,
@@ -387,10 +420,12 @@ static inline __attribute__((always_inline)) void rows_vnni(
                 __builtin_prefetch(sc + r * ss + bk * bg + PF_S);
                 if (mn) __builtin_prefetch(mn + r * ss + bk * bg + PF_S);
             }
-        __m512i u[UNIT][4];
+        __m512i u[UNIT][4], hl[UNIT], hh[UNIT];
         __m512 s[UNIT];
         for (int r = 0; r < R; r++) {
             block_load(q + r * qs + bk * 256, u[r]);
+            if (lv == LOOM_Q8_Q5) block_high(q + r * qs + groups * 16 + bk * 64, gsel, &hl[r],
+                                             &hh[r]);
             const uint16_t *sr = sc + r * ss + bk * bg;
             const __m512 sg = bits == 4
                 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sr))
@@ -406,7 +441,11 @@ static inline __attribute__((always_inline)) void rows_vnni(
             for (int i = 0; i < M * R; i++) dot[c][i] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             __m512i w[UNIT][4];
-            for (int r = 0; r < R; r++) unpack(u[r][j], bits, lv, w[r]);
+            for (int r = 0; r < R; r++) {
+                unpack(u[r][j], bits, lv, w[r]);
+                if (lv == LOOM_Q8_Q5)  // words: bit 4 j, then 4 j + 2
+                    add_high(w[r], hl[r], hh[r], _mm512_set1_epi32(0x00040001 << 4 * j));
+            }
             for (int m = 0; m < M; m++) {
                 const uint8_t *xm = xq + m * xstride + (bk * 4 + j) * nv * 64;
                 __m512i x[4];
@@ -440,6 +479,21 @@ static inline __attribute__((always_inline)) void rows_vnni(
         for (int r = 0; r < R; r++) {
             const uint8_t *p = q + r * qs + g0 * GROUP * bits / 8;
             unpack(_mm512_maskz_loadu_epi8(wk, p), bits, lv, w[r]);
+            if (lv == LOOM_Q8_Q5) {
+                // a chunk's vector k holds in word n the value 16 (k / 2) + 2 (n % 8) + k % 2
+                // of group n / 8 (chunk_word): each word the right half of its group's bits
+                const __m512i h = _mm512_castsi128_si512(
+                    _mm_maskz_loadu_epi32(sk, q + r * qs + groups * 16 + g0 * 4));
+                const __m512i to_lo = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4,
+                                                       4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0,
+                                                       0, 0, 0, 0);
+                add_high(w[r], _mm512_permutexvar_epi16(to_lo, h),
+                         _mm512_permutexvar_epi16(
+                             _mm512_add_epi16(to_lo, _mm512_set1_epi16(1)), h),
+                         _mm512_set_epi16(16384, 4096, 1024, 256, 64, 16, 4, 1, 16384, 4096,
+                                          1024, 256, 64, 16, 4, 1, 16384, 4096, 1024, 256, 64,
+                                          16, 4, 1, 16384, 4096, 1024, 256, 64, 16, 4, 1));
+            }
             const __m128i sh = _mm_maskz_loadu_epi16(sk, sc + r * ss + g0);
             s[r] = _mm512_permutexvar_ps(csel, _mm512_castps128_ps512(_mm_cvtph_ps(sh)));
         }
@@ -541,7 +595,7 @@ static inline __attribute__((always_inline)) void unpack_half(__m256i v, const i
         w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
         w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         w[3] = _mm256_srli_epi16(v, 12);
-        if (lv) {  // LOOM_Q8_LEVELS: nibble i -> loom_iq4_q[i] by vpshufb, the high byte zeroed
+        if (lv == LOOM_Q8_LEVELS) {  // nibble i -> loom_iq4_q[i] by vpshufb, high byte zeroed
             const __m256i t = _mm256_broadcastsi128_si256(
                 _mm_loadu_si128((const __m128i *)loom_iq4_q));
             const __m256i hi0 = _mm256_set1_epi16((short)0x8000);  // bit 7: a zero byte
@@ -551,6 +605,28 @@ static inline __attribute__((always_inline)) void unpack_half(__m256i v, const i
     } else {
         w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x00FF));
         w[1] = _mm256_srli_epi16(v, 8);
+    }
+}
+
+// + 16 to the words of a 5-bit half's XV = 4 vectors w (unpack_half's) whose fifth bit is set:
+// word n of vector k holds the value 16 (k / 2) + 2 (n % 8) + k % 2 of the half's group n / 8,
+// whose bits (`have` groups) are 32-bit words at h.
+static inline __attribute__((always_inline)) void high_half(const uint8_t *h, int have,
+                                                            __m256i *w)
+{
+    uint32_t a, b = 0;
+    memcpy(&a, h, 4);
+    if (have == 2) memcpy(&b, h + 4, 4);
+    const __m256i both = _mm256_setr_epi32((int)a, (int)a, (int)a, (int)a, (int)b, (int)b,
+                                           (int)b, (int)b);
+    const __m256i lo = _mm256_shuffle_epi8(both, _mm256_set1_epi16(0x0100));  // low half
+    const __m256i hi = _mm256_shuffle_epi8(both, _mm256_set1_epi16(0x0302));  // high half
+    const __m256i bit = _mm256_setr_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384, 1, 4, 16, 64,
+                                          256, 1024, 4096, 16384);
+    for (int k = 0; k < 4; k++) {
+        const __m256i c = _mm256_slli_epi16(bit, k % 2);
+        const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(k < 2 ? lo : hi, c), c);
+        w[k] = _mm256_sub_epi16(w[k], _mm256_slli_epi16(set, 4));  // -(-16)
     }
 }
 
@@ -599,6 +675,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
                     : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p));
                 unpack_half(have == hg ? v : _mm256_inserti128_si256(v, _mm_setzero_si128(), 1),
                             bits, lv, w[r]);
+                if (lv == LOOM_Q8_Q5) high_half(q + r * qs + groups * 16 + g0 * 4, have, w[r]);
                 const uint16_t *sr = sc + r * ss + g0;
                 int two = sr[0];  // the half's scales (fp16), 0 for a missing second group
                 if (have == 2) memcpy(&two, sr, 4);
@@ -646,7 +723,7 @@ static inline __attribute__((always_inline)) void rows_vnni(
 
 // Weight unit u (its rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where UNIT's comment says,
 // else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
-// with their bias: M, bits (loom.h's code: 8, 4 or 4 | LOOM_Q8_LEVELS) and R picked here, so
+// with their bias: M, bits (loom.h's code: 8, 5, 4 or 4 | LOOM_Q8_LEVELS) and R picked here, so
 // each case runs with constants.
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
@@ -654,7 +731,7 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
 {
     const int width = LOOM_Q8_WIDTH(bits);
     const int64_t groups = K / GROUP, row_bytes = K * width / 8;
-    const int far = width == 4 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
+    const int far = width != 8 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
     const int64_t step = far ? (N + 1) / 2 : 1, n0 = far ? u : u * UNIT;
     int64_t rows = 0;  // the unit's rows within N
     while (rows < UNIT && n0 + rows * step < N) rows++;
@@ -675,6 +752,7 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
         float *yt = y + m0 * ldy;
         if (bits == 4) { CASES(4, 0) }
         else if (bits == 8) { CASES(8, 0) }
+        else if (bits == LOOM_Q8_Q5) { CASES(4, LOOM_Q8_Q5) }
         else { CASES(4, LOOM_Q8_LEVELS) }
         m0 += tile;
         tiles--;
@@ -696,13 +774,13 @@ int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const
 {
 #ifdef HAVE_VNNI
     if (loom_linear_q8_check(K, bits)) return -1;
-    const XLayout L = x_layout(K, LOOM_Q8_WIDTH(bits));
+    const XLayout L = x_layout(K, LAYOUT(bits));
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);
     if (!xq) return -2;
     const int64_t units = (N + UNIT - 1) / UNIT;
     for (int64_t m0 = 0; m0 < M; m0 += M_MAX) {
         const int64_t rows = M - m0 < M_MAX ? M - m0 : M_MAX;
-        quantize_x(x + m0 * ldx, rows, K, ldx, LOOM_Q8_WIDTH(bits), xq);
+        quantize_x(x + m0 * ldx, rows, K, ldx, LAYOUT(bits), xq);
         // guided chunks, as linear_q8.c's direct path (a thread the OS lends away leaves its
         // rows to the others)
 #pragma omp parallel for schedule(guided, 16 / UNIT) num_threads(num_threads)
@@ -741,9 +819,9 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
                               int64_t ldy, int bits, int64_t *next, int team)
 {
 #ifdef HAVE_VNNI
-    const XLayout L = x_layout(K, LOOM_Q8_WIDTH(bits));
+    const XLayout L = x_layout(K, LAYOUT(bits));
     uint8_t *xq = loom_scratch(SCRATCH_X, (size_t)M_MAX * L.stride);  // reserved: no failure
-    quantize_x(x, M, K, ldx, LOOM_Q8_WIDTH(bits), xq);
+    quantize_x(x, M, K, ldx, LAYOUT(bits), xq);
     for (int64_t u0, u1; loom_take_units(next, (N + UNIT - 1) / UNIT, 16 / UNIT, team, &u0,
                                          &u1);)
         for (int64_t u = u0; u < u1; u++)

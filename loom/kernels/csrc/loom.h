@@ -78,11 +78,22 @@ void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64
 // w = q * scale + min; `bits` 8 (a byte a weight) or 4 (two a byte, GGUF's nibble order), or
 // 4 | LOOM_Q8_LEVELS: two a byte, each nibble i standing for q = loom_iq4_q[i] (IQ4_NL's 16
 // levels + 128: IQ4_NL and IQ4_XS files at 4 bits a weight, their minimums -128 scale), then
-// as an 8-bit q in every kernel.
+// as an 8-bit q in every kernel; or 5 (LOOM_Q8_Q5: Q5_0 and Q5_1 files, q 0..31): a row is K / 2
+// bytes of its values' low nibbles as `bits` 4 holds them, then K / 8 bytes of fifth bits,
+// group g's a little-endian 32-bit word at K / 2 + 4 g whose bit j adds 16 to value j (GGUF's
+// qh as stored; loom_q5_high).
 #define LOOM_Q8_LEVELS 0x100
-#define LOOM_Q8_WIDTH(bits) ((bits) & 0xFF)  // bits a stored weight: 8 or 4
+#define LOOM_Q8_Q5 5
+#define LOOM_Q8_WIDTH(bits) ((bits) & 0xFF)  // bits a stored weight: 8, 5 or 4
 static const uint8_t loom_iq4_q[16] = {1,   24,  45,  63,  79,  93,  106, 118,  // ggml's
                                        129, 141, 153, 166, 181, 197, 217, 241};  // + 128
+// The fifth bits of group g of a LOOM_Q8_Q5 row q of K weights.
+static inline uint32_t loom_q5_high(const uint8_t *q, int64_t K, int64_t g)
+{
+    uint32_t h;
+    __builtin_memcpy(&h, q + K / 2 + 4 * g, 4);
+    return h;
+}
 
 extern const int loom_linear_q8_direct_rows;  // the most rows the direct (decode) path takes
 int loom_linear_q8_check(int64_t K, int bits);
@@ -105,9 +116,10 @@ void loom_quantize_q8_group(const float *src, uint8_t *q, float *scale, float *m
 void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
                       float *mins, int num_threads);
 // GGUF's 32-wide block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and IQ4_XS (ggml's type
-// ids) onto the grid exactly, a group of 32 a block or sub-block; -1 for another type.
+// ids) onto the grid exactly, a group of 32 a block or sub-block; Q5_0 / Q5_1 in rows of
+// row_groups groups, LOOM_Q8_Q5 (row_groups 0: a byte a weight); -1 for another type.
 int loom_q8_blocks_grid(const uint8_t *blocks, int64_t n, int type, uint8_t *q, float *scales,
-                        float *mins, int num_threads);
+                        float *mins, int64_t row_groups, int num_threads);
 
 // AMX tiles (linear_amx.c); 1 if this process can run them.
 int loom_amx_available(void);
@@ -215,7 +227,7 @@ typedef struct LoomLinearQ8 {
     const uint8_t *w;
     const float *s, *m;
     const uint16_t *s16, *m16;  // fp16 copies for the VNNI kernel; m16 NULL: symmetric groups
-    int64_t bits;  // Q8: 8, 4 or 4 | LOOM_Q8_LEVELS (above); KQ: the ggml format 10 to 14
+    int64_t bits;  // Q8: 8, 5, 4 or 4 | LOOM_Q8_LEVELS (above); KQ: the ggml format 10 to 14
     int64_t kind;  // LOOM_LINEAR_*
     // LOOM_LINEAR_PARTS: num_parts parts (each LOOM_LINEAR_Q8 or LOOM_LINEAR_KQ), part i writing
     // output columns [parts[i].n0, parts[i].n0 + parts[i].n) (a bias: the KQ kernel adds its
