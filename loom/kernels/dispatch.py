@@ -149,13 +149,15 @@ class KernelChoice:
     @property
     def five_bit(self) -> bool:
         """Whether Q5_0 / Q5_1 weights keep 5 bits a weight on the int8 grid (its 5-bit form) or
-        take a byte: 5 where the build targets AVX-512, whose mask registers add the fifth bits
-        in one instruction a vector (Zen 4, bf16 build, in process: Gemma 3 270M's decode 0.94x
-        the time, the 1.7B shape in Q5_0 0.65x, 0.75x the memory); a byte elsewhere (the AVX2
-        form expands the bits in four instructions a vector: 1.07x and 1.14-1.23x the time on
-        the same Zen 4 running the avx2 build; NEON and the portable builds only have scalar
-        code for them). docs/cpu_dispatch.md."""
-        return "avx512bw" in variant(self.variant).needs
+        take a byte: 5 where decode runs the AVX-512 VNNI kernel, whose mask registers add the
+        fifth bits in one instruction a vector of 32 (Zen 4, bf16 build, in process: Gemma 3
+        270M's decode 0.94x the time, the 1.7B shape in Q5_0 0.65x, 0.75x the memory); a byte
+        elsewhere, where the 5-bit form measured slower on the same Zen 4: the avx2 build's
+        VNNI form (no mask registers: four instructions a vector of 16) 1.07x and 1.14-1.23x
+        the time, the avx512 build's fp32 decode (and --batch-invariant's) 1.04-1.05x and
+        1.23x; NEON and the portable builds only have scalar code for the bits.
+        docs/cpu_dispatch.md."""
+        return self.decode == "vnni" and "avx512bw" in variant(self.variant).needs
 
     def summary(self) -> str:
         """The build, why, and the int8 linears' kernels, in one phrase (the start-up line's)."""

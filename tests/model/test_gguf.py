@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import IQ4_NL, quantize
 
 from loom.config import ConfigError
+from loom.kernels.dispatch import KernelChoice
 from loom.loader.gguf import GGUFError
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import ModelNotFoundError, default_gguf_path, resolve_model
@@ -371,7 +372,7 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     assert len(linears) == 2 * 4 and all(m.grouped for m in linears.values())
     sources = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
                "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
-    five = q8.kernels.five_bit  # Q5_0 / Q5_1 at 5 bits on AVX-512 builds, else 8
+    five = q8.kernels.five_bit  # False here (batch_invariant): Q5_0 / Q5_1 a byte a weight
     for n, m in linears.items():
         codes = {_grid_bits(overrides.get(s, qtype), five)
                  for s in sources[n.rpartition(".")[2]]}
@@ -390,6 +391,36 @@ def test_int8_loads_gguf_blocks_without_fp32(tmp_path, name, arch, qtype, overri
     torch.testing.assert_close(embed(torch.tensor(ids)), ref.model.model.embed_tokens(
         torch.tensor(ids)), rtol=0, atol=0)
     assert rel_err(out_q8, out_ref) < 1e-5  # the file's values exactly: only the sums' order
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda q: q.name)
+def test_q5_keeps_five_bits_where_the_kernels_gain(tmp_path, qtype, monkeypatch) -> None:
+    """A Q5_0 / Q5_1 file: by default its linears, embedding and head take the int8 grid's 5-bit
+    form where decode runs the AVX-512 VNNI kernel (KernelChoice.five_bit), else a byte a
+    weight, near the fp32 reference either way (the default kernels: VNNI's two-digit x up to 8
+    rows, the batch kernel past); with the form forced onto the fp32 kernels (any x86 or ARM
+    CPU), the reference's logits but for the sums' order."""
+    require_cpu_kernels()
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    source = resolve_model(str(write_gguf(folder, tmp_path / "q5.gguf", "llama", qtype)))
+    ref = load_model(source, dtype="float32", quantization="none")
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    out_ref = PagedBatch(ref).step({"r": ids})["r"]
+    fast = load_model(source, dtype="float32")
+    bits = Q5 if fast.kernels.five_bit else 8
+    grid = [m for m in fast.model.modules() if isinstance(m, (Int8Linear, Int8Embedding))]
+    assert len(grid) == 2 * 4 + 2 and all(m.bits == bits for m in grid)
+    batch = PagedBatch(fast)
+    batch.step({"r": ids[:5]})
+    assert rel_err(batch.step({"r": ids[5:6]})["r"], out_ref[5:6]) < 2e-3
+    assert rel_err(PagedBatch(fast).step({"r": ids})["r"], out_ref) < 2e-2
+    monkeypatch.setattr(KernelChoice, "five_bit", property(lambda self: True))
+    exact = load_model(source, dtype="float32", batch_invariant=True)
+    grid = [m for m in exact.model.modules() if isinstance(m, (Int8Linear, Int8Embedding))]
+    assert all(m.bits == Q5 for m in grid)
+    assert all(m.weight_int8.shape[1] == m.in_features * 5 // 8 for m in grid
+               if isinstance(m, Int8Linear))
+    assert rel_err(PagedBatch(exact).step({"r": ids})["r"], out_ref) < 1e-5
 
 
 @pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS], ids=lambda q: q.name)

@@ -122,7 +122,7 @@ def test_quantized_experts_match_transformers(tmp_path, name) -> None:
             assert isinstance(d, KQuantLinear) and d.formats() == [down.name]
         else:
             assert isinstance(gu, Int8Linear) and gu.grouped
-            # mixtral's Q4_1 gate and Q5_0 up share the 5-bit form where the build keeps it
+            # mixtral's Q4_1 gate and Q5_0 up would share the 5-bit form where it is kept
             five = loaded.kernels.five_bit and up == T.Q5_0
             assert gu.bits == (4 if gate == up == T.Q4_0 else Q5 if five else 8)
             assert isinstance(d, Int8Linear) and d.grouped

@@ -48,8 +48,9 @@ def test_each_cpu_gets_its_best_build(cpu, name) -> None:
     assert choose(batch_invariant=True).batch == choose(batch_invariant=True).decode == "fp32"
     line = got.describe()
     assert "\n" not in line and f"{variant} build" in line and "--cpu-kernels" in line
-    # Q5_0 / Q5_1 keep 5 bits a weight where the build has AVX-512's mask registers
-    assert got.five_bit == ("avx512bw" in flags)
+    # Q5_0 / Q5_1 keep 5 bits a weight where decode runs the AVX-512 VNNI kernel
+    assert got.five_bit == (decode == "vnni" and "avx512bw" in flags)
+    assert not choose(batch_invariant=True).five_bit
 
 
 def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
