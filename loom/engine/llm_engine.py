@@ -145,7 +145,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
                                    spec_decoder(args, max_model_len, loaded.config,
-                                                cache_config.block_size, device))
+                                                cache_config.block_size, device,
+                                                loaded.kernels))
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,

@@ -3,10 +3,12 @@ output trim a multi-token step needs when a stop string ends the text mid-step."
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from loom.config import ConfigError
 from loom.core.spec_decode import SpecDecoder, SpeculativeConfig
+from loom.quant.int8 import DECODE_ROWS
 
 if TYPE_CHECKING:
     import torch
@@ -14,15 +16,27 @@ if TYPE_CHECKING:
     from loom.config import ModelConfig
     from loom.engine.args import EngineArgs
     from loom.engine.outputs import CompletionOutput
+    from loom.kernels.dispatch import KernelChoice
+
+logger = logging.getLogger(__name__)
 
 
 def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, block_size: int,
-                 device: torch.device) -> SpecDecoder | None:
+                 device: torch.device, kernels: KernelChoice | None = None) -> SpecDecoder | None:
     """The scheduler's SpecDecoder for args.speculative_config (None: off); loads the draft
-    model of method "draft_model"."""
+    model of method "draft_model". Warns where the target's CPU `kernels` make a verify step's
+    bits differ from one-row steps' (docs/speculative.md, "Kernels")."""
     config = SpeculativeConfig.parse(args.speculative_config)
     if config is None:
         return None
+    rows = config.num_speculative_tokens + 1
+    if kernels is not None and rows > DECODE_ROWS and not kernels.same_bits_past_8:
+        logger.warning(
+            "num_speculative_tokens %d: a verify step of %d rows runs the quantized linears' "
+            "kernels for more than %d rows, whose rounding differs from a one-row step's, so "
+            "greedy output can differ from decoding without speculation where two tokens "
+            "nearly tie; num_speculative_tokens <= %d (or --batch-invariant) keeps it identical",
+            config.num_speculative_tokens, rows, DECODE_ROWS, DECODE_ROWS - 1)
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         raise ConfigError("speculative decoding does not run with tensor or pipeline "
                           "parallelism yet")

@@ -181,6 +181,13 @@ class KernelChoice:
         "int" (the kernel of up to 8 rows; batch-invariant)."""
         return "int" if self.batch_invariant else KQUANT_BATCH[self.variant]
 
+    @property
+    def same_bits_past_8(self) -> bool:
+        """Whether a row's bits stay what they are at up to 8 rows when its step has more (the
+        int8 and K-quant linears keep their kernels' bits past 8 rows)."""
+        return self.batch_invariant or (self.batch == self.decode == "fp32"
+                                        and self.kquant_batch == "int")
+
     def describe(self) -> str:
         return (f"CPU kernels: {self.summary()}; quantized models' KV cache "
                 f"{self.kv_cache_dtype}. Override: --cpu-kernels, --batch-invariant")

@@ -3,6 +3,9 @@ synthetic target distribution, the adaptive draft length and the KV rollback."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from loom.config import ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.sched_output import CachedRequestData, SchedulerOutput
 from loom.core.spec_decode import SpecDecoder, SpeculativeConfig, ngram_match, ngram_propose
+from loom.engine.args import EngineArgs
+from loom.engine.spec import spec_decoder
+from loom.kernels.dispatch import KernelChoice
 from loom.request import Request
 from loom.sample.rejection import rejection_sample, verify_greedy
 from loom.sampling_params import SamplingParams
@@ -219,3 +225,23 @@ def test_config_parse() -> None:
     with pytest.raises(Exception, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 5,
                                  "prompt_lookup_max": 2})
+
+
+def test_long_drafts_warn_where_the_kernels_change_past_8_rows(caplog) -> None:
+    """A verify step of more than 8 rows on kernels whose bits change past 8 rows (the default
+    int8 ones: VNNI up to 8, bf16 past) warns that greedy output may differ and names the
+    limit; k = 7, batch-invariant kernels and no CPU kernels do not."""
+    varying = KernelChoice("bf16", "bf16", "vnni", "int8", False)
+    fixed = KernelChoice("bf16", "fp32", "fp32", "int8", True)
+
+    def warned(k: int, kernels: KernelChoice | None) -> bool:
+        caplog.clear()
+        config = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+        with caplog.at_level(logging.WARNING, logger="loom.engine.spec"):
+            got = spec_decoder(EngineArgs(speculative_config=config), 256, None, 16,
+                               torch.device("cpu"), kernels)
+        assert got is not None and got.config.num_speculative_tokens == k
+        return "num_speculative_tokens <= 7" in caplog.text
+
+    assert warned(8, varying) and warned(12, varying)
+    assert not warned(7, varying) and not warned(12, fixed) and not warned(12, None)
