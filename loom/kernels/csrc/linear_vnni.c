@@ -84,7 +84,7 @@
 #define ZERO(bits, lv) ((lv) == LOOM_Q8_Q5 ? 16 : (bits) == 4 && !(lv) ? 8 : 128)
 // LOOM_Q8_Q5 rows (K / 2 bytes of nibbles, then the fifth bits): the nibbles are read as 4-bit
 // rows' (their x layout), and each unpacked vector of words gets 16 where its fifth bit is set
-// (one mask a vector from the group's bits, one masked add; AVX2: a compare and an add).
+// (one mask a vector from the group's bits, one masked add; AVX2: a compare and a subtract).
 #define LAYOUT(bits) (LOOM_Q8_WIDTH(bits) == 8 ? 8 : 4)  // the x layout's width
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
