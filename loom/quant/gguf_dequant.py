@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from loom.quant.int8 import IQ4, IQ4_Q, Q5, Q8Groups, unpack_nibbles, width
+from loom.quant.int8 import IQ4, IQ4_Q, Q5, Q8Groups, unpack_fifth_bits, unpack_nibbles, width
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -23,14 +23,6 @@ class UnsupportedTensorTypeError(ValueError):
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()  # [n, 1]
-
-
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """[n, 4] bytes (a little-endian uint32) -> [n, 32] uint8: bit j of that word, as 0/16
-    (numpy's unpackbits, little bit order: bit i of byte b is bit 8b + i). Gemma 3 270M's Q5_0
-    layers took ~1.4 s of its start-up when the word was widened to int64 and shifted in torch."""
-    bits = np.unpackbits(qh.contiguous().numpy(), axis=1, bitorder="little")  # [n, 32]
-    return torch.from_numpy(bits).bitwise_left_shift_(4)
 
 
 # 4-bit block formats -> where their 16 bytes of nibbles start in a block
@@ -54,9 +46,10 @@ def _unpack(
     if qtype == GGMLQuantizationType.Q8_0:
         return blocks[:, 2:].view(torch.int8), d, 0, None
     if qtype == GGMLQuantizationType.Q5_0:
-        return unpack_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6]), d, 16, None
+        return unpack_nibbles(blocks[:, 6:]) | unpack_fifth_bits(blocks[:, 2:6]), d, 16, None
     if qtype == GGMLQuantizationType.Q5_1:
-        return unpack_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]), d, 0, _f16(blocks, 2)
+        return (unpack_nibbles(blocks[:, 8:]) | unpack_fifth_bits(blocks[:, 4:8]), d, 0,
+                _f16(blocks, 2))
     if qtype == GGMLQuantizationType.IQ4_NL:  # 4-bit indices into 16 levels -127..113, + 128
         return IQ4_NL_LEVELS[unpack_nibbles(blocks[:, 2:]).long()], d, 128, None
     raise AssertionError(qtype)

@@ -71,6 +71,8 @@ Q5 = 5
 def width(bits: int) -> int:
     """Bits a stored weight of `bits` (8, 5, 4 or IQ4): loom.h's LOOM_Q8_WIDTH."""
     return bits & 0xFF
+
+
 # the batch kernel (loom.kernels.dispatch) -> its C entry point (csrc/linear_q8.c, linear_amx.c,
 # linear_bf16.c)
 BATCH_KERNELS = {"fp32": "loom_linear_q8_f32", "amx": "loom_linear_q8_amx",
@@ -111,6 +113,14 @@ def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     torch.bitwise_and(qs, 0x0F, out=out[:, 0])
     torch.bitwise_right_shift(qs, 4, out=out[:, 1])
     return out.view(-1, 32)
+
+
+def unpack_fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, b] bytes (little-endian 32-bit words of GGUF's qh) -> [n, 8 b] uint8: bit j as 0/16
+    (numpy's unpackbits, little bit order: bit i of byte b is bit 8b + i). Gemma 3 270M's Q5_0
+    layers took ~1.4 s of its start-up when the word was widened to int64 and shifted in torch."""
+    bits = np.unpackbits(qh.contiguous().numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(bits).bitwise_left_shift_(4)
 
 
 @dataclass
@@ -156,9 +166,7 @@ class Q8Groups:
         n, k = self.shape
         if self.bits == Q5:
             low = unpack_nibbles(self.q[:, :k // 2].reshape(-1, GROUP // 2)).view(n, k)
-            high = np.unpackbits(self.q[:, k // 2:].contiguous().numpy(), axis=1,
-                                 bitorder="little")
-            return low | torch.from_numpy(high).bitwise_left_shift_(4)
+            return low | unpack_fifth_bits(self.q[:, k // 2:])
         q = unpack_nibbles(self.q.reshape(-1, GROUP // 2)).view(n, k)
         return IQ4_Q[q.long()] if self.bits == IQ4 else q
 

@@ -85,11 +85,10 @@ def test_int8_block_path_is_batch_invariant(k, n, rows) -> None:
     assert torch.equal(q(x[:9]), out[:9])
 
 
-def _same_bits_as_bytes(wide: Q8Groups, packed: Q8Groups, g: torch.Generator) -> torch.Tensor:
+def _same_bits_as_bytes(wide: Q8Groups, packed: Q8Groups, g: torch.Generator) -> None:
     """An Int8Linear holding `packed` gives the bits one holding the same values a byte each
     (`wide`) gives, at every batch size and path of the fp32 kernel (1, 2: two weight rows at
-    once, else one; 9 and 70: the block path), and so does the embedding lookup. Returns
-    the inputs it tried."""
+    once, else one; 9 and 70: the block path), and so does the embedding lookup."""
     n, k = wide.shape
     one, two = Int8Linear.empty(k, n, True), Int8Linear.empty(k, n, True, bits=packed.bits)
     one.load_rows(None, wide)
@@ -105,7 +104,6 @@ def _same_bits_as_bytes(wide: Q8Groups, packed: Q8Groups, g: torch.Generator) ->
     emb.load_rows(None, packed)
     ids = torch.tensor([3, 0, n - 1, 3])
     torch.testing.assert_close(emb(ids), wide.dequantize(ids), rtol=0, atol=0)
-    return x
 
 
 @pytest.mark.parametrize("k, n", [(576, 51), (2048, 100)])  # 51: a last row alone

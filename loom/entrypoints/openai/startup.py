@@ -17,9 +17,13 @@ def _kept(model: nn.Module) -> str:
     from loom.quant.int8 import IQ4, Q5, Int8Embedding, Int8Linear
     from loom.quant.kquant import KQuantLinear
 
-    grid = {m.bits for m in model.modules() if isinstance(m, (Int8Linear, Int8Embedding))}
+    grid, kquant = set(), False
+    for m in model.modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            grid.add(m.bits)
+        kquant |= isinstance(m, KQuantLinear)
     held = []
-    if any(isinstance(m, KQuantLinear) for m in model.modules()):
+    if kquant:
         held.append("K-quant super-blocks as stored")
     if grid:
         forms = [f for b, f in ((IQ4, "IQ4 as 4-bit level indices"), (Q5, "Q5 at 5 bits"))

@@ -29,6 +29,7 @@
 #define HAVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
+#include "grid_group.h"  // loom_q5_bytes
 #include <unistd.h>
 #endif
 
@@ -111,9 +112,8 @@ static void slab_fill(const uint8_t *w, const float *scales, const float *mins, 
                 }
                 if (bits == LOOM_Q8_Q5) {  // + 16 by each fifth bit
                     const uint32_t h = loom_q5_high(q, K, g);
-                    const __m128i k16 = _mm_set1_epi8(16);
-                    lo = _mm_mask_add_epi8(lo, (__mmask16)h, lo, k16);
-                    hi = _mm_mask_add_epi8(hi, (__mmask16)(h >> 16), hi, k16);
+                    lo = _mm_or_si128(lo, loom_q5_bytes(h));
+                    hi = _mm_or_si128(hi, loom_q5_bytes(h >> 16));
                 }
             }
             _mm512_storeu_si512(slab + (g * TILE + r) * GROUP,

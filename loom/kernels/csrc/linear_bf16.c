@@ -24,6 +24,7 @@
 #define HAVE_BF16 1
 #include <immintrin.h>
 #include "bf16_tile.h"  // bf16_tile, sum16
+#include "grid_group.h"  // loom_grid_group
 #endif
 
 #define GROUP 32
@@ -42,42 +43,14 @@ int loom_bf16_available(void)
 }
 
 #ifdef HAVE_BF16
-// Group g of weight row q (K weights) as 32 bf16 at out: q * s + m in fp32 (one fma, as
-// linear_q8.c), then rounded to nearest even.
+// Group g of weight row q (K weights) as 32 bf16 at out: q * s + m in fp32 (linear_q8.c's
+// weights: loom_grid_group), then rounded to nearest even.
 static inline __attribute__((always_inline)) void group_bf16(const uint8_t *q, int bits,
                                                              int64_t K, int64_t g, float s,
                                                              float m, uint16_t *out)
 {
     __m512 lo, hi;
-    if (bits != 8) {  // the nibbles' 16 values (LOOM_Q8_LEVELS: IQ4_NL's)
-        const __m512 iota = bits & LOOM_Q8_LEVELS
-            ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
-            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(m));
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
-        if (bits == LOOM_Q8_Q5) {  // values 16..31 from a second table, by each fifth bit
-            const uint32_t h = loom_q5_high(q, K, g);
-            const __m512 high = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)),
-                                                _mm512_set1_ps(s), _mm512_set1_ps(m));
-            const __m512i nib = _mm512_set1_epi32(0x0F), k16 = _mm512_set1_epi32(16);
-            const __m512i l = _mm512_and_si512(b, nib), u = _mm512_srli_epi32(b, 4);
-            lo = _mm512_permutex2var_ps(table, _mm512_mask_or_epi32(l, (__mmask16)h, l, k16),
-                                        high);
-            hi = _mm512_permutex2var_ps(
-                table, _mm512_mask_or_epi32(u, (__mmask16)(h >> 16), u, k16), high);
-        } else {
-            lo = _mm512_permutexvar_ps(b, table);
-            hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-        }
-    } else {
-        const uint8_t *p = q + g * GROUP;
-        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm_loadu_si128((const __m128i *)p))),
-                             _mm512_set1_ps(s), _mm512_set1_ps(m));
-        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm_loadu_si128((const __m128i *)(p + 16)))),
-                             _mm512_set1_ps(s), _mm512_set1_ps(m));
-    }
+    loom_grid_group(q, bits, K, g, s, m, &lo, &hi);
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 

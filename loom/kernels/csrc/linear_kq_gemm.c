@@ -36,9 +36,11 @@
 #define KG_BF16 1
 #include <immintrin.h>
 #include "bf16_tile.h"  // linear_bf16.c's tile
+#include "grid_group.h"  // loom_q5_bytes
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KG_I16 1
 #include <immintrin.h>
+#include "grid_group.h"  // loom_q5_bytes
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // the vnni build: the same panels and x in 512-bit tiles of vpdpwssd (the avx512 build keeps
 // the AVX2 tile: 512-bit vpmaddwd + vpaddd took 1.05x its time on Q4_K, 1.02-1.08x on the int8
@@ -438,14 +440,8 @@ static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t k
                                           : _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
                 if (src->bits & LOOM_Q8_LEVELS)  // the nibbles' values
                     u = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)loom_iq4_q), u);
-                if (src->bits == LOOM_Q8_Q5) {  // byte i gets 16 where bit k % 32 + i is set
-                    const int h = (int)(loom_q5_high(q, K, g) >> (k & 31) & 0xFFFF);
-                    const __m128i sel = _mm_set1_epi64x((long long)0x8040201008040201ull);
-                    const __m128i t = _mm_and_si128(
-                        _mm_unpacklo_epi64(_mm_set1_epi8((char)h), _mm_set1_epi8((char)(h >> 8))),
-                        sel);
-                    u = _mm_or_si128(u, _mm_and_si128(_mm_cmpeq_epi8(t, sel), _mm_set1_epi8(16)));
-                }
+                if (src->bits == LOOM_Q8_Q5)  // byte i: + 16 where bit k % 32 + i is set
+                    u = _mm_or_si128(u, loom_q5_bytes(loom_q5_high(q, K, g) >> (k & 31)));
                 b0 = _mm256_cvtepu8_epi32(u);
                 b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(u, 8));
             }

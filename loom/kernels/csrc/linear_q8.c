@@ -6,7 +6,7 @@
 // those (q below 16) can also be stored two to a byte, which halves the bytes decode reads and
 // leaves every result the same. Activations and sums stay fp32.
 // Decode reads weights from memory once per step, so about a quarter of fp32's bytes is the
-// point; at one or two rows it is also bound by instructions per weight (group_lookup) and by
+// point; at one or two rows it is also bound by instructions per weight (loom_grid_group) and by
 // how far ahead the weight streams are fetched (prefetch_rows): together 1.44x a step at one
 // stream on a Xeon with AVX-512.
 //
@@ -29,6 +29,7 @@
 #include "loom.h"
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "grid_group.h"  // loom_grid_group (AVX-512), loom_q5_bytes
 #endif
 
 #define GROUP 32
@@ -63,14 +64,13 @@ typedef uint8_t vu8 __attribute__((vector_size(LANES), aligned(1)));
 typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
 
 static inline __attribute__((always_inline)) vf loadv(const float *p) { return *(const vf *)p; }
+#if LANES == 8
 // q * s + m in one rounding where the CPU has FMA. Spelled out: gcc contracts the plain
-// expression in some inlined contexts and not in others, and the direct and block paths (and
-// group_lookup) must compute the same weights.
+// expression in some inlined contexts and not in others, and the direct and block paths must
+// compute the same weights. (AVX-512: loom_grid_group, grid_group.h.)
 static inline __attribute__((always_inline)) vf weight(vf q, float s, float m)
 {
-#if LANES == 16
-    return (vf)_mm512_fmadd_ps((__m512)q, _mm512_set1_ps(s), _mm512_set1_ps(m));
-#elif defined(__FMA__)
+#if defined(__FMA__)
     return (vf)_mm256_fmadd_ps((__m256)q, _mm256_set1_ps(s), _mm256_set1_ps(m));
 #else
     return q * s + m;
@@ -79,9 +79,7 @@ static inline __attribute__((always_inline)) vf weight(vf q, float s, float m)
 // LANES bytes 0..255 as floats.
 static inline __attribute__((always_inline)) vf cvt_bytes(const uint8_t *p)
 {
-#if LANES == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
     // gcc turns the generic form below into eight scalar conversions (measured 3x slower).
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else
@@ -100,22 +98,10 @@ static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const
     if (bits == 8) return cvt_bytes(q + g * GROUP + j);
     const uint8_t *p = q + g * (GROUP / 2) + (j & 15);
     const int lv = bits & LOOM_Q8_LEVELS, five = bits == LOOM_Q8_Q5;
-#if LANES == 16
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i i = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
-    if (five) i = _mm512_mask_or_epi32(i, (__mmask16)(h >> j), i, _mm512_set1_epi32(16));
-    return (vf)_mm512_cvtepi32_ps(
-        lv ? _mm512_permutexvar_epi32(
-                 i, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
-           : i);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
     const __m128i v = _mm_loadl_epi64((const __m128i *)p), nib = _mm_set1_epi8(0x0F);
     __m128i i = j < 16 ? _mm_and_si128(v, nib) : _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-    if (five) {  // byte k gets 16 where bit j + k of h is set
-        const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m128i t = _mm_and_si128(_mm_set1_epi8((char)(h >> j)), sel);
-        i = _mm_or_si128(i, _mm_and_si128(_mm_cmpeq_epi8(t, sel), _mm_set1_epi8(16)));
-    }
+    if (five) i = _mm_or_si128(i, loom_q5_bytes(h >> j));
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
         lv ? _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)loom_iq4_q), i) : i));
 #else
@@ -127,56 +113,24 @@ static inline __attribute__((always_inline)) vf cvt_part(const uint8_t *q, const
     return r;
 #endif
 }
-
-#if LANES == 16
-// A 4-bit group's 32 weights (16 bytes of GGUF nibbles at p) as two vectors, values 0..15 and
-// 16..31: the group's 16 possible weights q * s + m (q = 0..15) in one fma, then each nibble
-// picks its lane (vpermps reads an index's low 4 bits: the low nibble as it is, the high one
-// shifted down). The same floats as weight(cvt_part(...)), in 5 instructions instead of 8 (~20%
-// faster for one row through a layer larger than L2: one stream's decode is bound by
-// instructions here, not by memory).
-// 5-bit groups (h their fifth bits): two tables, the values 0..15 and 16..31, each weight's
-// fifth bit picking its table (vpermt2ps reads an index's bit 4 so).
-static inline __attribute__((always_inline)) void group_lookup(const uint8_t *p, const int bits,
-                                                               float s, float m, uint32_t h,
-                                                               vf w[2])
-{
-    const __m512 iota = bits & LOOM_Q8_LEVELS  // the nibbles' values
-        ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)loom_iq4_q)))
-        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = (__m512)weight((vf)iota, s, m);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    if (bits == LOOM_Q8_Q5) {
-        const __m512 high = (__m512)weight((vf)_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), s, m);
-        const __m512i nib = _mm512_set1_epi32(0x0F), k16 = _mm512_set1_epi32(16);
-        const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi32(b, 4);
-        w[0] = (vf)_mm512_permutex2var_ps(
-            table, _mm512_mask_or_epi32(lo, (__mmask16)h, lo, k16), high);
-        w[1] = (vf)_mm512_permutex2var_ps(
-            table, _mm512_mask_or_epi32(hi, (__mmask16)(h >> 16), hi, k16), high);
-        return;
-    }
-    w[0] = (vf)_mm512_permutexvar_ps(b, table);
-    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-}
 #endif
 
 // Group g of a row q of K weights (`bits` a weight) as GROUP / LANES vectors of weights
-// q * s + m: through group_lookup for 4- and 5-bit rows where it applies, else converted LANES
-// at a time. The same floats either way.
+// q * s + m: AVX-512's loom_grid_group, else converted LANES at a time.
 static inline __attribute__((always_inline)) void group_weights(const uint8_t *q, const int bits,
                                                                 int64_t K, int64_t g, float s,
                                                                 float m, vf w[GROUP / LANES])
 {
-    const uint32_t h = bits == LOOM_Q8_Q5 ? loom_q5_high(q, K, g) : 0;
 #if LANES == 16
-    if (bits != 8) {
-        group_lookup(q + g * (GROUP / 2), bits, s, m, h, w);
-        return;
-    }
-#endif
+    __m512 lo, hi;
+    loom_grid_group(q, bits, K, g, s, m, &lo, &hi);
+    w[0] = (vf)lo;
+    w[1] = (vf)hi;
+#else
+    const uint32_t h = bits == LOOM_Q8_Q5 ? loom_q5_high(q, K, g) : 0;
     for (int j = 0; j < GROUP / LANES; j++)
         w[j] = weight(cvt_part(q, bits, g, j * LANES, h), s, m);
+#endif
 }
 
 // LANES lanes to 8: lane i plus lane i + 8 (the identity at 8 lanes).
