@@ -65,7 +65,7 @@ class LinearQ8(ctypes.Structure):  # loom.h's LoomLinearQ8 (its fields below: it
         half = (None, None) if half is None else (
             None if t is None else t.data_ptr() for t in half)
         return cls(linear.weight_int8.data_ptr(), linear.scale.data_ptr(),
-                   linear.min.data_ptr(), *half, linear.bits, LINEAR_Q8, None, 0, 0,
+                   linear.min_ptr, *half, linear.bits, LINEAR_Q8, None, 0, 0,
                    getattr(linear, "out_features", 0))
 
     @classmethod

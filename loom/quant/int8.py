@@ -214,6 +214,9 @@ class _OnGrid:
     scale: torch.Tensor
     min: torch.Tensor
     bits: int
+    # Every group's minimum is -ZERO[bits] times its scale (drop_symmetric_mins): `min` is
+    # empty, the kernels form each minimum from its scale (loom.h's loom_q8_min)
+    symmetric = False
 
     def _hold(self, groups: Q8Groups) -> None:
         self.bits = groups.bits  # per stored weight: 8, 5, or 4 or IQ4 (see Q8Groups)
@@ -223,7 +226,28 @@ class _OnGrid:
 
     @property
     def groups(self) -> Q8Groups:
-        return Q8Groups(self.weight_int8, self.scale, self.min, self.bits)
+        mins = self.scale * -ZERO[self.bits] if self.symmetric else self.min
+        return Q8Groups(self.weight_int8, self.scale, mins, self.bits)
+
+    @property
+    def min_ptr(self) -> int | None:
+        """The fp32 minimums as the C kernels take them: None for symmetric groups."""
+        return None if self.symmetric else self.min.data_ptr()
+
+    def drop_symmetric_mins(self) -> bool:
+        """Once loaded: where every group's minimum is -ZERO[bits] times its scale, exactly (a
+        file's Q4_0, Q5_0, Q8_0, IQ4_NL and IQ4_XS blocks on the grid), free the fp32 minimums
+        (4 bytes a group: ~1 bit a weight) and let the kernels form them. Returns whether it
+        did. The same floats either way, so the same bits."""
+        if self.symmetric:
+            return True
+        zero = ZERO.get(self.bits)
+        if zero is None or self.min.numel() == 0 or not torch.equal(self.min,
+                                                                     self.scale * -zero):
+            return False
+        self.min = torch.empty(0)  # the registered buffer's new value
+        self.symmetric = True
+        return True
 
     def load_rows(self, rows: slice | None, w: torch.Tensor | Q8Groups) -> int:
         """Fill rows `rows` (all when None) from a checkpoint tensor: grouped weights are
@@ -316,10 +340,11 @@ class Int8Linear(_OnGrid, nn.Module):
         scales and minimums (exact for GGUF's blocks, which store them in fp16; rounded to
         fp16 otherwise: 4 bytes a group beside the fp32 ones, 2 for symmetric groups)."""
         assert self.grouped
-        scale, mins = self.scale.to(torch.float16), self.min.to(torch.float16)
+        scale = self.scale.to(torch.float16)
+        mins = None if self.symmetric else self.min.to(torch.float16)
         # Symmetric groups (Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS files): the kernel forms each minimum
         # from its scale, the same fp16 value (checked here), and reads 2 bytes a group fewer
-        if torch.equal(mins.float(), scale.float() * -ZERO[self.bits]):
+        if mins is not None and torch.equal(mins.float(), scale.float() * -ZERO[self.bits]):
             mins = None
         self._half = (scale, mins)
 
@@ -340,7 +365,8 @@ class Int8Linear(_OnGrid, nn.Module):
             if self._half is not None and xf.shape[0] <= DECODE_ROWS:
                 name, (scale, mins) = "loom_linear_q8_vnni", self._half
             else:  # the AMX and bf16 entry points run the fp32 kernel themselves up to 8 rows
-                name, scale, mins = BATCH_KERNELS[self.batch_kernel], self.scale, self.min
+                name, scale = BATCH_KERNELS[self.batch_kernel], self.scale
+                mins = None if self.symmetric else self.min
             rc = getattr(cpu_kernels(), name)(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
                 self.weight_int8.data_ptr(), scale.data_ptr(),
@@ -370,6 +396,7 @@ class Int8Linear(_OnGrid, nn.Module):
 
     def extra_repr(self) -> str:
         kind = ("4-bit IQ4_NL level indices" if self.bits == IQ4 else f"{self.bits}-bit values")
-        kind = (f"{kind} in groups of 32, fp32 scales and minimums"
+        mins = "minimums -ZERO x scale" if self.symmetric else "fp32 minimums"
+        kind = (f"{kind} in groups of 32, fp32 scales, {mins}"
                 if self.grouped else "per channel, bf16")
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({kind})"

@@ -423,6 +423,45 @@ def test_q5_keeps_five_bits_where_the_kernels_gain(tmp_path, qtype, monkeypatch)
     assert rel_err(PagedBatch(exact).step({"r": ids})["r"], out_ref) < 1e-5
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1], ids=lambda q: q.name)
+def test_symmetric_groups_keep_no_fp32_minimums(tmp_path, qtype, monkeypatch) -> None:
+    """A file of symmetric blocks (Q4_0, Q5_0, Q8_0: every minimum -zero x its scale) holds no
+    fp32 minimums once loaded, in its linears and embedding alike: the kernels form each from
+    its scale (loom.h's loom_q8_min), the same floats, so the same logits bit for bit as with
+    them stored, on the default kernels and the fp32 (batch-invariant) ones, for a prompt's
+    step past 8 rows and decode steps. Q4_1's minimums are its own: kept; and Q5_0's where it
+    takes a byte a weight (its zero point 16 is not the byte form's 128)."""
+    require_cpu_kernels()
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    source = resolve_model(str(write_gguf(folder, tmp_path / "q.gguf", "llama", qtype)))
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    symmetric = qtype != T.Q4_1
+
+    def run(loaded) -> list[torch.Tensor]:  # noqa: ANN001
+        batch = PagedBatch(loaded)
+        return [batch.step({"r": ids[:12]})["r"], batch.step({"r": ids[12:13]})["r"],
+                batch.step({"r": ids[13:14]})["r"]]
+
+    for batch_invariant in (False, True):
+        lean = load_model(source, dtype="float32", batch_invariant=batch_invariant)
+        grid = [m for m in lean.model.modules() if isinstance(m, (Int8Linear, Int8Embedding))]
+        assert len(grid) == 2 * 4 + 2
+        sym = symmetric and (qtype != T.Q5_0 or grid[0].bits == Q5)
+        assert all(m.symmetric == sym and (m.min.numel() == 0) == sym for m in grid)
+        with monkeypatch.context() as patch:  # the minimums kept, as before
+            patch.setattr(Int8Linear, "drop_symmetric_mins", lambda self: False)
+            patch.setattr(Int8Embedding, "drop_symmetric_mins", lambda self: False)
+            full = load_model(source, dtype="float32", batch_invariant=batch_invariant)
+        assert not any(m.symmetric for m in full.model.modules()
+                       if isinstance(m, (Int8Linear, Int8Embedding)))
+        for a, b in zip(run(lean), run(full)):
+            assert torch.equal(a, b)
+        for m in grid:  # the minimums as the reference path reads them: the stored ones
+            twin = full.model.get_submodule(next(n for n, x in lean.model.named_modules()
+                                                 if x is m))
+            assert torch.equal(m.groups.min, twin.min)
+
+
 @pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS], ids=lambda q: q.name)
 def test_iq4_runs_on_the_int8_grid_by_default(tmp_path, qtype) -> None:
     """An IQ4_NL or IQ4_XS file (every 2-D tensor in it) keeps its values exactly by default, at

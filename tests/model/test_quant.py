@@ -731,6 +731,35 @@ def test_symmetric_groups_skip_their_minimums(bits, build) -> None:
     assert q._half[1] is not None
 
 
+@pytest.mark.parametrize("kernel", ["fp32", "amx", "bf16", "int16"])
+@pytest.mark.parametrize("bits", [8, 4, IQ4, Q5])
+def test_symmetric_groups_keep_no_fp32_minimums(kernel, bits) -> None:
+    """drop_symmetric_mins on groups whose minimum is -ZERO[bits] times their scale (a file's
+    Q4_0, Q5_0, Q8_0, IQ4 blocks): the fp32 minimums go (an empty buffer), the kernels form each
+    from its scale (loom.h's loom_q8_min) and give the bits they gave reading them, up to 8 rows
+    (linear_q8.c's direct path) and past (the batch kernel, whose conversion reads them), and
+    .groups hands the same minimums back (the module path's embedding, a fused copy); groups off
+    the rule keep theirs."""
+    if kernel != "fp32":
+        {"amx": require_amx, "bf16": require_bf16, "int16": require_int16}[kernel]()
+    g = torch.Generator().manual_seed(13)
+    zero = ZERO[bits]
+    for m, k, n in [(3, 96, 21), (12, 576, 33), (37, 2080, 17)]:
+        _, q = _random_int8(k, n, True, bits, g)
+        d = (torch.rand(n, k // 32, generator=g) + 0.5).half().float() / 64
+        q._hold(Q8Groups(q.weight_int8, d, d * -zero, bits))
+        q.batch_kernel = kernel
+        x = torch.randn(m, k, generator=g)
+        want, one = q(x), q(x[:1])
+        mins = q.min.clone()
+        assert q.drop_symmetric_mins() and q.symmetric and q.min.numel() == 0
+        assert torch.equal(q.groups.min, mins)
+        assert torch.equal(q(x), want), (m, k, n)
+        assert torch.equal(q(x[:1]), one)
+    _, off = _random_int8(96, 21, True, 8, g)  # its own minimums (fp32 quantization)
+    assert not off.drop_symmetric_mins() and off.min.numel() == 21 * 3 and not off.symmetric
+
+
 @pytest.mark.slow
 def test_kernels_follow_the_dispatch_choice() -> None:
     """The loader gives every int8 linear the kernels loom.kernels.dispatch chose (the head's

@@ -540,7 +540,8 @@ static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
     const int64_t groups = H / 32, row_bytes = H * LOOM_Q8_WIDTH(code) / 8;
     for (int64_t t = 0; t < M; t++) {
         const uint8_t *q = E->table.w + E->ids[t] * row_bytes;
-        const float *sc = E->table.s + E->ids[t] * groups, *mn = E->table.m + E->ids[t] * groups;
+        const float *sc = E->table.s + E->ids[t] * groups;
+        const float *mn = E->table.m ? E->table.m + E->ids[t] * groups : NULL;
         float *o = out + t * H;
         for (int64_t g = 0; g < groups; g++)
             for (int j = 0; j < 32; j++) {
@@ -551,7 +552,7 @@ static void embed_rows(const LoomEmbedQ8 *E, int64_t M, int64_t H, float *out)
                               : code == LOOM_Q8_Q5 ? n | (int)(loom_q5_high(q, H, g) >> j & 1) << 4
                                                    : n;
                 const float p = (float)v * sc[g];
-                o[g * 32 + j] = p + mn[g];
+                o[g * 32 + j] = p + loom_q8_min(mn, sc, g, code);
             }
         if (E->scale != 1.0f)
             for (int64_t i = 0; i < H; i++) o[i] *= E->scale;

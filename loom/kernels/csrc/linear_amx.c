@@ -121,7 +121,8 @@ static void slab_fill(const uint8_t *w, const float *scales, const float *mins, 
                                                              centered(lo, CENTER(bits))));
             const int64_t at = (n0 + r) * groups + g;
             sc[g * TILE + r] = scales[at];
-            mc[g * TILE + r] = __builtin_fmaf((float)CENTER(bits), scales[at], mins[at]);
+            mc[g * TILE + r] = __builtin_fmaf((float)CENTER(bits), scales[at],
+                                              loom_q8_min(mins, scales, at, bits));
         }
     }
 }

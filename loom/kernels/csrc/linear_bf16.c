@@ -66,7 +66,8 @@ static void block_pass(const uint16_t *xb, int64_t m0, int64_t m1, int64_t K, co
     for (int64_t r = 0; r < nb; r++)
         for (int64_t g = 0; g < groups; g++)
             group_bf16(w + (n0 + r) * row_bytes, bits, K, g, scales[(n0 + r) * groups + g],
-                       mins[(n0 + r) * groups + g], wbuf + r * K + g * GROUP);
+                       loom_q8_min(mins, scales, (n0 + r) * groups + g, bits),
+                       wbuf + r * K + g * GROUP);
     const int64_t nbp = (nb + 3) / 4 * 4;
     for (int64_t i = nb * K; i < nbp * K; i++) wbuf[i] = 0;
     for (int64_t m = m0; m < m1; m += 4) {

@@ -413,7 +413,7 @@ static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t k
     const int width = LOOM_Q8_WIDTH(src->bits);  // 8, 5 or 4 (LOOM_Q8_LEVELS: values 1..241)
     const int64_t groups = K / 32, row_bytes = K * width / 8;
     const uint8_t *q = src->w + n * row_bytes;
-    const float *s = src->s + n * groups, *m = src->m + n * groups;
+    const float *s = src->s + n * groups, *m = src->m ? src->m + n * groups : NULL;
     const float qmax = src->bits == 4 ? 15.0f : src->bits == LOOM_Q8_Q5 ? 31.0f : 255.0f;
     for (int64_t c = k0; c < k0 + kc; c += QK, out += QK, side += SIDE) {
         // the panel reads a chunk of a row, then the next row's: ahead to the next row's
@@ -422,7 +422,8 @@ static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t k
         const int64_t have = K - c < QK ? K - c : QK;  // a multiple of 32
         float bound = 0.0f;
         for (int64_t g = c / 32; g < (c + have) / 32; g++) {
-            const float lo = fabsf(m[g]), hi = fabsf(m[g] + qmax * s[g]);
+            const float mg = loom_q8_min(m, s, g, src->bits);
+            const float lo = fabsf(mg), hi = fabsf(mg + qmax * s[g]);
             bound = bound > lo ? bound : lo;
             bound = bound > hi ? bound : hi;
         }
@@ -445,7 +446,8 @@ static void grid_row(const Src *src, int64_t K, int64_t n, int64_t k0, int64_t k
                 b0 = _mm256_cvtepu8_epi32(u);
                 b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(u, 8));
             }
-            const __m256 sg = _mm256_set1_ps(s[g] * inv), mg = _mm256_set1_ps(m[g] * inv);
+            const __m256 sg = _mm256_set1_ps(s[g] * inv),
+                         mg = _mm256_set1_ps(loom_q8_min(m, s, g, src->bits) * inv);
             const __m256i a = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), sg, mg));
             const __m256i d = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), sg, mg));
             _mm256_storeu_si256((__m256i *)(out + j),

@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(
     if (g % 16 == 0)
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(sc + r * groups + g + PF_S);
-            __builtin_prefetch(mn + r * groups + g + PF_S);
+            if (mn) __builtin_prefetch(mn + r * groups + g + PF_S);
             if (bits == LOOM_Q8_Q5)  // the fifth bits' plane, 16 groups a line
                 __builtin_prefetch(q + r * row_bytes + groups * 16 + 4 * g + 64);
         }
@@ -210,7 +210,7 @@ static inline __attribute__((always_inline)) void rows_direct(
         vf w[R_MAX][GROUP / LANES];
         for (int r = 0; r < R; r++)
             group_weights(q + r * row_bytes, bits, K, g, sc[r * groups + g],
-                          mn[r * groups + g], w[r]);
+                          loom_q8_min(mn, sc, r * groups + g, bits), w[r]);
         for (int j = 0; j < GROUP / LANES; j++)
             for (int m = 0; m < M; m++) {
                 const vf u = loadv(x + m * ldx + g * GROUP + j * LANES);
@@ -229,12 +229,12 @@ static inline __attribute__((always_inline)) void unit_direct(
 {
     if (n + R <= N) {
         rows_direct(x, M, ldx, w + n * row_bytes, row_bytes, bits, scales + n * groups,
-                    mins + n * groups, groups, R, K, y + n, ldy);
+                    mins ? mins + n * groups : NULL, groups, R, K, y + n, ldy);
         return;
     }
     for (; n < N; n++)
         rows_direct(x, M, ldx, w + n * row_bytes, row_bytes, bits, scales + n * groups,
-                    mins + n * groups, groups, 1, K, y + n, ldy);
+                    mins ? mins + n * groups : NULL, groups, 1, K, y + n, ldy);
 }
 
 // PIN keeps a loaded vector in a register: gcc otherwise folds the loads into the FMAs and
@@ -278,7 +278,8 @@ static void q8_block(const float *x, int64_t m0, int64_t m1, int64_t ldx, int64_
     for (int64_t r = 0; r < nb; r++)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = (n0 + r) * groups + g;
-            group_weights(w + (n0 + r) * row_bytes, bits, K, g, scales[at], mins[at],
+            group_weights(w + (n0 + r) * row_bytes, bits, K, g, scales[at],
+                          loom_q8_min(mins, scales, at, bits),
                           (vf *)(wbuf + (r * groups + g) * GROUP));
         }
     const int64_t nbp = (nb + 2) / 3 * 3;
