@@ -81,7 +81,7 @@
 // minimum is -ZERO(bits, lv) times its scale, taken from the scales (a power of two: the same fp16
 // product the stored minimum would be) instead of read, 2 bytes a group fewer (1/10 of Q4_0's
 // bytes, 1/18 of Q8_0's).
-#define ZERO(bits, lv) ((lv) == LOOM_Q8_Q5 ? 16 : (bits) == 4 && !(lv) ? 8 : 128)
+#define ZERO(bits, lv) loom_q8_zero((lv) == LOOM_Q8_Q5 ? LOOM_Q8_Q5 : (bits) | (lv))
 // LOOM_Q8_Q5 rows (K / 2 bytes of nibbles, then the fifth bits): the nibbles are read as 4-bit
 // rows' (their x layout), and each unpacked vector of words gets 16 where its fifth bit is set
 // (one mask a vector from the group's bits, one masked add; AVX2: a compare and a subtract).

@@ -87,14 +87,16 @@ void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64
 #define LOOM_Q8_WIDTH(bits) ((bits) & 0xFF)  // bits a stored weight: 8, 5 or 4
 static const uint8_t loom_iq4_q[16] = {1,   24,  45,  63,  79,  93,  106, 118,  // ggml's
                                        129, 141, 153, 166, 181, 197, 217, 241};  // + 128
-// Group `at`'s minimum: mins[at], or with mins NULL (symmetric groups: a file's Q4_0, Q5_0 and
-// Q8_0 blocks, IQ4_NL and IQ4_XS, whose every minimum is -zero x its scale, so the loader keeps
-// no fp32 minimums) -zero x scales[at], the float loom_q8_blocks_grid would have stored: zero 8
-// at bits 4, 16 at LOOM_Q8_Q5, 128 at 8 and for the IQ4 levels (linear_vnni.c's ZERO).
+// The zero point of symmetric groups of `bits` (a file's Q4_0, Q5_0 and Q8_0 blocks, IQ4_NL
+// and IQ4_XS, whose every minimum is -zero x its scale): 8 at bits 4, 16 at LOOM_Q8_Q5, 128 at
+// 8 and for the IQ4 levels (Python's loom.quant.int8.ZERO).
+static inline int loom_q8_zero(int bits) { return bits == 4 ? 8 : bits == LOOM_Q8_Q5 ? 16 : 128; }
+
+// Group `at`'s minimum: mins[at], or with mins NULL (symmetric groups: the loader keeps no fp32
+// minimums for them) -zero x scales[at], the float loom_q8_blocks_grid would have stored.
 static inline float loom_q8_min(const float *mins, const float *scales, int64_t at, int bits)
 {
-    const float zero = bits == 4 ? 8.0f : bits == LOOM_Q8_Q5 ? 16.0f : 128.0f;
-    return mins ? mins[at] : -zero * scales[at];
+    return mins ? mins[at] : -(float)loom_q8_zero(bits) * scales[at];
 }
 
 // The fifth bits of group g of a LOOM_Q8_Q5 row q of K weights.
