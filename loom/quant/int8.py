@@ -229,6 +229,12 @@ class _OnGrid:
         mins = self.scale * -ZERO[self.bits] if self.symmetric else self.min
         return Q8Groups(self.weight_int8, self.scale, mins, self.bits)
 
+    def group_rows(self, index: torch.Tensor | slice) -> Q8Groups:
+        """Rows `index` of the groups (a symmetric layer's minimums formed for those rows only)."""
+        scale = self.scale[index]
+        mins = scale * -ZERO[self.bits] if self.symmetric else self.min[index]
+        return Q8Groups(self.weight_int8[index], scale, mins, self.bits)
+
     @property
     def min_ptr(self) -> int | None:
         """The fp32 minimums as the C kernels take them: None for symmetric groups."""
@@ -282,7 +288,7 @@ class Int8Embedding(_OnGrid, nn.Module):
         self._hold(Q8Groups.empty(num_embeddings, embedding_dim, bits))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.groups.dequantize(input_ids)  # [num_tokens, embedding_dim]
+        return self.group_rows(input_ids).dequantize()  # [num_tokens, embedding_dim]
 
 
 class Int8Linear(_OnGrid, nn.Module):

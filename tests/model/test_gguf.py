@@ -456,6 +456,9 @@ def test_symmetric_groups_keep_no_fp32_minimums(tmp_path, qtype, monkeypatch) ->
                        if isinstance(m, (Int8Linear, Int8Embedding)))
         for a, b in zip(run(lean), run(full)):
             assert torch.equal(a, b)
+        tokens = torch.tensor(ids)  # the module path's lookup (the C stack has its own)
+        assert torch.equal(lean.model.model.embed_tokens(tokens),
+                           full.model.model.embed_tokens(tokens))
         for m in grid:  # the minimums as the reference path reads them: the stored ones
             twin = full.model.get_submodule(next(n for n, x in lean.model.named_modules()
                                                  if x is m))
