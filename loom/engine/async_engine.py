@@ -43,6 +43,11 @@ __all__ = [
 ]
 
 
+# The longest the engine thread waits after a step for the event loop to take its outputs
+# (AsyncEngine._step): a loop busy elsewhere costs a step no more than this.
+HANDOFF_WAIT_S = 0.002
+
+
 class EngineStepError(RuntimeError):
     """An engine step raised; every request in flight at that moment was dropped."""
 
@@ -186,6 +191,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._handed = threading.Event()  # the loop has run a step's deliveries (_step)
 
     # ---- life cycle (event loop thread) ----------------------------------------------------
 
@@ -374,7 +380,14 @@ class AsyncEngine:
             failure = None if output.error is None else RequestFailedError(output.error)
             deliveries.append((stream, output if failure is None else failure))
         if deliveries:
-            self._call_soon(_deliver, deliveries)
+            # Wait (HANDOFF_WAIT_S at most) until the loop has run them and the tasks they
+            # woke: the per-token Python of the streams (SSE chunks, socket writes) then runs
+            # here, between steps, where the OpenMP worker's core is idle, not inside the next
+            # step, where the GIL lets it run and it stalls the step's threads at their barriers
+            assert self._loop is not None
+            self._handed.clear()
+            self._call_soon(_deliver, deliveries, self._loop, self._handed)
+            self._handed.wait(HANDOFF_WAIT_S)
 
     def _reset(self, request_ids: list[str]) -> None:
         """After a failed step: abort the batch and let one step drop its state."""
@@ -444,6 +457,10 @@ def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_exception(error)
 
 
-def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]],
+             loop: asyncio.AbstractEventLoop | None = None,
+             handed: threading.Event | None = None) -> None:
     for stream, item in deliveries:
         stream.put(item)
+    if handed is not None and loop is not None:
+        loop.call_soon(handed.set)  # after the tasks the items woke (the ready queue is FIFO)

@@ -17,6 +17,7 @@ import pytest
 
 from loom.core.kv_cache_manager import PrefixCacheStats
 from loom.engine.async_engine import (
+    HANDOFF_WAIT_S,
     AsyncEngine,
     EngineShutdownError,
     EngineStepError,
@@ -161,6 +162,40 @@ async def test_outputs_in_order_and_off_the_event_loop() -> None:
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
     assert threading.get_ident() not in fake.thread_ids and len(fake.thread_ids) == 1
+
+
+async def test_each_step_waits_for_the_loop_to_take_the_last_outputs() -> None:
+    """The engine thread starts a step only once the event loop has run the last step's
+    deliveries and the consumer they woke (its per-token work happens between steps, not
+    during the next one), at most HANDOFF_WAIT_S later; a loop that does not answer costs a
+    step that bound, no hang."""
+    fake = FakeEngine()
+    got: list[int] = []  # the outputs the consumer has finished with, as each step starts
+    seen_at_step: list[int] = []
+    step = fake.step
+
+    def recording_step() -> list[RequestOutput]:
+        seen_at_step.append(len(got))
+        return step()
+
+    fake.step = recording_step  # type: ignore[method-assign]
+    engine = await _started(fake)
+    async for o in engine.generate([1, 2], _params(6), "a"):
+        time.sleep(HANDOFF_WAIT_S / 4)  # the consumer's per-token work, on the loop
+        got.append(len(o.outputs[0].token_ids))
+    assert got == [1, 2, 3, 4, 5, 6]
+    # step k starts after the consumer finished with output k - 1 (without the handoff the
+    # engine thread starts it during that work: the sleep releases the GIL)
+    assert seen_at_step == [0, 1, 2, 3, 4, 5]
+    # a loop blocked (here: this coroutine not yielding) delays the steps, never stops them
+    stream = engine.generate([1, 2], _params(4), "b")
+    first = await stream.__anext__()
+    steps = fake.steps
+    time.sleep(4 * HANDOFF_WAIT_S + 0.05)  # the loop is busy: no delivery runs meanwhile
+    assert fake.steps > steps  # the engine went on without the loop
+    rest = [o async for o in stream]
+    await engine.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in [first, *rest]] == [1, 2, 3, 4]
 
 
 async def test_invalid_request_raises_before_streaming() -> None:
