@@ -44,8 +44,11 @@ __all__ = [
 
 
 # The longest the engine thread waits after a step for the event loop to take its outputs
-# (AsyncEngine._step): a loop busy elsewhere costs a step no more than this.
+# (AsyncEngine._step): a loop busy elsewhere costs a step no more than this. Only on the CPU
+# (on a GPU the loop's work overlaps the device's instead) and for steps of a few streams (with
+# many, the loop's work a step would reach the bound, and each stream's share of a step is small).
 HANDOFF_WAIT_S = 0.002
+HANDOFF_MAX_STREAMS = 4
 
 
 class EngineStepError(RuntimeError):
@@ -192,6 +195,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._handed = threading.Event()  # the loop has run a step's deliveries (_step)
+        device = getattr(getattr(engine, "runner", None), "device", None)
+        self._handoff = getattr(device, "type", "cpu") == "cpu"
 
     # ---- life cycle (event loop thread) ----------------------------------------------------
 
@@ -384,6 +389,9 @@ class AsyncEngine:
             # woke: the per-token Python of the streams (SSE chunks, socket writes) then runs
             # here, between steps, where the OpenMP worker's core is idle, not inside the next
             # step, where the GIL lets it run and it stalls the step's threads at their barriers
+            if not self._handoff or len(deliveries) > HANDOFF_MAX_STREAMS:
+                self._call_soon(_deliver, deliveries)
+                return
             assert self._loop is not None
             self._handed.clear()
             self._call_soon(_deliver, deliveries, self._loop, self._handed)
