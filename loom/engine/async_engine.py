@@ -389,13 +389,13 @@ class AsyncEngine:
             # woke: the per-token Python of the streams (SSE chunks, socket writes) then runs
             # here, between steps, where the OpenMP worker's core is idle, not inside the next
             # step, where the GIL lets it run and it stalls the step's threads at their barriers
-            if not self._handoff or len(deliveries) > HANDOFF_MAX_STREAMS:
-                self._call_soon(_deliver, deliveries)
-                return
-            assert self._loop is not None
-            self._handed.clear()
-            self._call_soon(_deliver, deliveries, self._loop, self._handed)
-            self._handed.wait(HANDOFF_WAIT_S)
+            handed = (self._handed if self._handoff and len(deliveries) <= HANDOFF_MAX_STREAMS
+                      else None)
+            if handed is not None:
+                handed.clear()
+            self._call_soon(_deliver, deliveries, handed)
+            if handed is not None:
+                handed.wait(HANDOFF_WAIT_S)
 
     def _reset(self, request_ids: list[str]) -> None:
         """After a failed step: abort the batch and let one step drop its state."""
@@ -466,9 +466,8 @@ def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]],
-             loop: asyncio.AbstractEventLoop | None = None,
              handed: threading.Event | None = None) -> None:
     for stream, item in deliveries:
         stream.put(item)
-    if handed is not None and loop is not None:
-        loop.call_soon(handed.set)  # after the tasks the items woke (the ready queue is FIFO)
+    if handed is not None:  # set after the tasks the items woke (the ready queue is FIFO)
+        asyncio.get_running_loop().call_soon(handed.set)

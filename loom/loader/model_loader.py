@@ -245,8 +245,8 @@ def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None,
     for module in model.modules():
         if isinstance(module, Linear):
             module.onednn = False
-        if isinstance(module, (Int8Linear, Int8Embedding)) and kernels is not None and \
-                getattr(module, "grouped", True):
+        if isinstance(module, (Int8Linear, Int8Embedding)) and module.grouped and \
+                kernels is not None:
             module.drop_symmetric_mins()  # the kernels form them: ~1 bit a weight less memory
         if isinstance(module, Int8Linear) and module.grouped and kernels is not None:
             module.batch_kernel = kernels.batch

@@ -226,6 +226,8 @@ class _OnGrid:
 
     @property
     def groups(self) -> Q8Groups:
+        """The buffers themselves (load_rows fills them in place), a symmetric layer's minimums
+        formed."""
         mins = self.scale * -ZERO[self.bits] if self.symmetric else self.min
         return Q8Groups(self.weight_int8, self.scale, mins, self.bits)
 
@@ -281,6 +283,8 @@ class Int8Embedding(_OnGrid, nn.Module):
     """Token embeddings on the int8 grid, rows dequantized as they are looked up. From GGUF's
     block formats they hold the file's values exactly (the fp32 reference's embeddings, bit for
     bit) in about a third of fp32's bytes; a tied output projection shares the tensors."""
+
+    grouped = True  # always on the grid (an Int8Linear may be per-channel bf16 instead)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8) -> None:
         super().__init__()
@@ -370,13 +374,12 @@ class Int8Linear(_OnGrid, nn.Module):
             out = self._output(xf.shape[0])
             if self._half is not None and xf.shape[0] <= DECODE_ROWS:
                 name, (scale, mins) = "loom_linear_q8_vnni", self._half
+                mins_ptr = None if mins is None else mins.data_ptr()
             else:  # the AMX and bf16 entry points run the fp32 kernel themselves up to 8 rows
-                name, scale = BATCH_KERNELS[self.batch_kernel], self.scale
-                mins = None if self.symmetric else self.min
+                name, scale, mins_ptr = BATCH_KERNELS[self.batch_kernel], self.scale, self.min_ptr
             rc = getattr(cpu_kernels(), name)(
                 xf.data_ptr(), xf.shape[0], self.in_features, xf.stride(0),
-                self.weight_int8.data_ptr(), scale.data_ptr(),
-                None if mins is None else mins.data_ptr(),
+                self.weight_int8.data_ptr(), scale.data_ptr(), mins_ptr,
                 None if self.bias is None else self.bias.data_ptr(),
                 self.out_features, out.data_ptr(), self.out_features, self.bits,
                 torch.get_num_threads(),
