@@ -317,9 +317,11 @@ class AsyncEngine:
             self._drain_after_exit()
 
     def _prefault_while_idle(self) -> None:
-        """Fault in the KV-cache pages the next requests will write, a few blocks at a time
-        (short calls), until a command arrives or they are all in."""
-        while self._commands.empty() and self.engine.prefault_kv_cache(2):
+        """Fault in the KV-cache pages the next requests will write, a few blocks at a time,
+        then move the weights onto huge pages a piece at a time (short calls), until a command
+        arrives or all is done."""
+        while self._commands.empty() and (self.engine.prefault_kv_cache(2)
+                                          or self.engine.huge_pages_step()):
             pass
 
     def _next_commands(self, block: bool) -> list[_Command]:

@@ -179,6 +179,12 @@ class LLMEngine:
         return self.prefaulter.populate(
             [b.block_id for b in queue.peek(self.prefault_ahead)], max_blocks)
 
+    def huge_pages_step(self) -> bool:
+        """Move one piece of the weights onto huge pages (loom/loader/hugepages.py), for a
+        caller with nothing else to do; False once there is nothing left to move."""
+        pager = self.loaded.huge_pages
+        return pager is not None and pager.step()
+
     def _profile_gpu_memory(self, args: EngineArgs, loaded) -> int:
         """KV-cache bytes from --gpu-memory-utilization and a profiled max-size step."""
         if not 0.0 < args.gpu_memory_utilization <= 1.0:

@@ -15,8 +15,9 @@ from loom.heap import trim as trim_heap
 from loom.config import ConfigError, ModelConfig
 from loom.loader import gguf as gguf_loader
 from loom.loader import pagein
+from loom.loader.hugepages import HugePager
 from loom.loader.hf import iter_safetensors, model_config_from_hf
-from loom.loader.release import release_unused
+from loom.loader.release import huge_pager, release_unused
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
 from loom.kernels import select
@@ -59,6 +60,7 @@ class LoadedModel:
     load_seconds: float
     quantization: str | None = None  # what ran: a QUANT_METHODS name, or None (weights in dtype)
     kernels: KernelChoice | None = None  # the CPU kernels (loom.kernels.dispatch), on the CPU
+    huge_pages: HugePager | None = None  # puts the weights on huge pages while idle, on the CPU
 
     def default_kv_cache_dtype(self) -> torch.dtype | None:
         """What kv_cache_dtype "auto" means beside these weights: with int8 weights on the CPU
@@ -339,8 +341,9 @@ def load_model(
     if reader is not None:  # the file's pages read once at load (converted tensors) go back
         release_unused(reader, model)
     trim_heap()  # conversion temporaries freed inside the heap go back too
+    pager = huge_pager(model, reader) if device.type == "cpu" else None
     pagein.wait(source.path)  # the weights the first request reads are in memory (pagein.py)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s, quantization %s) in %.2f s", source.path, config.architecture,
                 torch_dtype, quantization or "none", seconds)
-    return LoadedModel(model, config, torch_dtype, device, seconds, quantization, kernels)
+    return LoadedModel(model, config, torch_dtype, device, seconds, quantization, kernels, pager)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loom.heap import madvise as _madvise
+from loom.loader import hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +133,21 @@ def release_unused(reader: Any, model: nn.Module) -> int:
     logger.debug("released %.1f MiB of the GGUF map's pages, mapped in %.1f MiB", released / 2**20,
                  populated / 2**20)
     return released
+
+
+def huge_pager(model: nn.Module, reader: Any = None) -> hugepages.HugePager | None:
+    """What puts `model`'s weights on huge pages while the engine is idle (hugepages.py): the
+    spans of `reader`'s file map it reads, and the storage of its own tensors. None where the
+    machine has no transparent huge pages. Called after release_unused, which drops the file's
+    other pages: the moved spans are anonymous memory after, which no MADV_DONTNEED may touch."""
+    if not hugepages.enabled():
+        return None
+    held = held_ranges(model)
+    spans = [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
+             for t in (reader.tensors if reader is not None else ())]
+    kept = ([s for a, b in spans for s in _held_spans(a, b, held)]
+            if hugepages.copies_allowed() else [])
+    lo = min((a for a, _ in spans), default=0)
+    hi = max((b for _, b in spans), default=0)
+    own = [(a, b) for a, b in held if b <= lo or a >= hi]
+    return hugepages.HugePager(kept, own)

@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from loom.layers.embedding import KQuantEmbedding
+from loom.loader import hugepages
 from loom.loader.gguf import open_gguf
 from loom.loader.model_loader import load_model
 from loom.loader.release import held_ranges, release_unused
@@ -101,3 +102,23 @@ def test_release_keeps_what_the_model_reads(tied_q6k) -> None:
     own = SimpleNamespace(tensors=[SimpleNamespace(data=embed.blocks.data.numpy())])
     assert release_unused(own, loaded.model) == 0
     assert torch.equal(embed(ids), before)
+
+
+def test_weights_onto_huge_pages_compute_the_same(tied_q6k) -> None:
+    """The idle engine's pager (loom/loader/hugepages.py) moves the file's K-quant table and
+    collapses the model's own tensors: the model computes the same, bit for bit."""
+    _, loaded, _ = tied_q6k
+    if not hugepages.enabled():
+        assert loaded.huge_pages is None
+        pytest.skip("no transparent huge pages on this machine")
+    embed = loaded.model.model.embed_tokens
+    ids = torch.arange(0, VOCAB, 5)
+    prompt = {"a": list(range(3, 40, 3)), "b": [7] * 9}
+    before = embed(ids), PagedBatch(loaded, num_blocks=16).step(prompt)
+    pager = loaded.huge_pages
+    while pager.step():
+        pass
+    assert pager.moved >= embed.blocks.data.numel()  # the table the model reads in place
+    after = embed(ids), PagedBatch(loaded, num_blocks=16).step(prompt)
+    assert torch.equal(after[0], before[0])
+    assert all(torch.equal(after[1][k], before[1][k]) for k in prompt)

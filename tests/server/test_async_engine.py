@@ -77,6 +77,8 @@ class FakeEngine:
         self.fail_next_step = False
         self.thread_ids: set[int] = set()
         self.to_prefault = 0  # blocks prefault_kv_cache still has to do
+        self.to_move = 0  # pieces huge_pages_step still has to do
+        self.huge_page_calls = 0
         self.prefault_calls = 0
         self.prefault_delay = 0.0
 
@@ -109,6 +111,15 @@ class FakeEngine:
         done = min(max_blocks, self.to_prefault)
         self.to_prefault -= done
         return done
+
+    def huge_pages_step(self) -> bool:
+        self.thread_ids.add(threading.get_ident())
+        self.huge_page_calls += 1
+        if not self.to_move:
+            return False
+        assert not self.to_prefault  # the KV cache's pages first
+        self.to_move -= 1
+        return True
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -259,12 +270,16 @@ async def test_idle_thread_sleeps_and_shutdown_fails_in_flight() -> None:
 
 async def test_idle_thread_prefaults_until_done_or_a_request_comes() -> None:
     """Idle, the engine thread faults in the next KV blocks' pages (a few a call) until there
-    are none left, then sleeps; a request that arrives meanwhile stops it after that call."""
+    are none left, then moves the weights onto huge pages (a piece a call), then sleeps; a
+    request that arrives meanwhile stops it after that call."""
     fake = FakeEngine()
-    fake.to_prefault = 9
+    fake.to_prefault, fake.to_move = 9, 4
     engine = await _started(fake)
-    await _until(lambda: fake.prefault_calls >= 6)
-    assert fake.to_prefault == 0 and fake.prefault_calls == 6  # 2 a call, then one saying 0
+    await _until(lambda: fake.huge_page_calls >= 5)
+    # 2 blocks a call, then one saying 0; then the weights' pieces, one a call, then one saying
+    # there is none left
+    assert fake.to_prefault == 0 and fake.prefault_calls == 10
+    assert fake.to_move == 0 and fake.huge_page_calls == 5
     assert threading.get_ident() not in fake.thread_ids
     fake.to_prefault, fake.prefault_delay = 1000, 0.01  # busy prefaulting when a request comes
     outs = [o async for o in engine.generate([1], _params(3), "a")]  # not 5 s later

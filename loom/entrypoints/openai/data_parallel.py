@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from loom.loader.hugepages import ENV as HUGE_PAGES_ENV
 from loom.net import free_port
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ def _replica_main(index: int, engine_args: EngineArgs, server_args: ServerArgs,
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s [replica {index}] %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # The replicas share the GGUF file's pages (one copy in memory for all): each its own
+    # anonymous copy on huge pages would take N times the memory (loom/loader/hugepages.py)
+    os.environ.setdefault(HUGE_PAGES_ENV, "tensors")
     run_server(engine_args, server_args)
 
 
