@@ -83,6 +83,10 @@ def run_engine(eng: Engine, port: int, plan: SweepPlan, source: Any, tokenizer: 
             return out
         print(f"{eng.name}: /health after {out['health_s']:.2f} s, "
               f"first token after {out['first_token_s']:.2f} s", flush=True)
+        # every engine idles as long before its sweep: a server's work after its start
+        # (Loom moves its weights onto huge pages while idle) is done, as in a server that
+        # has been up a while
+        time.sleep(ns.settle)
         cfg = BenchConfig(url, model, request_timeout=ns.request_timeout,
                           disable_tqdm=not sys.stderr.isatty())
         assert server.proc is not None
@@ -351,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cold", action="store_true",
                    help="no unmeasured warm start of each engine before the rounds")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--settle", type=float, default=15.0,
+                   help="seconds each server idles after its first token, before the sweep")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     ns = p.parse_args(argv)

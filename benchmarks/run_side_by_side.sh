@@ -70,7 +70,7 @@ done
 
 if [ "$QUICK" = 1 ]; then
     # the plumbing only: 2 requests a level, 8 output tokens, no waiting for a quiet machine
-    COMMON=(--quick --wait-quiet 0 --input-len 32 --output-len 8 --min-prompts 2
+    COMMON=(--quick --wait-quiet 0 --settle 0 --input-len 32 --output-len 8 --min-prompts 2
             --prompts-per-level 1)
     SUFFIX="-quick"
 else
