@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from loom.heap import _libc
 
 logger = logging.getLogger(__name__)
@@ -128,7 +130,8 @@ class HugePager:
                 logger.info("weights stay on 4 KiB pages: no room for a copy of %d MiB",
                             total >> 20)
                 self._chunks.clear()
-            self._anon = [r for lo, hi in self._anon for r in _resident(self._calls, lo, hi)]
+            self._anon = _runs([r for lo, hi in self._anon  # (views: overlapping ranges)
+                                for r in _resident(self._calls, lo, hi)])
         if self._chunks or self._chunk:
             self._move_piece()
         elif self._anon:
@@ -179,15 +182,14 @@ def _resident(calls: _Calls, lo: int, hi: int) -> list[tuple[int, int]]:
     vec = (ctypes.c_ubyte * ((b - a) // page))()
     if calls.mincore(a, b - a, vec) != 0:
         return []
-    per = HUGE // page
+    whole = (np.frombuffer(vec, dtype=np.uint8).reshape(-1, HUGE // page) & 1).all(axis=1)
     runs: list[tuple[int, int]] = []
-    for i in range(0, len(vec), per):
-        if all(v & 1 for v in vec[i : i + per]):
-            start = a + i * page
-            if runs and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], start + HUGE)
-            else:
-                runs.append((start, start + HUGE))
+    for i in np.flatnonzero(whole).tolist():
+        start = a + i * HUGE
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], start + HUGE)
+        else:
+            runs.append((start, start + HUGE))
     return runs
 
 
