@@ -145,8 +145,11 @@ class HugePager:
     def _move_piece(self) -> None:
         if self._chunk is None:
             at, n = self._chunks.pop(0)
-            self._chunk = _Chunk.start(self._calls, at, n)
-            if self._chunk is None:  # no memory for it now: leave the rest as it is
+            # memory taken by others since the first check: leave the rest as it is
+            self._chunk = _Chunk.start(self._calls, at, n) if _room_for(n) else None
+            if self._chunk is None:
+                logger.info("weights: %d MiB left on 4 KiB pages (memory is short)",
+                            (n + sum(k for _, k in self._chunks)) >> 20)
                 self._chunks.clear()
                 return
         c = self._chunk
