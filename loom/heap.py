@@ -15,7 +15,7 @@ import sys
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def libc() -> ctypes.CDLL | None:
     """The C library the process runs on (its symbols as loaded, errno kept), or None off
     Linux."""
     return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -23,7 +23,7 @@ def _libc() -> ctypes.CDLL | None:
 
 @functools.cache
 def madvise():  # -> libc's madvise(address, length, advice) -> 0 or -1 (errno), or None
-    fn = getattr(_libc(), "madvise", None)
+    fn = getattr(libc(), "madvise", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return fn
@@ -31,5 +31,5 @@ def madvise():  # -> libc's madvise(address, length, advice) -> 0 or -1 (errno),
 
 def trim() -> bool:
     """Return the heap's free pages to the system; True where something was released."""
-    fn = getattr(_libc(), "malloc_trim", None)  # musl and others have none
+    fn = getattr(libc(), "malloc_trim", None)  # musl and others have none
     return bool(fn(0)) if fn is not None else False

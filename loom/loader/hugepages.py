@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom.heap import _libc
+from loom import heap
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ def enabled() -> bool:
 
 
 class _Calls:
-    """libc's mmap, munmap, mremap and madvise with their types, or None off glibc."""
+    """The C library's mmap, munmap, mremap, madvise and mincore with their types (`_calls()`:
+    None where it has no mremap, off glibc)."""
 
     def __init__(self, libc: ctypes.CDLL) -> None:
         vp, size = ctypes.c_void_p, ctypes.c_size_t
@@ -85,7 +86,7 @@ class _Calls:
 
 
 def _calls() -> _Calls | None:
-    libc = _libc()
+    libc = heap.libc()
     return _Calls(libc) if libc is not None and hasattr(libc, "mremap") else None
 
 
