@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom import heap
+from loom.heap import libc
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class _Calls:
 
 
 def _calls() -> _Calls | None:
-    libc = heap.libc()
-    return _Calls(libc) if libc is not None and hasattr(libc, "mremap") else None
+    lib = libc()
+    return _Calls(lib) if lib is not None and hasattr(lib, "mremap") else None
 
 
 def _interior(lo: int, hi: int) -> tuple[int, int]:
