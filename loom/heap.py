@@ -33,3 +33,20 @@ def trim() -> bool:
     """Return the heap's free pages to the system; True where something was released."""
     fn = getattr(libc(), "malloc_trim", None)  # musl and others have none
     return bool(fn(0)) if fn is not None else False
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields given in kB, in bytes (MemAvailable, MemTotal, ...); empty where
+    the system has none."""
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    fields = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            fields[name] = int(parts[0]) << 10
+    return fields

@@ -26,6 +26,7 @@ the kernel's transparent huge pages are `never`, nothing is done.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom.heap import libc
+from loom.heap import libc, meminfo
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class _Calls:
         self.mincore.argtypes = [vp, size, ctypes.POINTER(ctypes.c_ubyte)]
 
 
+@functools.cache  # (one set of argtypes on the shared CDLL's functions)
 def _calls() -> _Calls | None:
     lib = libc()
     return _Calls(lib) if lib is not None and hasattr(lib, "mremap") else None
@@ -131,8 +133,10 @@ class HugePager:
                 logger.info("weights stay on 4 KiB pages: no room for a copy of %d MiB",
                             total >> 20)
                 self._chunks.clear()
-            self._anon = _runs([r for lo, hi in self._anon  # (views: overlapping ranges)
-                                for r in _resident(self._calls, lo, hi)])
+            resident = _runs([r for lo, hi in self._anon  # (views: overlapping ranges)
+                              for r in _resident(self._calls, lo, hi)])
+            self._anon = [(lo, hi) for lo, hi in resident
+                          if self._calls.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0]
         if self._chunks or self._chunk:
             self._move_piece()
         elif self._anon:
@@ -158,14 +162,13 @@ class HugePager:
             self._chunk = None
             if c.finish():
                 self.moved += c.n
-            else:
+            else:  # the kernel refused the remap (the copy is in place of the file's pages)
+                logger.info("weights: %d MiB left on 4 KiB pages (the kernel refused a remap)",
+                            sum(k for _, k in self._chunks) >> 20)
                 self._chunks.clear()
 
     def _collapse_piece(self) -> None:
-        lo, hi = self._anon[0]
-        if self._calls.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:  # (again: a no-op)
-            self._anon.pop(0)
-            return
+        lo, hi = self._anon[0]  # marked MADV_HUGEPAGE in step's first call
         end = min(hi, lo + self.PIECE)
         if self._calls.madvise(lo, end - lo, _MADV_COLLAPSE) == 0:
             self.collapsed += end - lo
@@ -264,13 +267,10 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _room_for(nbytes: int) -> bool:
     """Whether the machine can hold `nbytes` more of anonymous memory with room to spare: a
     quarter of its memory, or 2 GiB if less, stays available after."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        available = int(info["MemAvailable"].split()[0]) << 10
-        total = int(info["MemTotal"].split()[0]) << 10
-    except (OSError, KeyError, ValueError):
+    info = meminfo()
+    if "MemAvailable" not in info or "MemTotal" not in info:
         return False
-    return available - nbytes >= min(total // 4, 2 << 30)
+    return info["MemAvailable"] - nbytes >= min(info["MemTotal"] // 4, 2 << 30)
 
 
 def _map_count_ok(extra: int) -> bool:

@@ -10,7 +10,7 @@ import mmap
 import numpy as np
 import torch
 
-from loom.heap import madvise
+from loom.heap import madvise, meminfo
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 from loom.quant.int8 import GROUP
 
@@ -52,11 +52,10 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory")
+    available = meminfo().get("MemAvailable")
+    if available is None:
+        raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory")
+    return available
 
 
 def determine_num_blocks(
