@@ -10,7 +10,7 @@ from loom.structured.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "SamplingParamsError"]
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
 _MAX_N = 128
 # seed's range, as vLLM's (torch.long)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -105,8 +105,8 @@ class SamplingParams:
             fail("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
-                fail(name, f"must be an integer in [0, {_MAX_LOGPROBS}], got {value!r}")
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
             fail("prompt_logprobs_start",
                  f"must be a non-negative integer, got {self.prompt_logprobs_start!r}")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from loom.engine.llm import LLM
@@ -88,7 +88,12 @@ class BeamSearch:
                  eos_token_ids: Sequence[int]) -> None:
         self.params = params
         self.eos = () if params.ignore_eos else tuple(eos_token_ids)
-        keep = max(2, 1 + len(eos_token_ids)) * params.beam_width
+        per_beam = max(2, 1 + len(eos_token_ids))
+        keep = per_beam * params.beam_width
+        if keep > MAX_LOGPROBS:  # each step's candidates come as the top `keep` logprobs
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // per_beam} for this "
+                             f"model, got {params.beam_width} (a step scores the top "
+                             f"{per_beam} x beam_width tokens, at most {MAX_LOGPROBS})")
         self.keep = keep
         self.step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=keep,
                                           ignore_eos=True)

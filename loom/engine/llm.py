@@ -71,14 +71,25 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations.
+
+        `continue_final_message`: the last message is left open and the model continues it (an
+        assistant prefill; needs add_generation_prompt=False). `chat_template_kwargs`: further
+        variables of the template (e.g. Qwen3's `enable_thinking`).
 
         `tools` (OpenAI function definitions) reach the model as the server passes them: through
         the template when it knows tools, else as a Hermes-style system prompt. Messages may hold
         assistant `tool_calls` and `role: "tool"` results. Parse replies with
         `loom.tools.parsers.parser_for_template(llm.engine.tokenizer.chat_template)`.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        options = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            options["continue_final_message"] = True
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         template = chat_template or tok.chat_template
@@ -87,7 +98,8 @@ class LLM:
         for c in conversations:  # type: ignore[union-attr]
             conv, template_tools = prepare_conversation(list(c), tools, template, parser)
             prompts.append(tok.encode_chat(conv, chat_template=chat_template, tools=template_tools,
-                                           add_generation_prompt=add_generation_prompt))
+                                           add_generation_prompt=add_generation_prompt,
+                                           **options))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(

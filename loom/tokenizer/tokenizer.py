@@ -37,7 +37,7 @@ _PIPELINE_KEYS = {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                    "mask_token")
 # apply_chat_template options the fast renderer leaves to transformers' tokenizer method.
-_HF_ONLY_OPTIONS = {"continue_final_message", "documents", "return_assistant_tokens_mask",
+_HF_ONLY_OPTIONS = {"documents", "return_assistant_tokens_mask",
                     "sanitize_control_tokens", "tokenizer_kwargs", "tokenize"}
 
 

@@ -188,6 +188,21 @@ def test_shared_system_prompt_hits_the_prefix_cache(make_llm) -> None:
 
 
 @pytest.mark.slow
+def test_chat_continues_a_final_message(make_llm) -> None:
+    """LLM.chat(continue_final_message=True): the prompt ends inside the last message (no end
+    of turn), and generation continues it: the same tokens as generate() on that prompt."""
+    llm = make_llm(None)
+    conv = [*chats()[0], {"role": "assistant", "content": "The first step is"}]
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv, GREEDY, continue_final_message=True, use_tqdm=False)
+    out = llm.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True,
+                   chat_template_kwargs={"unused": 1}, use_tqdm=False)[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids).endswith("The first step is")
+    again = llm.generate(out.prompt_token_ids, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+@pytest.mark.slow
 def test_stops_logprobs_and_finish_reasons(make_llm) -> None:
     llm = make_llm(None)
     prompt = "Count: 1, 2, 3, 4,"

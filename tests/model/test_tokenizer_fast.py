@@ -70,6 +70,12 @@ def test_chat_templates_match_transformers(pair) -> None:
                                        tools=[TOOL], extra="X")
     assert fast.apply_chat_template(CONVERSATIONS[1], chat_template=custom, tools=[TOOL],
                                     extra="X") == expected
+    prefill = [*CONVERSATIONS[1], {"role": "assistant", "content": "Four, as"}]
+    expected = ref.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert expected.endswith("Four, as")  # the last message left open: the model continues it
+    assert fast.apply_chat_template(prefill, add_generation_prompt=False,
+                                    continue_final_message=True) == expected
     assert fast.encode_chat(CONVERSATIONS[0]) == ref.apply_chat_template(
         CONVERSATIONS[0], tokenize=True, add_generation_prompt=True, return_dict=False)
     with pytest.raises(ChatTemplateError, match="empty conversation"):

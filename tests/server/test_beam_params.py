@@ -32,3 +32,15 @@ def test_a_width_below_one_is_400(extra) -> None:
     with pytest.raises(APIError) as e:
         _params(**extra)
     assert (e.value.status, e.value.param) == (400, "beam_width"), e.value.message
+
+
+def test_a_width_past_what_a_step_scores_says_so() -> None:
+    """Each step scores the top 2 x beam_width tokens of a beam as logprobs (at most
+    MAX_LOGPROBS): a wider search is refused naming beam_width and its bound, not logprobs."""
+    from loom.engine.beam_search import BeamSearch
+    from loom.sampling_params import MAX_LOGPROBS
+
+    params, _ = _params(beam_width=MAX_LOGPROBS // 2 + 1)
+    with pytest.raises(ValueError, match=f"beam_width must be at most {MAX_LOGPROBS // 2} "):
+        BeamSearch([[1, 2]], params, eos_token_ids=[0])
+    assert BeamSearch([[1, 2]], _params(beam_width=MAX_LOGPROBS // 2)[0], [0]).keep == MAX_LOGPROBS

@@ -267,3 +267,38 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(client: OpenAI, server: Ser
                                               max_tokens=0, echo=True, temperature=0,
                                               stream_options={"include_usage": True})
     assert texts == {0: PROMPT} and finish == {0: "length"} and usage.completion_tokens == 0
+
+
+def test_chat_template_options(client: OpenAI, server: ServerProcess, model_name: str) -> None:
+    """vLLM's chat extras: add_generation_prompt, continue_final_message (an assistant prefill
+    the model continues) and chat_template_kwargs, on /v1/chat/completions and /tokenize."""
+    def rendered(**options: object) -> list[int]:
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **options})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and"}]
+    opened = rendered()  # the default: a new assistant turn after the prefill's own
+    closed = rendered(add_generation_prompt=False)
+    prefill = rendered(add_generation_prompt=False, continue_final_message=True)
+    assert opened[: len(closed)] == closed and len(opened) > len(closed)
+    assert closed[: len(prefill)] == prefill and len(closed) > len(prefill)  # no end of turn
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": prefill}).json()["prompt"]
+    assert text.endswith("Red, green and")
+    assert rendered(chat_template_kwargs={"enable_thinking": False}) == opened  # unused here
+
+    out = client.chat.completions.create(
+        model=model_name, messages=messages, max_completion_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    same = client.completions.create(model=model_name, prompt=prefill, max_tokens=6,
+                                     temperature=0)
+    assert out.choices[0].message.content == same.choices[0].text  # the prefill continued
+    assert out.usage.prompt_tokens == len(prefill)
+
+    for options, param in (({"continue_final_message": True}, "continue_final_message"),
+                           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                           ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                            "chat_template_kwargs")):
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": model_name, "messages": messages, **options})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

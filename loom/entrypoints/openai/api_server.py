@@ -122,8 +122,7 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        tokens = await asyncio.to_thread(render_messages, ctx, body.messages,
-                                         body.add_generation_prompt)
+        tokens = await asyncio.to_thread(render_messages, ctx, body.messages, body)
     else:
         prompt = body.prompt or ""
         ctx.check_text_size(len(prompt), "prompt")

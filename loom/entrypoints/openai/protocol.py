@@ -204,7 +204,19 @@ class NamedToolChoice(OpenAIBaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(OpenAIBaseModel):
+    """How messages are rendered with the chat template (vLLM's extras): `add_generation_prompt`
+    opens the assistant's turn; `continue_final_message` leaves the last message open for the
+    model to continue (an assistant prefill; not with add_generation_prompt);
+    `chat_template_kwargs` are further variables of the template (e.g. Qwen3's
+    `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -217,14 +229,13 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = True
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """POST /tokenize: a text prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):

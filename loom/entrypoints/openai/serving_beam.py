@@ -65,7 +65,10 @@ async def create_beam_completion(ctx: ServerContext, req: CompletionRequest,
                                  prompts: list[str | list[int]]) -> dict[str, Any]:
     params, n = beam_params(req)
     ids = await tokenize_prompts_async(ctx, prompts)
-    search = BeamSearch(ids, params, ctx.engine.engine.eos_token_ids)
+    try:
+        search = BeamSearch(ids, params, ctx.engine.engine.eos_token_ids)
+    except ValueError as e:  # a width past what a step can score
+        raise bad_request(str(e), "beam_width") from None
     request_id = new_id("cmpl")
     created = int(time.time())
     step = 0
