@@ -67,6 +67,7 @@ CASES = [
     ([0, 5], [33, 2], 32, 4, 64, 32, 20),  # more heads than one tile row budget
     ([0], [300], 4, 1, 96, 8, None),  # multi-query, head size with no specialization
     ([15, 16, 17], [1, 16, 2], 2, 2, 80, 16, 16),  # block boundaries
+    ([300, 0, 77], [1, 20, 1], 4, 1, 256, 16, None),  # Gemma 3: one kv head, 256 wide
 ]
 
 
@@ -107,7 +108,7 @@ def test_fp16_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim
 
 
 @pytest.mark.parametrize("computed,qlens,heads,kv_heads,head_dim,block_size,window",
-                         [CASES[0], CASES[1], CASES[2], CASES[3]])
+                         [CASES[0], CASES[1], CASES[2], CASES[3], CASES[6]])
 def test_int8_cache_matches_reference(computed, qlens, heads, kv_heads, head_dim, block_size,
                                       window):
     """--kv-cache-dtype int8: K/V stored as 8-bit groups of 32 with an fp32 scale and minimum,
@@ -177,12 +178,14 @@ def test_strided_query_view():
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16", "int8"])
-def test_same_bits_alone_as_in_a_batch(kv):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 128)])
+def test_same_bits_alone_as_in_a_batch(kv, heads, kv_heads, head_dim):
     """A request's output does not depend on its neighbours (not so for a padded SDPA). A batch
-    of 8 tiles runs whole tiles; alone, a request's one tile is cut by kv head across the
-    threads (one part a kv head): the same bits either way."""
+    of 8 tiles runs whole tiles; alone, a request's one tile is cut across the threads, by kv
+    head (one part a kv head) or, with fewer kv heads than threads, by query head (Gemma 3's
+    one kv head: two parts of two heads): the same bits either way."""
     computed, qlens = [40, 0, 200, 7, 90, 1, 300, 64], [1, 30, 1, 3, 1, 1, 1, 1]
-    cache, q, md, _, blocks = make_batch(computed, qlens, 9, 3, 64, 16)
+    cache, q, md, _, blocks = make_batch(computed, qlens, heads, kv_heads, head_dim, 16)
     cache = {"float32": cache, "float16": cache.half(), "int8": torch_ref.quantize_kv(cache)}[kv]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # 8 tiles: whole; 1: cut in 3

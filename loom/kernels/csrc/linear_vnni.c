@@ -37,6 +37,7 @@
 #define HAVE_VNNI 1
 #define VNNI_512 1
 #include <immintrin.h>
+#include "lane_sums.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 builds (x86-64-v3): the same integers, x's X and the weights' q as int16 pairs, in
 // vpmaddwd (16 products into 8 int32 lanes) and vpaddd: see the AVX2 section below.
@@ -276,35 +277,6 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
                     (d / 256.0f);
         }
     }
-}
-
-// The sums of the n <= 16 vectors v into out[i], each in _mm512_reduce_add_ps's order (lanes
-// i + 8, then i + 4, i + 2, i + 1), all in one tree: each level adds pairs of vectors' halves
-// at once. After the four levels vector i's sum is lane 4 (i % 4) + i / 4.
-static inline __attribute__((always_inline)) void sum_lanes(__m512 *v, const int n, float *out)
-{
-    const __m512 z = _mm512_setzero_ps();
-    int k = n;
-    for (int i = 0; i < (k + 1) / 2; i++) {  // lane i + lane i + 8 (0..7) of two vectors
-        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
-        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    }
-    k = (k + 1) / 2;
-    for (int i = 0; i < (k + 1) / 2; i++) {  // + lane i + 4 (0..3): a block a vector
-        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
-        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-    }
-    k = (k + 1) / 2;
-    for (int i = 0; i < (k + 1) / 2; i++) {  // + lane i + 2 (0..1)
-        const __m512 a = v[2 * i], b = 2 * i + 1 < k ? v[2 * i + 1] : z;
-        v[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-    }
-    k = (k + 1) / 2;
-    const __m512 a = v[0], b = k > 1 ? v[1] : z;  // + lane i + 1
-    float all[16];
-    _mm512_storeu_ps(all, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88),
-                                        _mm512_shuffle_ps(a, b, 0xDD)));
-    for (int i = 0; i < n; i++) out[i] = all[4 * (i % 4) + i / 4];
 }
 
 // The four vectors of a block (256 bytes at p) transposed in 128-bit lanes: u[j] dword 4b + i
