@@ -12,6 +12,7 @@ from loom.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_sea
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+from loom.tokenizer.tokenizer import template_kwargs
 from loom.tools.chat import prepare_conversation
 from loom.tools.parsers import parser_for_template
 
@@ -85,11 +86,8 @@ class LLM:
         assistant `tool_calls` and `role: "tool"` results. Parse replies with
         `loom.tools.parsers.parser_for_template(llm.engine.tokenizer.chat_template)`.
         """
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=False")
-        options = dict(chat_template_kwargs or {})
-        if continue_final_message:
-            options["continue_final_message"] = True
+        options = template_kwargs(add_generation_prompt, continue_final_message,
+                                  chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         template = chat_template or tok.chat_template
@@ -98,7 +96,6 @@ class LLM:
         for c in conversations:  # type: ignore[union-attr]
             conv, template_tools = prepare_conversation(list(c), tools, template, parser)
             prompts.append(tok.encode_chat(conv, chat_template=chat_template, tools=template_tools,
-                                           add_generation_prompt=add_generation_prompt,
                                            **options))
         return self.generate(prompts, sampling_params, use_tqdm)
 

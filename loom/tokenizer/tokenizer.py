@@ -42,7 +42,40 @@ _HF_ONLY_OPTIONS = {"documents", "return_assistant_tokens_mask",
 
 
 class ChatTemplateError(ValueError):
-    """The model has no chat template, or rendering it failed."""
+    """The model has no chat template, rendering it failed, or its options do not go together
+    (`param`: the request field at fault)."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Names the renderer sets itself: not for a caller's template variables to replace.
+_RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "return_assistant_tokens_mask", "tokenize", "tokenizer_kwargs",
+    "sanitize_control_tokens", "conversations", *_SPECIAL_TOKENS,
+})
+
+
+def template_kwargs(add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments from vLLM's chat options: the assistant's turn
+    opened, or the last message left open (an assistant prefill; not both), and further
+    template variables (e.g. Qwen3's `enable_thinking`). ChatTemplateError on a bad mix."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be "
+                                "true (set add_generation_prompt to false to continue the last "
+                                "message)", "continue_final_message")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
+    if reserved:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                "chat_template_kwargs")
+    kwargs = {**extra, "add_generation_prompt": add_generation_prompt}
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def _cache_dir() -> Path:

@@ -74,7 +74,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, SamplingParamsError):
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, ChatTemplateError):
-        return APIError(400, str(exc), "messages")
+        return APIError(400, str(exc), exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="rate_limit_exceeded",
                         headers={"Retry-After": str(exc.retry_after)})

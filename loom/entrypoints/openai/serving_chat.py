@@ -35,7 +35,7 @@ from loom.entrypoints.openai.serving_common import (
 )
 from loom.entrypoints.openai.protocol import NamedToolChoice
 from loom.structured.params import StructuredOutputsParams
-from loom.tokenizer.tokenizer import ChatTemplateError
+from loom.tokenizer.tokenizer import ChatTemplateError, template_kwargs
 from loom.tools.chat import prepare_conversation
 
 if TYPE_CHECKING:
@@ -50,44 +50,15 @@ if TYPE_CHECKING:
     from loom.tools.parsers import ToolParser
 
 
-# Names the template's renderer sets itself: not for chat_template_kwargs to replace.
-_RESERVED_TEMPLATE_NAMES = frozenset({
-    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "chat_template", "return_assistant_tokens_mask", "tokenize", "tokenizer_kwargs",
-    "sanitize_control_tokens", "conversations", "bos_token", "eos_token", "unk_token",
-    "sep_token", "pad_token", "cls_token", "mask_token",
-})
-
-
-def template_options(options: ChatTemplateOptions | None) -> dict[str, Any]:
-    """The rendering's keyword arguments from a request's options; 400 on a bad combination."""
-    if options is None:
-        return {"add_generation_prompt": True}
-    if options.continue_final_message and options.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
-                          "(set add_generation_prompt to false to continue the last message)",
-                          "continue_final_message")
-    extra = dict(options.chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                          "chat_template_kwargs")
-    kwargs = {**extra, "add_generation_prompt": options.add_generation_prompt}
-    if options.continue_final_message:
-        kwargs["continue_final_message"] = True
-    return kwargs
-
-
 def render_messages(
     ctx: ServerContext,
     messages: list[ChatMessage],
-    options: ChatTemplateOptions | None = None,
+    options: ChatTemplateOptions,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of the conversation in the chat template; template errors are 400s.
 
     Slow for a long conversation (templating, tokenizing): call it on a worker thread."""
-    kwargs = template_options(options)
     ctx.check_text_size(sum(_num_chars(m) for m in messages), "messages")
     conversation: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -108,6 +79,8 @@ def render_messages(
     conversation, template_tools = prepare_conversation(
         conversation, tools, template, ctx.tool_parser(template))
     try:
+        kwargs = template_kwargs(options.add_generation_prompt, options.continue_final_message,
+                                 options.chat_template_kwargs)
         return ctx.tokenizer.encode_chat(conversation, tools=template_tools, **kwargs)
     except ChatTemplateError as e:
         raise from_exception(e) from None

@@ -177,6 +177,31 @@ static inline __attribute__((always_inline)) int64_t key_run(
     return j1;
 }
 
+// One row's online softmax over a run's n scores s (scaled; Gemma 2's soft cap c > 0 applied
+// here): s becomes e^(s - m), the row's running maximum *m and denominator *l take the run in;
+// returns the factor the row's earlier sums are rescaled by. A row's first run sets *m.
+static inline __attribute__((always_inline)) float softmax_run(float *s, int64_t n, float softcap,
+                                                               float *m, float *l)
+{
+    int64_t j;
+    if (softcap > 0.0f)
+        for (j = 0; j < n; j++) s[j] = tanhf(s[j] / softcap) * softcap;
+    float mx = s[0];
+    for (j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    float corr = 1.0f;
+    if (*l == 0.0f) {
+        *m = mx;
+    } else if (mx > *m) {
+        corr = expf(*m - mx);
+        *m = mx;
+    }
+    const float mi = *m;
+    float sum = 0.0f;
+    for (j = 0; j < n; j++) { s[j] = expf(s[j] - mi); sum += s[j]; }
+    *l = *l * corr + sum;
+    return corr;
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_table, const int64_t *positions, int64_t tok0, int64_t ntok,
@@ -259,21 +284,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int d = 0; d < D; d++) dot += qi[d] * kr[d];
                     s[j] = dot;
                 }
-                if (softcap > 0.0f)
-                    for (j = 0; j < n; j++) s[j] = tanhf(s[j] / softcap) * softcap;
-                float mx = s[0];
-                for (j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-                float corr = 1.0f;
-                if (l[i] == 0.0f) {
-                    m[i] = mx;
-                } else if (mx > m[i]) {
-                    corr = expf(m[i] - mx);
-                    m[i] = mx;
-                }
-                const float mi = m[i];
-                float sum = 0.0f;
-                for (j = 0; j < n; j++) { s[j] = expf(s[j] - mi); sum += s[j]; }
-                l[i] = l[i] * corr + sum;
+                const float corr = softmax_run(s, n, softcap, &m[i], &l[i]);
                 float *ai = acc[i];
                 if (corr != 1.0f)
                     for (int d = 0; d < D; d++) ai[d] *= corr;
@@ -373,22 +384,7 @@ static inline __attribute__((always_inline)) void rows_i8(
 #else
         for (int j = 0; j < cnt; j += 8) sum_lanes8(dots[r] + j, sr + j);
 #endif
-        int64_t j;
-        if (softcap > 0.0f)
-            for (j = 0; j < cnt; j++) sr[j] = tanhf(sr[j] / softcap) * softcap;
-        float mx = sr[0];
-        for (j = 1; j < cnt; j++) mx = sr[j] > mx ? sr[j] : mx;
-        corr[r] = 1.0f;
-        if (l[i] == 0.0f) {
-            m[i] = mx;
-        } else if (mx > m[i]) {
-            corr[r] = expf(m[i] - mx);
-            m[i] = mx;
-        }
-        const float mi = m[i];
-        float sum = 0.0f;
-        for (j = 0; j < cnt; j++) { sr[j] = expf(sr[j] - mi); sum += sr[j]; }
-        l[i] = l[i] * corr[r] + sum;
+        corr[r] = softmax_run(sr, cnt, softcap, &m[i], &l[i]);
     }
     vf av[4][128 / VL];
     for (int r = 0; r < R; r++) {
