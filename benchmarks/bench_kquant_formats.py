@@ -7,7 +7,8 @@ milliseconds a layer and GB/s of the blocks read.
 Random blocks (tests/model/test_kquant.py's `random_blocks`: every byte pattern is a valid
 K-quant block, with fp16 scales of a trained model's size), `layers` matrices [n, k] of each format, so a round streams them from memory as a
 decode step does; each round runs every format's layers in turn on the build this process
-selects (`loom_linear_kq`, the integer kernel in chunks of 8 rows; `--gemm`:
+selects (`loom_linear_kq`, the integer kernel in chunks of 8 rows, and "Q4_K x16" the same Q4_K
+blocks interleaved 16 rows at a time as the loader keeps them on AVX512-VNNI builds; `--gemm`:
 `loom_linear_kq_gemm`, past 8 rows the panels' GEMM that prompts run by default). `--against`:
 another build of the same kernels (e.g. the variant's library from ~/.cache/loom/kernels copied
 aside before a change) run beside it, each format on both in turn, and the ratio (this / OLD).
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from loom.kernels import _load, cpu_kernels, kernel_choice
-from loom.quant.kquant import KQ_TYPES
+from loom.quant.kquant import KQ_TYPES, R16
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.model.test_kquant import random_blocks  # noqa: E402
@@ -48,7 +50,16 @@ def main() -> None:
     formats = [q for q in KQ_TYPES  # those every build runs (an older one may lack some)
                if all(b.loom_kq_check(a.k, KQ_TYPES[q]) == 0 for b in libs.values())]
     rng = np.random.default_rng(0)
-    mats = {q: [random_blocks(q, a.n, a.k, rng).data for _ in range(a.layers)] for q in formats}
+    blocks = {q: [random_blocks(q, a.n, a.k, rng) for _ in range(a.layers)] for q in formats}
+    codes = {q.name: KQ_TYPES[q] for q in formats}
+    mats = {q.name: [b.data for b in blocks[q]] for q in formats}
+    q4k = GGMLQuantizationType.Q4_K
+    if q4k in formats and all(b.loom_kq_check(a.k, KQ_TYPES[q4k] | R16) == 0
+                              for b in libs.values()) and a.n % 16 == 0:
+        # the same Q4_K weights interleaved 16 rows at a time (what the loader runs)
+        codes["Q4_K x16"] = KQ_TYPES[q4k] | R16
+        mats["Q4_K x16"] = [b.interleave().data for b in blocks[q4k]]
+    formats = list(codes)
     x = torch.randn(a.rows, a.k)
     y = torch.empty(a.rows, a.n)
     times = {(q, b): [] for q in formats for b in libs}
@@ -58,7 +69,7 @@ def main() -> None:
             t = time.perf_counter()
             for w in mats[q]:
                 call = libs[b].loom_linear_kq_gemm if a.gemm else libs[b].loom_linear_kq
-                rc = call(x.data_ptr(), a.rows, a.k, a.k, w.data_ptr(), KQ_TYPES[q], None, a.n,
+                rc = call(x.data_ptr(), a.rows, a.k, a.k, w.data_ptr(), codes[q], None, a.n,
                           y.data_ptr(), a.n, a.threads)
                 assert rc == 0, rc
             if r:
@@ -68,7 +79,7 @@ def main() -> None:
           f"medians of {a.rounds} rounds")
     for q in formats:
         m = statistics.median(times[q, "this"])
-        line = (f"{q.name}: {m * 1e3:.3f} ms a layer, {mats[q][0].numel() / m / 1e9:.1f} GB/s "
+        line = (f"{q}: {m * 1e3:.3f} ms a layer, {mats[q][0].numel() / m / 1e9:.1f} GB/s "
                 f"({mats[q][0].numel() / 1e6:.1f} MB a layer)")
         if "old" in libs:
             ratios = [t / o for t, o in zip(times[q, "this"], times[q, "old"])]

@@ -59,6 +59,10 @@ SIGNATURES = {
     ),
     "loom_kq_dequant": (None, [_ptr, _int, _i64, _i64, _i64, _ptr, _i64]),
     "loom_kq_isa": (_int, []),
+    "loom_kq_check": (_int, [_i64, _int]),
+    "loom_kq_r16_available": (_int, []),
+    "loom_kq_r16_pack": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
+    "loom_kq_r16_row": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr]),
     "loom_linear_kq_gemm": (
         _int, [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _i64, _int]
     ),

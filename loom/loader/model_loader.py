@@ -162,6 +162,7 @@ def _empty_int8_(model: nn.Module, config: ModelConfig, grouped: dict[str, int],
         if tied:
             head = KQuantLinear(hidden, vocab, False)
             head.weight_int8 = embed.weight_int8  # weight_map: the embedding takes the tensor
+            head.owns_blocks = False  # the embedding looks rows up in the same blocks
             replace_module(model, HEAD, head)
         return
     if hidden % GROUP:
@@ -186,9 +187,12 @@ def _log_kquants(model: nn.Module, kernels: KernelChoice | None) -> None:
     for m in layers:
         for f in m.formats():
             counts[f] = counts.get(f, 0) + 1
-    logger.info("GGUF K-quants kept as stored in %d linears (parts: %s) on the %s K-quant kernel",
-                len(layers),
+    inter = sum(isinstance(p, KBlocks) and p.interleaved
+                for m in layers for _, p in m.parts.values())
+    logger.info("GGUF K-quants kept as stored in %d linears (parts: %s%s) on the %s K-quant "
+                "kernel", len(layers),
                 ", ".join(f"{n} {f}" for f, n in sorted(counts.items())),
+                f"; {inter} Q4_K interleaved 16 rows at a time" if inter else "",
                 kernels.kquant if kernels is not None else "?")
 
 
@@ -256,6 +260,7 @@ def _quantize(model: nn.Module, quantization: str, kernels: KernelChoice | None,
                 module.use_vnni()
         if isinstance(module, KQuantLinear) and kernels is not None:
             module.batch_kernel = kernels.kquant_batch
+            module.interleave()  # Q4_K rows 16 at a time where the kernel build reads them
     head = getattr(model, HEAD, None)
     if isinstance(head, Int8Linear) and head.grouped:
         head.reuse_output = True  # logits live until the next step (the runner's use)

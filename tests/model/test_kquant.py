@@ -118,8 +118,92 @@ def test_one_digit_within_its_bound(qtype) -> None:
     assert np.abs(two - want).max() < np.abs(one - want).max()
     y = torch.empty((1, 29))
     assert cpu_kernels().loom_linear_kq(  # an unknown flag bit is refused
-        xt.data_ptr(), 1, 512, 512, blocks.data.data_ptr(), blocks.fmt | 0x200, None, 29,
+        xt.data_ptr(), 1, 512, 512, blocks.data.data_ptr(), blocks.fmt | 0x400, None, 29,
         y.data_ptr(), 29, 1) == -1
+
+
+def require_interleaved() -> None:
+    """The interleaved Q4_K kernel is in the builds with AVX512-VNNI, and only there."""
+    require_cpu_kernels()
+    lib = cpu_kernels()
+    assert bool(lib.loom_kq_r16_available()) == (lib.loom_kq_isa() == 4)
+    if not lib.loom_kq_r16_available():
+        pytest.skip("this build has no interleaved Q4_K kernel (AVX512-VNNI builds only)")
+
+
+def test_interleaved_q4k_holds_the_same_weights() -> None:
+    """Q4_K rows interleaved 16 at a time (KBlocks.interleave): the same bytes rearranged, each
+    row's blocks back exactly, dequantized bit for bit; rows are not remapped afterwards."""
+    require_interleaved()
+    blocks = random_blocks(GGMLQuantizationType.Q4_K, 48, 768, np.random.default_rng(3))
+    inter = blocks.interleave()
+    assert inter.interleaved and inter.shape == blocks.shape
+    assert not torch.equal(inter.data, blocks.data)
+    back = torch.empty_like(blocks.data)
+    for n in range(48):
+        cpu_kernels().loom_kq_r16_row(inter.data.data_ptr(), 768, n, 0, 3,
+                                      back[n].data_ptr())
+    assert torch.equal(back, blocks.data)
+    assert torch.equal(inter.dequantize(), torch.from_numpy(reference(blocks)))
+    with pytest.raises(ValueError, match="16 at a time"):
+        inter.map_rows(lambda t: t[:16])
+    assert not random_blocks(GGMLQuantizationType.Q4_K, 40, 256,
+                             np.random.default_rng(0)).can_interleave()  # 40 rows
+    assert not random_blocks(GGMLQuantizationType.Q6_K, 32, 256,
+                             np.random.default_rng(0)).can_interleave()
+
+
+R16_INT_ROWS = 32  # loom.h's LOOM_KQ_R16_INT_ROWS
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 20, 32, 33])
+def test_interleaved_q4k_kernel_within_bound_of_float64(m) -> None:
+    """The interleaved kernel at 1..8 rows (decode) and past 8 (tiles of at most 8): within the
+    two digits' bound, a row's bits those of the row alone; a bias is added. The GEMM entry
+    runs it up to LOOM_KQ_R16_INT_ROWS rows, past them the GEMM, which reads the interleaved
+    rows to the same bits as the stored ones."""
+    require_interleaved()
+    rng = np.random.default_rng(100 + m)
+    n, k = 48, 768
+    blocks = random_blocks(GGMLQuantizationType.Q4_K, n, k, rng)
+    inter = blocks.interleave()
+    w = reference(blocks).astype(np.float64)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 7] *= 40
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    xt = torch.from_numpy(x)
+    got = kq_linear(inter, xt, bias).double().numpy()
+    want = x.astype(np.float64) @ w.T + bias.double().numpy()
+    err = np.abs(got - want)
+    assert (err <= bound(w, x)).all(), float((err / bound(w, x)).max())
+    alone = kq_linear(inter, xt[-1:].contiguous(), bias)
+    assert torch.equal(alone[0], torch.from_numpy(got[-1]).float())
+    layer = KQuantLinear(k, n, False)
+    layer.load_rows(None, blocks)
+    layer.batch_kernel = "gemm"  # any but "int": linear_kq_gemm.c past 8 rows
+    stored = layer(xt)
+    assert layer.interleave() == 1
+    got_gemm = layer(xt)
+    if m > R16_INT_ROWS:  # the GEMM's bits, interleaved or not
+        assert torch.equal(got_gemm, stored)
+    else:  # the integer kernel's
+        assert not torch.equal(got_gemm, stored)
+        assert torch.equal(got_gemm, kq_linear(inter, xt))
+
+
+def test_interleaved_q4k_refusals() -> None:
+    """A row count not a multiple of 16, one digit, or a format other than Q4_K: -1."""
+    require_interleaved()
+    lib = cpu_kernels()
+    blocks = random_blocks(GGMLQuantizationType.Q4_K, 32, 256, np.random.default_rng(1))
+    inter = blocks.interleave()
+    x, y = torch.randn(1, 256), torch.empty(1, 32)
+    args = (x.data_ptr(), 1, 256, 256, inter.data.data_ptr())
+    assert lib.loom_linear_kq(*args, inter.fmt, None, 32, y.data_ptr(), 32, 1) == 0
+    assert lib.loom_linear_kq(*args, inter.fmt, None, 24, y.data_ptr(), 32, 1) == -1
+    assert lib.loom_linear_kq(*args, inter.fmt | ONE_DIGIT, None, 32, y.data_ptr(), 32, 1) == -1
+    assert lib.loom_linear_kq(*args, 14 | 0x200, None, 32, y.data_ptr(), 32, 1) == -1
+    assert lib.loom_kq_check(256, 14 | 0x200) == -1 and lib.loom_kq_check(256, inter.fmt) == 0
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],

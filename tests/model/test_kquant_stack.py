@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from loom.kernels import cpu_kernels as get_kernels
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.q8_decoder import LINEAR_KQ, LINEAR_PARTS, LINEAR_Q8, LinearQ8, Q8Decoder
@@ -104,6 +105,12 @@ def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
         [LINEAR_KQ] * 3 if kq_only else [LINEAR_KQ, LINEAR_KQ, LINEAR_Q8])
     if name.startswith("llama"):
         assert layers[0].stack_parts()["qkv"].formats() == ["Q4_K", "Q4_K", "Q6_K"]
+        # Q4_K parts interleaved 16 rows at a time where the build reads them (VNNI), so the
+        # stack's team forms (and the GEMM past 8 rows) run them too
+        q4 = [p for _, p in layers[0].stack_parts()["qkv"].parts.values()
+              if p.qtype == T.Q4_K]
+        assert all(p.interleaved for p in q4) == bool(
+            loaded.kernels is not None and get_kernels().loom_kq_r16_available())
         assert isinstance(loaded.model.lm_head, Int8Linear if q8_head else KQuantLinear)
     else:
         assert layers[0].stack_parts()["qkv"].bias is not None

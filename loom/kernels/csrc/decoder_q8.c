@@ -156,6 +156,13 @@ void loom_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64
     }
 }
 
+// Whether K-quant linear W runs the GEMM's team form at this step's rows (else the integer
+// kernel's: up to 8 rows, interleaved Q4_K up to LOOM_KQ_R16_INT_ROWS).
+static inline int kq_gemm(const Step *s, const LoomLinearQ8 *W)
+{
+    return W->kind == LOOM_LINEAR_KQ && !loom_kq_int_rows((int)W->bits, s->M);
+}
+
 // y [M, N] (rows ldy apart) = x W^T (+ bias) for a linear of one format (Q8, KQ or F32).
 // join: end with the team's barrier; without it (a K-quant part before another part of the same
 // linear: it reads x and writes its own columns, as the next does) a thread goes on to the next
@@ -180,7 +187,7 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
         if (!t)  // past 8 rows on linear_kq_gemm.c's kernel with KQ_GEMM
             return (s->kernel & KQ_GEMM ? loom_linear_kq_gemm : loom_linear_kq)(
                 x, s->M, K, K, W->w, bits, bias, N, y, ldy, s->nt);
-        if (s->M > loom_linear_q8_direct_rows) {  // x as the GEMM's tiles read it
+        if (kq_gemm(s, W)) {  // x as the GEMM's tiles read it
             const int xb = loom_kq_gemm_x_bytes(s->M, K) > 0;
             if (xb && !prepared) {
                 loom_kq_gemm_x_team(x, s->M, K, K, s->buf_xb, t->tid, t->team);
@@ -230,11 +237,11 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomL
     for (int64_t i = 0; i < W->num_parts; i++) {  // KQuantLinear.forward's order
         const LoomLinearQ8 *P = &W->parts[i];
         const int kq = P->kind == LOOM_LINEAR_KQ;
-        // K-quant parts in a row: past 8 rows one prepared x and one barrier at their end
-        const int next_kq = i + 1 < W->num_parts && W->parts[i + 1].kind == LOOM_LINEAR_KQ;
-        const int prev_kq = i > 0 && W->parts[i - 1].kind == LOOM_LINEAR_KQ;
+        // K-quant parts in a row on the GEMM: one prepared x and one barrier at their end
+        const int next_kq = i + 1 < W->num_parts && kq_gemm(s, &W->parts[i + 1]);
+        const int prev_kq = i > 0 && kq_gemm(s, &W->parts[i - 1]);
         int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N,
-                            i == W->num_parts - 1, next_kq, kq && prev_kq);
+                            i == W->num_parts - 1, next_kq, kq_gemm(s, P) && prev_kq);
         if (rc) return rc;
         if (bias && !kq) {  // the Q8 part's product, then its bias (torch's `part + bias`)
             int64_t r0, r1;

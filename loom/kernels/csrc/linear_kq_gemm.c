@@ -54,6 +54,7 @@
 #endif
 #endif
 
+#define R16_BYTES 2304  // an interleaved group's super-block (linear_kquant.c)
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
 #define PANEL_BYTES (128 * 1024)  // a thread's unpacked panel: with x's rows, within L2
 #define X_BYTES (512 * 1024)      // x rows a pass over the panels (a chunk of KC columns each)
@@ -652,10 +653,12 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                        float *y, int64_t ldy, panel_t *pb, float *ps)
 {
     const int64_t nbp = (nb + TN - 1) / TN * TN, Kp = PAD(K);
-    const int mode = runs16(src->fmt) ? Q6 : src->fmt == GRID ? PLAIN : MIN;
+    const int mode = runs16(src->fmt & 0xff) ? Q6 : src->fmt == GRID ? PLAIN : MIN;
     for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
         const int64_t kc = Kp - k0 < KC ? Kp - k0 : KC, pside = kc / QK * SIDE;
         const int64_t kn = K - k0 < kc ? K - k0 : kc;  // columns before the padding
+        int64_t have = -1;  // the group of interleaved rows in `blocks`
+        static __thread uint8_t blocks[16 * KC / QK * 144];
         for (int64_t r = 0; r < nb; r++) {
 #if defined(KG_I16)
             if (src->fmt == GRID) {
@@ -663,6 +666,21 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                 continue;
             }
 #endif
+            if (src->fmt & LOOM_KQ_R16) {  // interleaved Q4_K: its group's blocks back first
+                const int64_t g = (n0 + r) / 16;
+                if (g != have) {
+                    loom_kq_r16_group(src->w, K, g, k0 / QK, (k0 + kc) / QK, blocks);
+                    have = g;
+                }
+                panel_row(blocks, Q4_K, kc, (n0 + r) % 16, 0, kc, pb + r * kc, ps + r * pside);
+                // a 16th of the next group's blocks a row, so the next unpacking reads cache
+                const int64_t span = kc / QK * R16_BYTES, part = span / 16;
+                const uint8_t *next = src->w + ((g + 1) * (K / QK) + k0 / QK) * R16_BYTES +
+                                      (n0 + r) % 16 * part;
+                if (g + 1 < (n0 + nb + 15) / 16)
+                    for (int64_t i = 0; i < part; i += 64) __builtin_prefetch(next + i);
+                continue;
+            }
             panel_row(src->w, src->fmt, K, n0 + r, k0, kc, pb + r * kc, ps + r * pside);
         }
         memset(pb + nb * kc, 0, (size_t)((nbp - nb) * kc) * sizeof(panel_t));
@@ -838,7 +856,8 @@ int loom_linear_kq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
                         int num_threads)
 {
     if (loom_kq_check(K, fmt)) return -1;
-    if (M <= ROWS_INT) return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
+    if (loom_kq_int_rows(fmt, M))
+        return loom_linear_kq(x, M, K, ldx, w, fmt, bias, N, y, ldy, num_threads);
     const Src src = {w, fmt, NULL, NULL, 0};
     return gemm(x, M, K, ldx, &src, bias, N, y, ldy, num_threads);
 }

@@ -98,7 +98,169 @@ int loom_kq_isa(void)
 // loom_linear_kq's, which checks the format without it); -1 if not.
 int loom_kq_check(int64_t K, int fmt)
 {
+    if (fmt & LOOM_KQ_R16) {  // Q4_K alone, in builds with its kernel (loom_kq_r16_available)
+        if (fmt != (Q4_K | LOOM_KQ_R16) || !loom_kq_r16_available()) return -1;
+        fmt = Q4_K;
+    }
     return K <= 0 || K % QK != 0 || !loom_kq_block_bytes(fmt) ? -1 : 0;
+}
+
+// ---- Q4_K rows interleaved 16 at a time (LOOM_KQ_R16) ----------------------------------------
+// The same bytes as 16 rows' Q4_K blocks, rearranged: for each super-block s, 2304 bytes (16 x
+// 144) at the group's offset (rows 16g .. 16g + 15 keep their place in the tensor):
+//   [0, 32) the 16 rows' fp16 d, [32, 64) their fp16 dmin, [64, 256) the scale bytes: byte t
+//   (0..11) of row r at 64 + 16 t + r, [256, 2304) the nibbles in 32 chunks of 8 weights:
+//   byte 4 r + i of chunk c holds row r's weight 8c + i (low nibble) and 8c + 4 + i (high).
+// So a 64-byte load gives 16 rows x 8 weights, each 32-bit lane one row's (x's four values
+// broadcast to every lane), and a sub-block's scale and minimum are one vector for 16 rows.
+
+#define R16_SB 2304  // bytes of a group's super-block
+
+int loom_kq_r16_available(void)
+{
+#if defined(KQ_AVX512) && defined(__AVX512VNNI__)  // (KQ_R16, below)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Q4_K weight order -> the 256 nibble values of a block.
+static inline void q4k_values(const uint8_t *blk, uint8_t q[QK])
+{
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            q[64 * j + l] = blk[16 + 32 * j + l] & 15;
+            q[64 * j + 32 + l] = blk[16 + 32 * j + l] >> 4;
+        }
+}
+
+// Rows [16 g0, 16 g1) of Q4_K rows w (K a row) interleaved at out (the same offsets).
+void loom_kq_r16_pack(const uint8_t *w, int64_t K, int64_t g0, int64_t g1, uint8_t *out,
+                      int num_threads)
+{
+    const int64_t nsb = K / QK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t s = 0; s < nsb; s++) {
+            uint8_t *o = out + (g * nsb + s) * R16_SB;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = w + ((g * 16 + r) * nsb + s) * 144;
+                uint8_t q[QK];
+                memcpy(o + 2 * r, blk, 2);
+                memcpy(o + 32 + 2 * r, blk + 2, 2);
+                for (int t = 0; t < 12; t++) o[64 + 16 * t + r] = blk[4 + t];
+                q4k_values(blk, q);
+                for (int c = 0; c < 32; c++)
+                    for (int i = 0; i < 4; i++)
+                        o[256 + 64 * c + 4 * r + i] = (uint8_t)(q[8 * c + i] | q[8 * c + 4 + i] << 4);
+            }
+        }
+}
+
+// Super-blocks [s0, s1) of the 16 rows of group g of interleaved rows w as the Q4_K blocks they
+// came from: row r's at out + (r * (s1 - s0) + s - s0) * 144 (16 rows of s1 - s0 blocks). The
+// GEMM past 8 rows unpacks its panels from these (loom_kq_r16_row a row at a time, but ~10x the
+// time: +15% on a 128-row product).
+void loom_kq_r16_group(const uint8_t *w, int64_t K, int64_t g, int64_t s0, int64_t s1,
+                       uint8_t *out)
+{
+    const int64_t nsb = K / QK, ns = s1 - s0;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *o = w + (g * nsb + s) * R16_SB;
+        for (int c = 0; c < 256; c += 64) __builtin_prefetch(o + PF + c);
+#if defined(KQ_AVX512)
+        {  // each row's first 16 bytes: 8 words (d, dmin, scale bytes in pairs) of 16 rows,
+           // transposed 8 x 8 in each 128-bit lane (rows 0-7 low, 8-15 high)
+            __m256i W[8], a[8], c[8];
+            W[0] = _mm256_loadu_si256((const __m256i *)o);
+            W[1] = _mm256_loadu_si256((const __m256i *)(o + 32));
+            for (int k = 0; k < 6; k++) {
+                const __m128i s0 = _mm_loadu_si128((const __m128i *)(o + 64 + 32 * k)),
+                              s1 = _mm_loadu_si128((const __m128i *)(o + 80 + 32 * k));
+                W[2 + k] = _mm256_set_m128i(_mm_unpackhi_epi8(s0, s1), _mm_unpacklo_epi8(s0, s1));
+            }
+            for (int k = 0; k < 4; k++) {
+                a[2 * k] = _mm256_unpacklo_epi16(W[2 * k], W[2 * k + 1]);      // rows 0-3
+                a[2 * k + 1] = _mm256_unpackhi_epi16(W[2 * k], W[2 * k + 1]);  // rows 4-7
+            }
+            for (int k = 0; k < 2; k++)
+                for (int h = 0; h < 2; h++) {  // words 4k .. 4k + 3 of rows 4h + 0/1, 2/3
+                    c[4 * k + 2 * h] = _mm256_unpacklo_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+                    c[4 * k + 2 * h + 1] = _mm256_unpackhi_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+                }
+            for (int i = 0; i < 4; i++)  // c[i]: words 0-3 of rows 2i', c[4 + i] words 4-7
+                for (int e = 0; e < 2; e++) {
+                    const __m256i row = e ? _mm256_unpackhi_epi64(c[i], c[4 + i])
+                                          : _mm256_unpacklo_epi64(c[i], c[4 + i]);
+                    const int r = 2 * i + e;  // and r + 8 in the high lane
+                    _mm_storeu_si128((__m128i *)(out + (r * ns + s - s0) * 144),
+                                     _mm256_castsi256_si128(row));
+                    _mm_storeu_si128((__m128i *)(out + ((r + 8) * ns + s - s0) * 144),
+                                     _mm256_extracti128_si256(row, 1));
+                }
+        }
+        // each sub-block j: its 4 chunks transposed in 128-bit lanes (lane L of T[v] is row
+        // 4L + v's 16 bytes), the nibbles apart and back in weight order (V: values 0..15,
+        // 16..31 of the sub-block), sub-block 2J + 1's then the high nibbles of 2J's bytes
+        const __m512i nib = _mm512_set1_epi8(15);
+        for (int J = 0; J < 4; J++) {
+            __m512i V[2][4][2];  // [sub-block of the pair][v][half]
+            for (int e = 0; e < 2; e++) {
+                const uint8_t *q = o + 256 + 256 * (2 * J + e);
+                for (int c = 0; c < 256; c += 64) __builtin_prefetch(q + PF + c);
+                const __m512i C0 = _mm512_loadu_si512(q), C1 = _mm512_loadu_si512(q + 64),
+                              C2 = _mm512_loadu_si512(q + 128), C3 = _mm512_loadu_si512(q + 192);
+                const __m512i t0 = _mm512_unpacklo_epi32(C0, C1), t1 = _mm512_unpackhi_epi32(C0, C1),
+                              t2 = _mm512_unpacklo_epi32(C2, C3), t3 = _mm512_unpackhi_epi32(C2, C3);
+                const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                                      _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+                for (int v = 0; v < 4; v++) {
+                    const __m512i L = _mm512_and_si512(T[v], nib);
+                    const __m512i H = _mm512_and_si512(_mm512_srli_epi16(T[v], 4), nib);
+                    V[e][v][0] = _mm512_unpacklo_epi32(L, H);
+                    V[e][v][1] = _mm512_unpackhi_epi32(L, H);
+                }
+            }
+            for (int v = 0; v < 4; v++)
+                for (int h = 0; h < 2; h++) {
+                    const __m512i b = _mm512_or_si512(V[0][v][h],
+                                                      _mm512_slli_epi16(V[1][v][h], 4));
+                    uint8_t *at = out + (v * ns + s - s0) * 144 + 16 + 32 * J + 16 * h;
+                    _mm_storeu_si128((__m128i *)at, _mm512_castsi512_si128(b));
+                    _mm_storeu_si128((__m128i *)(at + 4 * ns * 144), _mm512_extracti32x4_epi32(b, 1));
+                    _mm_storeu_si128((__m128i *)(at + 8 * ns * 144), _mm512_extracti32x4_epi32(b, 2));
+                    _mm_storeu_si128((__m128i *)(at + 12 * ns * 144), _mm512_extracti32x4_epi32(b, 3));
+                }
+        }
+#else
+        for (int r = 0; r < 16; r++)
+            loom_kq_r16_row(w, K, g * 16 + r, s, s + 1, out + (r * ns + s - s0) * 144);
+#endif
+    }
+}
+
+// Super-blocks [s0, s1) of row n of interleaved rows w as the Q4_K blocks they came from.
+void loom_kq_r16_row(const uint8_t *w, int64_t K, int64_t n, int64_t s0, int64_t s1,
+                     uint8_t *blocks)
+{
+    const int64_t nsb = K / QK, r = n % 16;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *o = w + ((n / 16) * nsb + s) * R16_SB;
+        uint8_t *blk = blocks + (s - s0) * 144, q[QK];
+        memcpy(blk, o + 2 * r, 2);
+        memcpy(blk + 2, o + 32 + 2 * r, 2);
+        for (int t = 0; t < 12; t++) blk[4 + t] = o[64 + 16 * t + r];
+        for (int c = 0; c < 32; c++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t v = o[256 + 64 * c + 4 * r + i];
+                q[8 * c + i] = v & 15;
+                q[8 * c + 4 + i] = v >> 4;
+            }
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                blk[16 + 32 * j + l] = (uint8_t)(q[64 * j + l] | q[64 * j + 32 + l] << 4);
+    }
 }
 
 // ---- the blocks' integers (their scales: kquant_blocks.h) --------------------------------
@@ -146,11 +308,15 @@ static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK])
 void loom_kq_dequant(const uint8_t *w, int fmt, int64_t K, int64_t n0, int64_t n1, float *out,
                      int64_t ldo)
 {
+    const int r16 = fmt & LOOM_KQ_R16;
+    fmt &= 0xff;
     const int bb = loom_kq_block_bytes(fmt);
     const int64_t nsb = K / QK;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t s = 0; s < nsb; s++) {
-            const uint8_t *blk = w + (n * nsb + s) * bb;
+            uint8_t one[144];
+            if (r16) loom_kq_r16_row(w, K, n, s, s + 1, one);
+            const uint8_t *blk = r16 ? one : w + (n * nsb + s) * bb;
             float sw[16], ow[16];
             uint8_t q[QK];
             block_scales(blk, fmt, sw, ow);
@@ -744,6 +910,141 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 }
 #endif
 
+#if defined(KQ_AVX512) && defined(__AVX512VNNI__)
+#define KQ_R16 1
+// Interleaved Q4_K (LOOM_KQ_R16): weight rows 16 g .. 16 g + 15 against M <= M_MAX x rows
+// quantized as runs of 16 in natural order (quantize_row's Q6_K layout: x_fmt). Lane r of
+// every vector is weight row r: a run's two digits take 8 `vpdpbusd` for all 16 rows (x's four
+// values broadcast), `256 A + B` as in dot64, converted once and scaled by the run's d / 256,
+// the sub-block's two runs then by the rows' d sc, the minimums' dmin m sx one fnmadd. The
+// same order for every x row whatever M. out[m * ldy + r] (+ bias[r]).
+// x for the interleaved kernel: each sub-block of 32 values as R16_X bytes, its two runs'
+// digits a (32 bytes) then b (32), then fp32 d / 256 of each run and the sub-block's sum of
+// x~ (the runs' sums added): one pointer a row and constant offsets (as the other layouts,
+// K / 16 x 40 bytes a row: x_stride).
+#define R16_X 80
+static void quantize_r16(const float *x, int64_t K, uint8_t *buf)
+{
+    for (int64_t j = 0; j < K / 32; j++) {
+        uint8_t *o = buf + j * R16_X;
+        float *f = (float *)(o + 64);
+        const float s0 = (float)quantize_run(x + 32 * j, (int8_t *)o, (int8_t *)o + 32, f, 0) * f[0];
+        const float s1 = (float)quantize_run(x + 32 * j + 16, (int8_t *)o + 16, (int8_t *)o + 48,
+                                             f + 1, 0) * f[1];
+        f[2] = s0 + s1;
+        f[3] = 0.0f;
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p)  // four int8 to every 32-bit lane
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void group_r16(const uint8_t *xq, const int M,
+                                                            int64_t xs, const uint8_t *wg,
+                                                            int64_t K, const float *bias,
+                                                            float *out, int64_t ldy)
+{
+    __m512 acc[M_MAX];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(15);
+    const __m128i b6 = _mm_set1_epi8(63), b4 = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
+    for (int64_t s = 0; s < K / QK; s++) {
+        const uint8_t *o = wg + s * R16_SB;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)));
+        __m128i S[12];  // scale byte t of the 16 rows
+        for (int t = 0; t < 12; t++) S[t] = _mm_loadu_si128((const __m128i *)(o + 64 + 16 * t));
+        for (int j = 0; j < 8; j++) {
+            // ggml's get_scale_min_k4 for 16 rows: sc, m in 6 bits
+            const __m128i sc = j < 4 ? _mm_and_si128(S[j], b6)
+                                     : _mm_or_si128(_mm_and_si128(S[j + 4], b4),
+                                                    _mm_and_si128(_mm_srli_epi16(S[j - 4], 2), top));
+            const __m128i mn = j < 4 ? _mm_and_si128(S[j + 4], b6)
+                                     : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(S[j + 4], 4), b4),
+                                                    _mm_and_si128(_mm_srli_epi16(S[j], 2), top));
+            const __m512 sw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+            const __m512 mw = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+            const uint8_t *q = o + 256 + 256 * j;
+            for (int c = 0; c < 256; c += 64) __builtin_prefetch(q + PF + c);
+            __m512i W[8];  // chunk c's weights 8c .. 8c + 3 (even), 8c + 4 .. 8c + 7 (odd)
+            for (int c = 0; c < 4; c++) {
+                const __m512i L = _mm512_loadu_si512(q + 64 * c);
+                W[2 * c] = _mm512_and_si512(L, nib);
+                W[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(L, 4), nib);
+            }
+            for (int m = 0; m < M; m++) {
+                const uint8_t *xj = xq + m * xs + (s * 8 + j) * R16_X;
+                const float *f = (const float *)(xj + 64);  // dr0, dr1, sx
+                __m512 t = _mm512_setzero_ps();
+                for (int h = 0; h < 2; h++) {
+                    const int8_t *ah = (const int8_t *)xj + 16 * h, *bh = ah + 32;
+                    __m512i A = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[4 * h],
+                                                    bcast4(ah));
+                    for (int u = 1; u < 4; u++)
+                        A = _mm512_dpbusd_epi32(A, W[4 * h + u], bcast4(ah + 4 * u));
+                    A = _mm512_slli_epi32(A, 8);
+                    for (int u = 0; u < 4; u++)
+                        A = _mm512_dpbusd_epi32(A, W[4 * h + u], bcast4(bh + 4 * u));
+                    const __m512 fa = _mm512_cvtepi32_ps(A), dv = _mm512_set1_ps(f[h]);
+                    t = h == 0 ? _mm512_mul_ps(fa, dv) : _mm512_fmadd_ps(fa, dv, t);
+                }
+                acc[m] = _mm512_fmadd_ps(t, sw, acc[m]);
+                acc[m] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(f[2]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        _mm512_storeu_ps(out + m * ldy,
+                         bias ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m]);
+}
+
+// Weight rows [n0, n1) (multiples of 16) of interleaved w for M quantized x rows: each group
+// past even tiles of at most M_MAX rows.
+static void rows_r16(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int64_t K,
+                     int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
+{
+    for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t *wg = w + n / 16 * (K / QK) * R16_SB;
+        const float *bn = bias ? bias + n : NULL;
+        for (int64_t m0 = 0, tiles = (M + M_MAX - 1) / M_MAX; m0 < M; tiles--) {
+            const int64_t t = (M - m0 + tiles - 1) / tiles;
+            const uint8_t *xt = xq + m0 * xs;
+            float *yt = y + m0 * ldy + n;
+            switch (t) {
+#define R16_CASE(k) case k: group_r16(xt, k, xs, wg, K, bn, yt, ldy); break;
+            R16_CASE(1) R16_CASE(2) R16_CASE(3) R16_CASE(4) R16_CASE(5) R16_CASE(6) R16_CASE(7)
+            default: group_r16(xt, 8, xs, wg, K, bn, yt, ldy); break;
+#undef R16_CASE
+            }
+            m0 += t;
+        }
+    }
+}
+#else
+static void rows_r16(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int64_t K,
+                     int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
+{
+    (void)xq, (void)M, (void)xs, (void)w, (void)K, (void)n0, (void)n1, (void)bias, (void)y,
+        (void)ldy;  // loom_kq_check refuses LOOM_KQ_R16 in this build
+}
+#endif
+
+// x as `fmt`'s kernel reads it (stride bytes a row: x_stride).
+static inline void quantize_x(const float *x, int64_t K, int fmt, uint8_t *buf)
+{
+#if defined(KQ_R16)
+    if (fmt & LOOM_KQ_R16) {
+        quantize_r16(x, K, buf);
+        return;
+    }
+#endif
+    quantize_row(x, K, fmt & 0xff, buf, fmt & LOOM_KQ_ONE_DIGIT);
+}
+
 // Weight row n for M <= M_MAX quantized rows (M, fmt and the digits constants in each case).
 static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int fmt, int64_t K,
                     int64_t n, const float *bias, float *y, int64_t ldy)
@@ -785,6 +1086,10 @@ static void row_any(const uint8_t *xq, int M, int64_t xs, const uint8_t *w, int 
 static void rows_kq(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w, int fmt,
                     int64_t K, int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
 {
+    if (fmt & LOOM_KQ_R16) {
+        rows_r16(xq, M, xs, w, K, n0, n1, bias, y, ldy);
+        return;
+    }
     const int64_t tiles0 = M <= KQ_ONE_TILE ? 1 : (M + KQ_TILE - 1) / KQ_TILE;
     for (int64_t b0 = n0; b0 < n1; b0 += KQ_BLOCK) {
         const int64_t b1 = b0 + KQ_BLOCK < n1 ? b0 + KQ_BLOCK : n1;
@@ -821,13 +1126,14 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
                    const float *bias, int64_t N, float *y, int64_t ldy, int num_threads)
 {
     if (loom_kq_check(K, fmt & ~LOOM_KQ_ONE_DIGIT)) return -1;
+    if ((fmt & LOOM_KQ_R16) && ((fmt & LOOM_KQ_ONE_DIGIT) || N % 16)) return -1;
     if (M <= 0) return 0;  // (row_any takes 1 to 8 rows)
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);
     if (!xq) return -2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > M_MAX)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, fmt & 0xff, xq + m * xs, fmt & LOOM_KQ_ONE_DIGIT);
+        quantize_x(x + m * ldx, K, fmt, xq + m * xs);
     const int64_t units = (N + NB_ROWS - 1) / NB_ROWS;
     // guided chunks (as linear_q8.c): a thread the OS lends away leaves its rows to the others
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
@@ -838,13 +1144,14 @@ int loom_linear_kq(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
 }
 
 // For loom_linear_kq_team in a thread of a team: reserves the calling thread's buffer for
-// M_MAX quantized rows of up to K_max. 0, or -2 if it cannot be allocated.
+// LOOM_KQ_R16_INT_ROWS quantized rows of up to K_max. 0, or -2 if it cannot be allocated.
 int loom_linear_kq_reserve(int64_t K_max)
 {
-    return x_buffer(M_MAX, K_max) ? 0 : -2;
+    return x_buffer(LOOM_KQ_R16_INT_ROWS, K_max) ? 0 : -2;
 }
 
-// loom_linear_kq for M <= 8 rows (K and fmt as loom_kq_check takes: the caller checks) in a
+// loom_linear_kq for M rows where loom_kq_int_rows (K and fmt as loom_kq_check takes: the
+// caller checks) in a
 // thread of a running OpenMP team (as linear_q8.c's loom_linear_q8_team): every thread calls it
 // with the same arguments and `next` zeroed beforehand, after loom_linear_kq_reserve(K) in it;
 // each quantizes x into its own buffer and takes guided chunks of weight rows from *next. The
@@ -857,7 +1164,8 @@ void loom_linear_kq_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     const int64_t xs = x_stride(K);
     uint8_t *xq = x_buffer(M, K);  // reserved: no failure
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, fmt & 0xff, xq + m * xs, fmt & LOOM_KQ_ONE_DIGIT);
-    for (int64_t u0, u1; loom_take_units(next, N, 16, team, &u0, &u1);)
-        rows_kq(xq, M, xs, w, fmt, K, u0, u1, bias, y, ldy);
+        quantize_x(x + m * ldx, K, fmt, xq + m * xs);
+    const int64_t g = fmt & LOOM_KQ_R16 ? 16 : 1;  // interleaved: whole groups of 16 rows
+    for (int64_t u0, u1; loom_take_units(next, N / g, 16 / g, team, &u0, &u1);)
+        rows_kq(xq, M, xs, w, fmt, K, g * u0, g * u1, bias, y, ldy);
 }

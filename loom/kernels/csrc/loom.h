@@ -185,6 +185,27 @@ int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64
 // bar on a real model (docs/kquants.md), so no default runs it. loom_linear_kq's alone: the
 // GEMM and the stack refuse it (loom_kq_check takes a format alone).
 #define LOOM_KQ_ONE_DIGIT 0x100
+// Q4_K | LOOM_KQ_R16: Q4_K rows interleaved 16 at a time (loom_kq_r16_pack; the layout:
+// linear_kquant.c), for builds where loom_kq_r16_available(): their decode kernel reads each
+// 64 bytes as 8 weights of 16 rows (2.3x fewer instructions a weight past one x row); the
+// GEMM past 8 rows and loom_kq_dequant take them too (the blocks back, the same bits). N a
+// multiple of 16.
+#define LOOM_KQ_R16 0x200
+// Interleaved Q4_K runs its integer kernel up to this many rows, the GEMM past them (at 16 rows
+// the integer kernel took 0.73x the GEMM's time, at 32 0.92x: the GEMM unpacks groups back to
+// blocks). loom_linear_kq_reserve reserves this many rows.
+#define LOOM_KQ_R16_INT_ROWS 32
+static inline int loom_kq_int_rows(int fmt, int64_t M)  // M rows of fmt on the integer kernel
+{
+    return M <= 8 || ((fmt & LOOM_KQ_R16) && M <= LOOM_KQ_R16_INT_ROWS);
+}
+int loom_kq_r16_available(void);
+void loom_kq_r16_pack(const uint8_t *w, int64_t K, int64_t g0, int64_t g1, uint8_t *out,
+                      int num_threads);
+void loom_kq_r16_row(const uint8_t *w, int64_t K, int64_t n, int64_t s0, int64_t s1,
+                     uint8_t *blocks);
+void loom_kq_r16_group(const uint8_t *w, int64_t K, int64_t g, int64_t s0, int64_t s1,
+                       uint8_t *out);
 int loom_kq_block_bytes(int fmt);  // 0 for a format it does not run
 int loom_kq_isa(void);             // 4 AVX512-VNNI, 3 AVX-512 BW, 2 AVX2, 1 NEON dotprod, 0 C
 int loom_kq_check(int64_t K, int fmt);
