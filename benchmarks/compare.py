@@ -131,7 +131,8 @@ def _median(values: list[float | None]) -> float | None:
 def summarize(rounds: list[dict[str, Any]], name: str, wbytes: int | None = None,
               bandwidth: float | None = None) -> dict[str, Any]:
     """Medians over rounds: start-up, memory, and each level's median figures; with the weight
-    bytes and the machine's read bandwidth, the share of it the one-stream decode sustains."""
+    bytes and the machine's read bandwidth, the share of it the one-stream decode sustains
+    (decode steps a second, 1000 / TPOT p50, times the bytes)."""
     runs = [r[name] for r in rounds if name in r and "levels" in r[name]]
     if not runs:
         return {}
@@ -145,9 +146,13 @@ def summarize(rounds: list[dict[str, Any]], name: str, wbytes: int | None = None
         levels.append({"concurrency": lv["concurrency"], "median": med})
     s["levels"] = levels
     s["weight_bytes"] = wbytes
-    one = next((lv["median"].get("output_throughput") for lv in levels
-                if lv["concurrency"] == 1), None)
-    s["bandwidth_share"] = one * wbytes / bandwidth if one and wbytes and bandwidth else None
+    # the decode's own rate, 1000 / TPOT: output tokens/s counts the prompt's time too (a 1.7B
+    # model's 128-token prompt is a third of a 64-token answer's time on 2 cores), which reads
+    # no more weights than one decode step
+    tpot = next((lv["median"].get("median_tpot_ms") for lv in levels
+                 if lv["concurrency"] == 1), None)
+    s["bandwidth_share"] = (1000.0 / tpot * wbytes / bandwidth
+                            if tpot and wbytes and bandwidth else None)
     return s
 
 
@@ -277,8 +282,8 @@ def write_report(path: Path, ns: argparse.Namespace, engines: list[Engine],
                "(which counts pages shared between its processes once) every 5 s. Weights read "
                "per token: the served file's tensors (for Loom too, whatever it holds them as "
                "in memory; the embedding table counts only where it is also the output head); "
-               "the bandwidth share is one-stream tokens/s x those bytes over the machine's "
-               "read bandwidth (all cores, below).")
+               "the bandwidth share is one-stream decode steps a second (1000 / TPOT p50) x "
+               "those bytes over the machine's read bandwidth (all cores, below).")
     lines = [f"# Loom side by side with its peers — {model_name(ns)}, {started}", "", setup, "",
              reading, "", *_load_warning(summary), *table(summary, conc), ""]
     goals = goal_lines(summary, ns.goals)

@@ -155,15 +155,21 @@ class KQuantLinear(nn.Module):
         self.parts = dict(sorted({**self.parts, start: (n, part)}.items()))
         return n
 
-    def interleave(self) -> int:
+    def interleave(self, before: Callable[[torch.Tensor], object] | None = None,
+                   after: Callable[[torch.Tensor], object] | None = None) -> int:
         """Interleave the Q4_K parts that can be (KBlocks.interleave) where the blocks are this
-        layer's own; returns how many were."""
+        layer's own, one at a time: `before` and `after` see each part's stored blocks (the
+        loader maps a file's pages in before and drops them after); returns how many were."""
         if not self.owns_blocks:
             return 0
         done = 0
         for start, (rows, p) in list(self.parts.items()):
             if isinstance(p, KBlocks) and p.can_interleave():
+                if before is not None:
+                    before(p.data)
                 self.parts[start] = (rows, p.interleave())
+                if after is not None:
+                    after(p.data)
                 done += 1
         return done
 

@@ -126,10 +126,12 @@ def test_weight_bytes_of_real_files_and_hf_folders(tmp_path) -> None:
     assert compare_figures.weight_bytes(tmp_path / "absent") is None
 
 
-def _summary(health: float, rss: int, tps: dict[int, float], ttft: float) -> dict:
+def _summary(health: float, rss: int, tps: dict[int, float], ttft: float,
+             tpot: float | None = None) -> dict:
     return {"health_s": health, "peak_rss_bytes": rss, "levels": [
         {"concurrency": c, "median": {"output_throughput": v, "median_ttft_ms": ttft,
-                                      "failed": 0}} for c, v in tps.items()]}
+                                      "median_tpot_ms": tpot, "failed": 0}}
+        for c, v in tps.items()]}
 
 
 def test_table_holds_loom_against_the_best_peer_and_goals_say_met() -> None:
@@ -156,7 +158,9 @@ def test_table_holds_loom_against_the_best_peer_and_goals_say_met() -> None:
 
 
 def test_bandwidth_share_is_one_stream_bytes_over_the_machine_s() -> None:
-    rounds = [{"Loom": {**_summary(2.0, 1, {1: 10.0, 16: 50.0}, 100.0)}}]
+    """Decode steps a second (1000 / TPOT, not output tokens/s, which counts the prompt's time
+    too) times the weight bytes, over the read bandwidth."""
+    rounds = [{"Loom": {**_summary(2.0, 1, {1: 8.0, 16: 50.0}, 100.0, tpot=100.0)}}]
     s = compare.summarize(rounds, "Loom", wbytes=10**9, bandwidth=40e9)
     assert s["bandwidth_share"] == pytest.approx(0.25)
     assert compare.summarize(rounds, "Loom")["bandwidth_share"] is None

@@ -130,3 +130,20 @@ def test_kquant_stack_matches_module_path(tmp_path, name, kernels) -> None:
     assert all(torch.isfinite(stack[r]).all() and torch.equal(stack[r], module[r])
                for r in stack)
     assert all(a is not None and torch.equal(a, b) for a, b in zip(stack_rows, module_rows))
+
+
+def test_replicas_keep_the_files_blocks(tmp_path, monkeypatch) -> None:
+    """Data-parallel replicas (LOOM_HUGE_PAGES=tensors) share the GGUF file's pages, so their
+    Q4_K parts stay as stored; a lone server interleaves them where the build reads them."""
+    require_cpu_kernels()
+    path = _kquant_gguf(tmp_path, "llama-replica", "llama", {})
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "tensors")
+    loaded = load_model(resolve_model(str(path)), "float32")
+    parts = [p for m in loaded.model.modules() if isinstance(m, KQuantLinear)
+             for _, p in m.parts.values() if getattr(p, "qtype", None) == T.Q4_K]
+    assert parts and not any(p.interleaved for p in parts)
+    monkeypatch.delenv("LOOM_HUGE_PAGES")
+    loaded = load_model(resolve_model(str(path)), "float32")
+    parts = [p for m in loaded.model.modules() if isinstance(m, KQuantLinear)
+             for _, p in m.parts.values() if getattr(p, "qtype", None) == T.Q4_K]
+    assert all(p.interleaved for p in parts) == bool(get_kernels().loom_kq_r16_available())

@@ -135,6 +135,90 @@ static inline void q4k_values(const uint8_t *blk, uint8_t q[QK])
         }
 }
 
+#if defined(KQ_AVX512)
+// One super-block of 16 rows (row r's block at blk + r * stride) into its interleaved 2304
+// bytes at o: loom_kq_r16_group's transposes run backwards (the same layout; ~3x the scalar
+// loop's speed, which made an 8B model's load 2-3 s longer).
+static void pack_group_sb(const uint8_t *blk, int64_t stride, uint8_t *o)
+{
+    {  // headers: rows r and r + 8 in the two lanes of R[r], 8 words each, transposed 8 x 8
+        __m256i R[8], a[8], c[8];
+        for (int r = 0; r < 8; r++)
+            R[r] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blk + (r + 8) * stride)),
+                                    _mm_loadu_si128((const __m128i *)(blk + r * stride)));
+        for (int k = 0; k < 4; k++) {
+            a[2 * k] = _mm256_unpacklo_epi16(R[2 * k], R[2 * k + 1]);
+            a[2 * k + 1] = _mm256_unpackhi_epi16(R[2 * k], R[2 * k + 1]);
+        }
+        for (int k = 0; k < 2; k++)
+            for (int h = 0; h < 2; h++) {
+                c[4 * k + 2 * h] = _mm256_unpacklo_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+                c[4 * k + 2 * h + 1] = _mm256_unpackhi_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+            }
+        // word w of the 16 rows (rows 0-7 low lane, 8-15 high) as in loom_kq_r16_group
+        const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11,
+                                                  13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5,
+                                                  7, 9, 11, 13, 15);
+        for (int i = 0; i < 4; i++)
+            for (int e = 0; e < 2; e++) {
+                const __m256i W = e ? _mm256_unpackhi_epi64(c[i], c[4 + i])
+                                    : _mm256_unpacklo_epi64(c[i], c[4 + i]);
+                const int word = 2 * i + e;
+                if (word < 2) {  // d, dmin: 16 fp16 as they are
+                    _mm256_storeu_si256((__m256i *)(o + 32 * word), W);
+                    continue;
+                }
+                // scale bytes 2 (word - 2) and the next: the even and the odd bytes
+                const __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(W, even_odd),
+                                                           0xD8);
+                _mm_storeu_si128((__m128i *)(o + 64 + 32 * (word - 2)),
+                                 _mm256_castsi256_si128(b));
+                _mm_storeu_si128((__m128i *)(o + 80 + 32 * (word - 2)),
+                                 _mm256_extracti128_si256(b, 1));
+            }
+    }
+    const __m512i nib = _mm512_set1_epi8(15);
+    for (int J = 0; J < 4; J++) {
+        __m512i Tq[4][2];  // [v][e]: lane L row 4L + v's four chunks of sub-block 2J + e
+        for (int v = 0; v < 4; v++) {
+            __m512i X[2];  // lane L: row 4L + v's bytes 16h .. 16h + 15 of segment J
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *at = blk + v * stride + 16 + 32 * J + 16 * h;
+                X[h] = _mm512_inserti32x4(
+                    _mm512_inserti32x4(
+                        _mm512_inserti32x4(_mm512_castsi128_si512(
+                                               _mm_loadu_si128((const __m128i *)at)),
+                                           _mm_loadu_si128((const __m128i *)(at + 4 * stride)), 1),
+                        _mm_loadu_si128((const __m128i *)(at + 8 * stride)), 2),
+                    _mm_loadu_si128((const __m128i *)(at + 12 * stride)), 3);
+            }
+            for (int e = 0; e < 2; e++) {  // sub-block 2J + e: low nibbles, then high
+                const __m512i V0 = e ? _mm512_and_si512(_mm512_srli_epi16(X[0], 4), nib)
+                                     : _mm512_and_si512(X[0], nib);
+                const __m512i V1 = e ? _mm512_and_si512(_mm512_srli_epi16(X[1], 4), nib)
+                                     : _mm512_and_si512(X[1], nib);
+                const __m512i L = _mm512_castps_si512(_mm512_shuffle_ps(
+                    _mm512_castsi512_ps(V0), _mm512_castsi512_ps(V1), 0x88));  // dwords 0, 2
+                const __m512i H = _mm512_castps_si512(_mm512_shuffle_ps(
+                    _mm512_castsi512_ps(V0), _mm512_castsi512_ps(V1), 0xDD));  // dwords 1, 3
+                Tq[v][e] = _mm512_or_si512(L, _mm512_slli_epi16(H, 4));
+            }
+        }
+        for (int e = 0; e < 2; e++) {  // the 4 x 4 transpose is its own inverse
+                const __m512i t0 = _mm512_unpacklo_epi32(Tq[0][e], Tq[1][e]),
+                              t1 = _mm512_unpackhi_epi32(Tq[0][e], Tq[1][e]),
+                              t2 = _mm512_unpacklo_epi32(Tq[2][e], Tq[3][e]),
+                              t3 = _mm512_unpackhi_epi32(Tq[2][e], Tq[3][e]);
+                uint8_t *q = o + 256 + 256 * (2 * J + e);
+                _mm512_storeu_si512(q, _mm512_unpacklo_epi64(t0, t2));
+                _mm512_storeu_si512(q + 64, _mm512_unpackhi_epi64(t0, t2));
+                _mm512_storeu_si512(q + 128, _mm512_unpacklo_epi64(t1, t3));
+                _mm512_storeu_si512(q + 192, _mm512_unpackhi_epi64(t1, t3));
+        }
+    }
+}
+#endif
+
 // Rows [16 g0, 16 g1) of Q4_K rows w (K a row) interleaved at out (the same offsets).
 void loom_kq_r16_pack(const uint8_t *w, int64_t K, int64_t g0, int64_t g1, uint8_t *out,
                       int num_threads)
@@ -144,6 +228,10 @@ void loom_kq_r16_pack(const uint8_t *w, int64_t K, int64_t g0, int64_t g1, uint8
     for (int64_t g = g0; g < g1; g++)
         for (int64_t s = 0; s < nsb; s++) {
             uint8_t *o = out + (g * nsb + s) * R16_SB;
+#if defined(KQ_AVX512)
+            pack_group_sb(w + (g * 16 * nsb + s) * 144, nsb * 144, o);
+            continue;
+#endif
             for (int r = 0; r < 16; r++) {
                 const uint8_t *blk = w + ((g * 16 + r) * nsb + s) * 144;
                 uint8_t q[QK];
