@@ -163,11 +163,19 @@ class KernelChoice:
         """The build, why, and the int8 linears' kernels, in one phrase (the start-up line's)."""
         why = ("chosen with --cpu-kernels" if self.named else "the best of " + ", ".join(
             v.name for v in variants() if runs_here(v)) + " this CPU runs")
+        r16 = self.interleaved_q4k and self.kquant_batch != "int"
         return (f"{self.variant} build ({variant(self.variant).about}; {why}); int8 linears "
                 f"{self.batch} past 8 rows, {self.decode} up to 8"
                 f"{' (batch-invariant)' if self.batch_invariant else ''}; K-quant linears "
                 f"{self.kquant} up to 8 rows, "
-                f"{self.kquant if self.kquant_batch == 'int' else self.kquant_batch} past 8")
+                f"{self.kquant if self.kquant_batch == 'int' else self.kquant_batch} past 8"
+                f"{' (Q4_K interleaved: up to 32)' if r16 else ''}")
+
+    @property
+    def interleaved_q4k(self) -> bool:
+        """Whether the loader interleaves Q4_K rows (builds with AVX512-VNNI: loom.h's
+        LOOM_KQ_R16), whose integer kernel then runs up to 32 rows before the batch kernel."""
+        return "avx512_vnni" in variant(self.variant).needs
 
     @property
     def kquant(self) -> str:

@@ -9,7 +9,9 @@ Q6_K, and Q5_0 / Q8_0 where a width is not a multiple of 256), and multiplies on
 dot products against the blocks, fp32 scales (the kernel's accuracy and speed:
 docs/kquants.md); past 8 rows `csrc/linear_kq_gemm.c` by default (panels of weight rows
 unpacked once a call: bf16, int16 or fp32 products). Parts on Loom's int8 grid run as
-`Int8Linear`s, float parts in fp32.
+`Int8Linear`s, float parts in fp32. On AVX512-VNNI builds the loader interleaves Q4_K parts 16
+rows at a time (`KBlocks.interleave`): the kernel then takes a step of a few rows in about half
+the instructions.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class KBlocks:
         """The same weights with Q4_K rows interleaved 16 at a time: each 64 bytes the decode
         kernel reads hold 8 weights of 16 rows, so past one x row it takes ~2x fewer
         instructions a weight (docs/kquants.md). Bytes and shape are unchanged; the
-        products' bits are the interleaved kernel's (the GEMM past 8 rows: the same)."""
+        products' bits are the interleaved kernel's up to 32 rows, past them the GEMM's on the
+        stored blocks."""
         data = self.data.contiguous()
         out = torch.empty_like(data)
         cpu_kernels().loom_kq_r16_pack(data.data_ptr(), self.cols, 0,

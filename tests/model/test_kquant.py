@@ -123,10 +123,16 @@ def test_one_digit_within_its_bound(qtype) -> None:
 
 
 def require_interleaved() -> None:
-    """The interleaved Q4_K kernel is in the builds with AVX512-VNNI, and only there."""
+    """The interleaved Q4_K kernel is in the builds with AVX512-VNNI, and only there; the
+    start-up line says so."""
+    from loom.kernels import kernel_choice
+
     require_cpu_kernels()
     lib = cpu_kernels()
     assert bool(lib.loom_kq_r16_available()) == (lib.loom_kq_isa() == 4)
+    choice = kernel_choice()
+    assert ("Q4_K interleaved" in choice.describe()) == (
+        bool(lib.loom_kq_r16_available()) and not choice.batch_invariant)
     if not lib.loom_kq_r16_available():
         pytest.skip("this build has no interleaved Q4_K kernel (AVX512-VNNI builds only)")
 
