@@ -17,7 +17,9 @@ from loom.loader import gguf as gguf_loader
 from loom.loader import pagein
 from loom.loader.hugepages import HugePager, copies_allowed
 from loom.loader.hf import iter_safetensors, model_config_from_hf
-from loom.loader.release import drop_pages, huge_pager, populate_pages, release_unused
+from loom.loader.release import (
+    drop_pages, huge_pager, map_spans, populate_pages, release_unused,
+)
 from loom.loader.resolve import ModelSource
 from loom.models.registry import get_model_class
 from loom.kernels import select
@@ -183,7 +185,7 @@ def _interleave(model: nn.Module, reader) -> None:  # noqa: ANN001 (a GGUF reade
     part at a time: its pages of the file's map faulted in at once before (MADV_POPULATE_READ)
     and dropped after, so the load never holds both copies of the weights (an 8B's peak RSS
     was 2.4 GB above the weights' with the file's pages dropped at the end only)."""
-    spans = [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes) for t in reader.tensors]
+    spans = map_spans(reader)
 
     def in_map(t: torch.Tensor) -> tuple[int, int] | None:
         lo = t.data_ptr()

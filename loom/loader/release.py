@@ -135,6 +135,11 @@ def release_unused(reader: Any, model: nn.Module) -> int:
     return released
 
 
+def map_spans(reader: Any) -> list[tuple[int, int]]:
+    """(start, end) addresses of each tensor's data in `reader`'s file map."""
+    return [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes) for t in reader.tensors]
+
+
 def huge_pager(model: nn.Module, reader: Any = None) -> hugepages.HugePager | None:
     """What puts `model`'s weights on huge pages while the engine is idle (hugepages.py): the
     spans of `reader`'s file map it reads, and the storage of its own tensors. None where the
@@ -143,8 +148,7 @@ def huge_pager(model: nn.Module, reader: Any = None) -> hugepages.HugePager | No
     if not hugepages.enabled():
         return None
     held = held_ranges(model)
-    spans = [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes)
-             for t in (reader.tensors if reader is not None else ())]
+    spans = map_spans(reader) if reader is not None else []
     kept = ([s for a, b in spans for s in _held_spans(a, b, held)]
             if hugepages.copies_allowed() else [])
     lo = min((a for a, _ in spans), default=0)

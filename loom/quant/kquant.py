@@ -102,7 +102,7 @@ class KBlocks:
         """fp32 [rows, cols]: the `gguf` package's values bit for bit (C where built)."""
         rows, cols = self.shape
         lib = cpu_kernels()
-        if lib is None and not self.interleaved:
+        if lib is None:  # (interleaved blocks exist only where the kernels are)
             from gguf.quants import dequantize
 
             out = dequantize(self.data.numpy(), self.qtype)

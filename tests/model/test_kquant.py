@@ -80,20 +80,29 @@ def test_kernel_within_bound_of_float64(qtype, m) -> None:
     anything, K a multiple of 256, x with an outlier channel."""
     require_cpu_kernels()
     rng = np.random.default_rng(m)
-    n, k = 37, 768
-    blocks = random_blocks(qtype, n, k, rng)
+    check_within_bound(random_blocks(qtype, 37, 768, rng), m, rng)
+
+
+def check_within_bound(blocks: KBlocks, m: int, rng: np.random.Generator,
+                       kernel_blocks: KBlocks | None = None) -> torch.Tensor:
+    """`kernel_blocks` (default `blocks`: the same weights, maybe interleaved) against float64
+    of `blocks`' dequantized weights, m rows of x with an outlier channel and a bias: within
+    the two digits' bound, and a row's bits do not depend on the other rows of the call.
+    Returns x."""
+    n, k = blocks.shape
+    kb = blocks if kernel_blocks is None else kernel_blocks
     w = reference(blocks).astype(np.float64)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[:, 5] *= 40  # an outlier
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     xt = torch.from_numpy(x)
-    got = kq_linear(blocks, xt, bias).double().numpy()
+    got = kq_linear(kb, xt, bias).double().numpy()
     want = x.astype(np.float64) @ w.T + bias.double().numpy()
     err = np.abs(got - want)
     assert (err <= bound(w, x)).all(), float((err / bound(w, x)).max())
-    # a row's bits do not depend on the other rows of the call
-    alone = kq_linear(blocks, xt[-1:].contiguous(), bias)
+    alone = kq_linear(kb, xt[-1:].contiguous(), bias)
     assert torch.equal(alone[0], torch.from_numpy(got[-1]).float())
+    return xt
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -173,17 +182,7 @@ def test_interleaved_q4k_kernel_within_bound_of_float64(m) -> None:
     n, k = 48, 768
     blocks = random_blocks(GGMLQuantizationType.Q4_K, n, k, rng)
     inter = blocks.interleave()
-    w = reference(blocks).astype(np.float64)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    x[:, 7] *= 40
-    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-    xt = torch.from_numpy(x)
-    got = kq_linear(inter, xt, bias).double().numpy()
-    want = x.astype(np.float64) @ w.T + bias.double().numpy()
-    err = np.abs(got - want)
-    assert (err <= bound(w, x)).all(), float((err / bound(w, x)).max())
-    alone = kq_linear(inter, xt[-1:].contiguous(), bias)
-    assert torch.equal(alone[0], torch.from_numpy(got[-1]).float())
+    xt = check_within_bound(blocks, m, rng, inter)
     layer = KQuantLinear(k, n, False)
     layer.load_rows(None, blocks)
     layer.batch_kernel = "gemm"  # any but "int": linear_kq_gemm.c past 8 rows

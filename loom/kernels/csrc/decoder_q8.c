@@ -241,7 +241,7 @@ static int linear(const Step *s, Team *t, const float *x, int64_t K, const LoomL
         const int next_kq = i + 1 < W->num_parts && kq_gemm(s, &W->parts[i + 1]);
         const int prev_kq = i > 0 && kq_gemm(s, &W->parts[i - 1]);
         int rc = linear_one(s, t, x, K, P, bias && kq ? bias + P->n0 : NULL, P->n, y + P->n0, N,
-                            i == W->num_parts - 1, next_kq, kq_gemm(s, P) && prev_kq);
+                            i == W->num_parts - 1, next_kq, prev_kq);
         if (rc) return rc;
         if (bias && !kq) {  // the Q8 part's product, then its bias (torch's `part + bias`)
             int64_t r0, r1;

@@ -54,7 +54,6 @@
 #endif
 #endif
 
-#define R16_BYTES 2304  // an interleaved group's super-block (linear_kquant.c)
 #define ROWS_INT 8       // loom_linear_kq's rows (its integer kernel) up to this many
 #define PANEL_BYTES (128 * 1024)  // a thread's unpacked panel: with x's rows, within L2
 #define X_BYTES (512 * 1024)      // x rows a pass over the panels (a chunk of KC columns each)
@@ -652,13 +651,13 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                        int64_t K, const Src *src, const float *bias, int64_t n0, int64_t nb,
                        float *y, int64_t ldy, panel_t *pb, float *ps)
 {
+    static __thread uint8_t blocks[16 * KC / QK * 144];  // interleaved rows' blocks back
     const int64_t nbp = (nb + TN - 1) / TN * TN, Kp = PAD(K);
     const int mode = runs16(src->fmt & 0xff) ? Q6 : src->fmt == GRID ? PLAIN : MIN;
     for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
         const int64_t kc = Kp - k0 < KC ? Kp - k0 : KC, pside = kc / QK * SIDE;
         const int64_t kn = K - k0 < kc ? K - k0 : kc;  // columns before the padding
-        int64_t have = -1;  // the group of interleaved rows in `blocks`
-        static __thread uint8_t blocks[16 * KC / QK * 144];
+        int64_t have = -1;  // the group of interleaved rows in `blocks` (this chunk's)
         for (int64_t r = 0; r < nb; r++) {
 #if defined(KG_I16)
             if (src->fmt == GRID) {
@@ -674,8 +673,8 @@ static void panel_rows(const panel_t *xp, int64_t ldp, const float *xs, int64_t 
                 }
                 panel_row(blocks, Q4_K, kc, (n0 + r) % 16, 0, kc, pb + r * kc, ps + r * pside);
                 // a 16th of the next group's blocks a row, so the next unpacking reads cache
-                const int64_t span = kc / QK * R16_BYTES, part = span / 16;
-                const uint8_t *next = src->w + ((g + 1) * (K / QK) + k0 / QK) * R16_BYTES +
+                const int64_t span = kc / QK * LOOM_KQ_R16_BYTES, part = span / 16;
+                const uint8_t *next = src->w + ((g + 1) * (K / QK) + k0 / QK) * LOOM_KQ_R16_BYTES +
                                       (n0 + r) % 16 * part;
                 if (g + 1 < (n0 + nb + 15) / 16)
                     for (int64_t i = 0; i < part; i += 64) __builtin_prefetch(next + i);

@@ -114,8 +114,6 @@ int loom_kq_check(int64_t K, int fmt)
 // So a 64-byte load gives 16 rows x 8 weights, each 32-bit lane one row's (x's four values
 // broadcast to every lane), and a sub-block's scale and minimum are one vector for 16 rows.
 
-#define R16_SB 2304  // bytes of a group's super-block
-
 int loom_kq_r16_available(void)
 {
 #if defined(KQ_AVX512) && defined(__AVX512VNNI__)  // (KQ_R16, below)
@@ -125,15 +123,7 @@ int loom_kq_r16_available(void)
 #endif
 }
 
-// Q4_K weight order -> the 256 nibble values of a block.
-static inline void q4k_values(const uint8_t *blk, uint8_t q[QK])
-{
-    for (int j = 0; j < 4; j++)
-        for (int l = 0; l < 32; l++) {
-            q[64 * j + l] = blk[16 + 32 * j + l] & 15;
-            q[64 * j + 32 + l] = blk[16 + 32 * j + l] >> 4;
-        }
-}
+static inline void block_values(const uint8_t *blk, int fmt, uint8_t q[QK]);  // below
 
 #if defined(KQ_AVX512)
 // One super-block of 16 rows (row r's block at blk + r * stride) into its interleaved 2304
@@ -227,23 +217,23 @@ void loom_kq_r16_pack(const uint8_t *w, int64_t K, int64_t g0, int64_t g1, uint8
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = g0; g < g1; g++)
         for (int64_t s = 0; s < nsb; s++) {
-            uint8_t *o = out + (g * nsb + s) * R16_SB;
+            uint8_t *o = out + (g * nsb + s) * LOOM_KQ_R16_BYTES;
 #if defined(KQ_AVX512)
             pack_group_sb(w + (g * 16 * nsb + s) * 144, nsb * 144, o);
-            continue;
-#endif
+#else  // portable (no build without AVX-512 runs the interleaved kernel yet)
             for (int r = 0; r < 16; r++) {
                 const uint8_t *blk = w + ((g * 16 + r) * nsb + s) * 144;
                 uint8_t q[QK];
                 memcpy(o + 2 * r, blk, 2);
                 memcpy(o + 32 + 2 * r, blk + 2, 2);
                 for (int t = 0; t < 12; t++) o[64 + 16 * t + r] = blk[4 + t];
-                q4k_values(blk, q);
+                block_values(blk, Q4_K, q);
                 for (int c = 0; c < 32; c++)
                     for (int i = 0; i < 4; i++)
                         o[256 + 64 * c + 4 * r + i] =
                             (uint8_t)(q[8 * c + i] | q[8 * c + 4 + i] << 4);
             }
+#endif
         }
 }
 
@@ -256,7 +246,7 @@ void loom_kq_r16_group(const uint8_t *w, int64_t K, int64_t g, int64_t s0, int64
 {
     const int64_t nsb = K / QK, ns = s1 - s0;
     for (int64_t s = s0; s < s1; s++) {
-        const uint8_t *o = w + (g * nsb + s) * R16_SB;
+        const uint8_t *o = w + (g * nsb + s) * LOOM_KQ_R16_BYTES;
         for (int c = 0; c < 256; c += 64) __builtin_prefetch(o + PF + c);
 #if defined(KQ_AVX512)
         {  // each row's first 16 bytes: 8 words (d, dmin, scale bytes in pairs) of 16 rows,
@@ -338,7 +328,7 @@ void loom_kq_r16_row(const uint8_t *w, int64_t K, int64_t n, int64_t s0, int64_t
 {
     const int64_t nsb = K / QK, r = n % 16;
     for (int64_t s = s0; s < s1; s++) {
-        const uint8_t *o = w + ((n / 16) * nsb + s) * R16_SB;
+        const uint8_t *o = w + ((n / 16) * nsb + s) * LOOM_KQ_R16_BYTES;
         uint8_t *blk = blocks + (s - s0) * 144, q[QK];
         memcpy(blk, o + 2 * r, 2);
         memcpy(blk + 2, o + 32 + 2 * r, 2);
@@ -1004,16 +994,10 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 
 #if defined(KQ_AVX512) && defined(__AVX512VNNI__)
 #define KQ_R16 1
-// Interleaved Q4_K (LOOM_KQ_R16): weight rows 16 g .. 16 g + 15 against M <= M_MAX x rows
-// quantized as runs of 16 in natural order (quantize_row's Q6_K layout: x_fmt). Lane r of
-// every vector is weight row r: a run's two digits take 8 `vpdpbusd` for all 16 rows (x's four
-// values broadcast), `256 A + B` as in dot64, converted once and scaled by the run's d / 256,
-// the sub-block's two runs then by the rows' d sc, the minimums' dmin m sx one fnmadd. The
-// same order for every x row whatever M. out[m * ldy + r] (+ bias[r]).
 // x for the interleaved kernel: each sub-block of 32 values as R16_X bytes, its two runs'
-// digits a (32 bytes) then b (32), then fp32 d / 256 of each run and the sub-block's sum of
-// x~ (the runs' sums added): one pointer a row and constant offsets (as the other layouts,
-// K / 16 x 40 bytes a row: x_stride).
+// digits a (32 bytes) then b (32) (quantize_run's, so the same digits as the other layouts),
+// then fp32 d / 256 of each run, the sub-block's sum of x~ (the runs' sums added) and a pad:
+// one pointer a row and constant offsets (K / 16 x 40 bytes a row, as x_stride gives).
 #define R16_X 80
 static void quantize_r16(const float *x, int64_t K, uint8_t *buf)
 {
@@ -1039,6 +1023,11 @@ static inline __m512i dp_bcast(__m512i acc, __m512i w, const int8_t *p)
     return acc;
 }
 
+// Interleaved Q4_K (LOOM_KQ_R16): weight rows 16 g .. 16 g + 15 against M <= M_MAX x rows
+// (quantize_r16). Lane r of every vector is weight row r: a run's two digits take 8 `vpdpbusd`
+// for all 16 rows, `256 A + B` as in dot64, converted once and scaled by the run's d / 256,
+// the sub-block's two runs then by the rows' d sc, the minimums' dmin m sx one fnmadd. The
+// same order for every x row whatever M. out[m * ldy + r] (+ bias[r]).
 static inline __attribute__((always_inline)) void group_r16(const uint8_t *xq, const int M,
                                                             int64_t xs, const uint8_t *wg,
                                                             int64_t K, const float *bias,
@@ -1049,7 +1038,7 @@ static inline __attribute__((always_inline)) void group_r16(const uint8_t *xq, c
     const __m512i nib = _mm512_set1_epi8(15);
     const __m128i b6 = _mm_set1_epi8(63), b4 = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
     for (int64_t s = 0; s < K / QK; s++) {
-        const uint8_t *o = wg + s * R16_SB;
+        const uint8_t *o = wg + s * LOOM_KQ_R16_BYTES;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32)));
         __m128i S[12];  // scale byte t of the 16 rows
@@ -1105,7 +1094,7 @@ static void rows_r16(const uint8_t *xq, int64_t M, int64_t xs, const uint8_t *w,
                      int64_t n0, int64_t n1, const float *bias, float *y, int64_t ldy)
 {
     for (int64_t n = n0; n < n1; n += 16) {
-        const uint8_t *wg = w + n / 16 * (K / QK) * R16_SB;
+        const uint8_t *wg = w + n / 16 * (K / QK) * LOOM_KQ_R16_BYTES;
         const float *bn = bias ? bias + n : NULL;
         for (int64_t m0 = 0, tiles = (M + M_MAX - 1) / M_MAX; m0 < M; tiles--) {
             const int64_t t = (M - m0 + tiles - 1) / tiles;

@@ -186,11 +186,12 @@ int loom_take_units(int64_t *next, int64_t units, int64_t least, int team, int64
 // GEMM and the stack refuse it (loom_kq_check takes a format alone).
 #define LOOM_KQ_ONE_DIGIT 0x100
 // Q4_K | LOOM_KQ_R16: Q4_K rows interleaved 16 at a time (loom_kq_r16_pack; the layout:
-// linear_kquant.c), for builds where loom_kq_r16_available(): their decode kernel reads each
-// 64 bytes as 8 weights of 16 rows (2.3x fewer instructions a weight past one x row); the
-// GEMM past 8 rows and loom_kq_dequant take them too (the blocks back, the same bits). N a
-// multiple of 16.
+// linear_kquant.c), for builds where loom_kq_r16_available(): their integer kernel reads each
+// 64 bytes as 8 weights of 16 rows (about half the instructions a weight past one x row); the
+// GEMM past LOOM_KQ_R16_INT_ROWS and loom_kq_dequant take them too (the blocks back, the same
+// bits). N a multiple of 16.
 #define LOOM_KQ_R16 0x200
+#define LOOM_KQ_R16_BYTES 2304  // a group's super-block: 16 x 144
 // Interleaved Q4_K runs its integer kernel up to this many rows, the GEMM past them (at 16 rows
 // the integer kernel took 0.73x the GEMM's time, at 32 0.92x: the GEMM unpacks groups back to
 // blocks). loom_linear_kq_reserve reserves this many rows.
