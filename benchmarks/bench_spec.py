@@ -9,7 +9,9 @@ per prompt the median of `--repeats` runs counts. For each workload: tok/s witho
 `--speculative-config` (adaptive draft length; `--fixed` adds k drafts every step), the speedup
 (and the decode's alone: the time after each request's first token),
 the acceptance rate (overall and per draft position), the draft tokens a verify step and whether
-the outputs are identical (they must be).
+the outputs are identical (they must be). `--prediction` adds the copy-heavy prompts with a
+prediction (OpenAI's predicted outputs: the text each quotes or edits, as an editor would send it)
+on a third engine without `--speculative-config`.
 
     .venv/bin/python benchmarks/bench_spec.py --out benchmarks/results/spec-<date>-<machine>.json \
         --plot benchmarks/results/spec-<date>-<machine>.png
@@ -66,6 +68,15 @@ COPY = [
     f"Here is a Python function:\n\n{FUNCTION}\nRewrite it with one change: rename the "
     "function to `rolling_mean`. Reply with the whole function only.",
 ]
+# What an editor would send as the prediction (OpenAI's predicted outputs) with each copy-heavy
+# prompt: the text being quoted, copied or edited (`--prediction`).
+COPY_SOURCES = [
+    f"{PASSAGE}\n\n{PASSAGE_2}",
+    PASSAGE,
+    COPY[2].split("\n", 1)[1],
+    COPY[3].split(": ", 1)[1],
+    FUNCTION,
+]
 CHAT = [
     "Give me three tips for sleeping better.",
     "Why is the sky blue? Answer in a short paragraph.",
@@ -76,11 +87,12 @@ CHAT = [
 ]
 
 
-def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float, float]:
+def run_one(llm, prompt: str, max_tokens: int, prediction: str | None = None
+            ) -> tuple[list[int], float, float]:
     """(output tokens, seconds, seconds after the first token: the decode alone)."""
     from loom import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prediction=prediction)
     start = time.perf_counter()
     out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - start
@@ -90,19 +102,22 @@ def run_one(llm, prompt: str, max_tokens: int) -> tuple[list[int], float, float]
     return list(out.outputs[0].token_ids), seconds, decode
 
 
-def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int) -> dict:
+def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int,
+            predictions: list[str] | None = None) -> dict:
     """Per engine: outputs, tokens and the sum over prompts of the median seconds; the engines
-    run each prompt in turn (the order reversed every repeat)."""
+    run each prompt in turn (the order reversed every repeat). The engine labelled
+    "prediction" gets each prompt's prediction."""
     labels = list(engines)
     outs: dict[str, list[list[int]]] = {label: [] for label in labels}
     seconds = {label: 0.0 for label in labels}
     decode = {label: 0.0 for label in labels}
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         times: dict[str, list[float]] = {label: [] for label in labels}
         decodes: dict[str, list[float]] = {label: [] for label in labels}
         for rep in range(repeats):
             for label in labels if rep % 2 == 0 else labels[::-1]:
-                tokens, t, d = run_one(engines[label], prompt, max_tokens)
+                pred = predictions[i] if predictions and label == "prediction" else None
+                tokens, t, d = run_one(engines[label], prompt, max_tokens, pred)
                 times[label].append(t)
                 decodes[label].append(d)
                 if rep == 0:
@@ -129,6 +144,10 @@ def main() -> None:
                     "measured step times)")
     ap.add_argument("--fixed", action="store_true",
                     help="also run k drafts every step (adaptive off) as a third engine")
+    ap.add_argument("--prediction", action="store_true",
+                    help="also run the copy-heavy prompts with a prediction (the text they "
+                    "quote or edit; OpenAI's predicted outputs) on the engine without "
+                    "--speculative-config")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the batch-invariant fp32 kernels instead of Loom's defaults")
     ap.add_argument("--out", default=None, help="write the results here (JSON)")
@@ -152,9 +171,16 @@ def main() -> None:
     for llm in engines.values():
         run_one(llm, CHAT[0], 8)  # warm-up
     results: dict[str, dict] = {}
+    if args.prediction:  # an engine as "base" (predictions need no config), its own cache
+        engines["prediction"] = LLM(args.model, batch_invariant=args.batch_invariant)
+        run_one(engines["prediction"], CHAT[0], 8)
     for name, prompts in workloads.items():
         before = _stats(engines["ngram"])
-        r = measure(engines, prompts, args.max_tokens, args.repeats)
+        before_pred = _stats(engines["prediction"]) if "prediction" in engines else None
+        runs = engines if name == "copy" else {k: v for k, v in engines.items()
+                                               if k != "prediction"}
+        r = measure(runs, prompts, args.max_tokens, args.repeats,
+                    COPY_SOURCES if name == "copy" else None)
         st = _delta(before, _stats(engines["ngram"]))
         base_tps = r["base"]["tokens"] / r["base"]["seconds"]
         spec_tps = r["ngram"]["tokens"] / r["ngram"]["seconds"]
@@ -182,6 +208,19 @@ def main() -> None:
                 "fixed_k_decode_speedup": round(
                     r["base"]["decode_seconds"] / r["fixed"]["decode_seconds"], 3),
                 "fixed_k_identical_output": r["base"]["outputs"] == r["fixed"]["outputs"]})
+        if "prediction" in r:
+            pred_tps = r["prediction"]["tokens"] / r["prediction"]["seconds"]
+            sp = _delta(before_pred, _stats(engines["prediction"]))
+            results[name].update({
+                "prediction_acceptance_rate": round(sp["accepted"] / sp["proposed"], 3)
+                if sp["proposed"] else 0.0,
+                "prediction_accepted_per_verify_step": round(sp["accepted"] / sp["drafts"], 3)
+                if sp["drafts"] else 0.0,
+                "prediction_tok_s": round(pred_tps, 2),
+                "prediction_speedup": round(pred_tps / base_tps, 3),
+                "prediction_decode_speedup": round(
+                    r["base"]["decode_seconds"] / r["prediction"]["decode_seconds"], 3),
+                "prediction_identical_output": r["base"]["outputs"] == r["prediction"]["outputs"]})
     dump(args.out, {
         "machine": machine(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
         "kernels": "batch-invariant" if args.batch_invariant else "default",
@@ -199,16 +238,22 @@ def _plot(results: dict[str, dict], path: str, config: dict) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = range(len(names))
-    base = [results[n]["base_tok_s"] for n in names]
-    spec = [results[n]["ngram_tok_s"] for n in names]
-    ax.bar([x - 0.2 for x in xs], base, 0.4, label="without speculation")
-    ax.bar([x + 0.2 for x in xs], spec, 0.4, label=f"n-gram, k={config['num_speculative_tokens']}")
-    for x, n in zip(xs, names):
-        ax.annotate(f"{results[n]['speedup']:.2f}x, acc {results[n]['acceptance_rate']:.2f}",
-                    (x + 0.2, spec[x]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), names)
+    bars = [("base_tok_s", "without speculation", None),
+            ("ngram_tok_s", f"n-gram, k={config['num_speculative_tokens']}", "speedup"),
+            ("prediction_tok_s", "prediction (no config)", "prediction_speedup")]
+    bars = [b for b in bars if any(b[0] in results[n] for n in names)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(bars)
+    for j, (key, label, speedup) in enumerate(bars):
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i, n in enumerate(names)
+              if key in results[n]]
+        ys = [results[n][key] for n in names if key in results[n]]
+        ax.bar(xs, ys, width, label=label)
+        if speedup is not None:
+            for x, n in zip(xs, [n for n in names if key in results[n]]):
+                ax.annotate(f"{results[n][speedup]:.2f}x", (x, results[n][key]), ha="center",
+                            va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens/s, one stream")
     ax.legend()
     fig.tight_layout()

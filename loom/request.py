@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from loom.block_hash import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from loom.sampling_params import SamplingParams
     from loom.structured.backend import GrammarMatcher
 
@@ -77,7 +79,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "block_hashes", "num_cached_tokens", "stop_reason", "num_preemptions", "max_tokens",
-        "block_size", "extra_keys", "grammar", "_all_token_ids",
+        "block_size", "extra_keys", "grammar", "_all_token_ids", "prediction",
+        "prediction_tokens",
     )
 
     def __init__(
@@ -115,6 +118,10 @@ class Request:
         self.block_size: int | None = None
         # Structured output: the grammar state that follows this request's output tokens.
         self.grammar: GrammarMatcher | None = None
+        # Predicted outputs (SamplingParams.prediction), tokenized by the engine: the drafts'
+        # source, and [accepted, rejected] draft tokens from it so far (OpenAI's usage).
+        self.prediction: np.ndarray | None = None
+        self.prediction_tokens = [0, 0]
         if block_size is not None:
             self.enable_block_hashing(block_size)
 

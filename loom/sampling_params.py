@@ -51,6 +51,11 @@ class SamplingParams:
     # An embedding request (LLM.embed, /v1/embeddings): the prompt's final hidden states pooled
     # ("last" token or "mean"), L2-normalised, in RequestOutput.embedding.
     pooling: str | None = None
+    # OpenAI's predicted outputs: text (or token ids) the output is expected to repeat, such as
+    # the code an edit rewrites. Its tokens are proposed as speculative drafts where the output
+    # follows it (loom.core.spec_decode), with or without --speculative-config: a hint for
+    # speed that never changes the output.
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +121,13 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        p = self.prediction
+        if p is not None and not isinstance(p, str) and (
+                not isinstance(p, list)
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in p)):
+            fail("prediction", "must be text or a list of non-negative token ids")
+        if p is not None and self.pooling is not None:
+            fail("prediction", "does not apply to an embedding (pooling) request")
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,9 @@ def run_throughput(
 
     params = [SamplingParams(max_tokens=p.output_len, temperature=0.0, ignore_eos=ignore_eos)
               for p in prompts]
-    spec = llm.engine.scheduler.spec  # speculative decoding, when on
+    spec = llm.engine.scheduler.spec  # speculative decoding, when asked for
+    if spec is not None and spec.predictions_only:
+        spec = None
     before = spec.stats.copy() if spec is not None else None
     start = time.perf_counter()
     outputs = llm.generate([p.prompt for p in prompts], params, use_tqdm=use_tqdm)

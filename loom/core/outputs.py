@@ -25,6 +25,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Why this request alone failed (finish_reason ERROR): shown to its client, no one else's.
     error: str | None = None
+    # A request with a prediction: its draft tokens accepted and rejected so far.
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -340,6 +340,9 @@ class Scheduler:
         num_accepted = max(0, len(sampled) - 1)
         self.spec.on_verified(request.request_id, len(draft), num_accepted)
         num_rejected = len(draft) - num_accepted
+        if request.prediction is not None:  # its drafts come from its prediction alone
+            request.prediction_tokens[0] += num_accepted
+            request.prediction_tokens[1] += num_rejected
         if num_rejected:
             request.num_computed_tokens -= num_rejected
             self.kv_cache_manager.trim(request, request.num_computed_tokens)
@@ -358,6 +361,8 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
             error=error,
+            prediction_tokens=(None if request.prediction is None
+                               else (request.prediction_tokens[0], request.prediction_tokens[1])),
         )
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:

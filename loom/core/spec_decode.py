@@ -10,6 +10,10 @@ tokens' KV slots back (num_computed_tokens, and blocks past them freed).
 Everything a token passes through applies per draft position: penalties, logprobs and a
 structured-output grammar (a draft is cut before the first token its grammar forbids; the
 engine builds a mask per position). Pooling (embedding) requests do not speculate.
+
+A request with a prediction (OpenAI's predicted outputs: SamplingParams.prediction) drafts from
+it instead, with or without --speculative-config: where its output's last tokens occur in the
+prediction (prediction_match), the prediction's next tokens, up to `prediction_tokens`.
 """
 
 from __future__ import annotations
@@ -143,6 +147,46 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
     return [] if start < 0 else tokens[start: start + k]
 
 
+# A prediction's drafts: the longest suffix n-gram of the output looked up in it (up to this
+# long); the match length its first tokens are taken at before the output has any (a prediction
+# usually starts as the output does: MatchAcceptance's 8-15 bucket).
+PREDICTION_NGRAM = 8
+START_MATCH = 8
+
+
+def prediction_match(pred: np.ndarray, out: list[int], expect: int) -> tuple[int, int]:
+    """Where the output `out` goes on in the prediction `pred`: (the index in pred of the token
+    after the longest suffix n-gram of out (PREDICTION_NGRAM down to 1) found in pred, the match
+    length: tokens agreeing backwards, up to MAX_MATCH), of the occurrences the first at or
+    after `expect` (where the last draft would have led), else the last before it. (0,
+    START_MATCH) for an empty output; (-1, 0) when the n-gram occurs nowhere or only at pred's
+    end."""
+    size = len(pred)
+    if not out:
+        return (0, START_MATCH) if size else (-1, 0)
+    if size < 2:
+        return -1, 0
+    ends = np.flatnonzero(pred[: size - 1] == out[-1])  # a token must follow the occurrence
+    found = ends
+    for i in range(1, min(PREDICTION_NGRAM, len(out))):
+        ends = ends[ends >= i]
+        ends = ends[pred[ends - i] == out[-1 - i]]
+        if not len(ends):
+            break
+        found = ends
+    if not len(found):
+        return -1, 0
+    at = int(np.searchsorted(found, expect - 1))
+    end = int(found[at] if at < len(found) else found[-1])
+    length = 1
+    while (length < MAX_MATCH and end >= length and length < len(out)
+           and pred[end - length] == out[-1 - length]):
+        length += 1
+    if length == len(out) and end + 1 == length:  # the output so far is the prediction's start
+        length = max(length, START_MATCH)
+    return end + 1, length
+
+
 @dataclass(slots=True)
 class SpecDecodeStats:
     """Cumulative counters (vLLM's spec_decode metric names, minus the prefix)."""
@@ -194,19 +238,28 @@ class SpecDecoder:
     """Proposes drafts for the scheduler and adapts their length per request and per step
     (loom.core.spec_adaptive). With a drafter (method "draft_model"), `prepare` runs it once
     per step for every request that may decode with a draft (batched), before the scheduler
-    asks `propose` per request. The engine reports each step's time (`observe_step`)."""
+    asks `propose` per request. The engine reports each step's time (`observe_step`).
+    A request with a prediction drafts up to `prediction_tokens` from it (config's k if None);
+    `predictions_only`: no other request drafts (the engine has no --speculative-config)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, *, prediction_tokens: int | None = None,
+                 predictions_only: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = drafter
+        self.prediction_tokens = prediction_tokens or config.num_speculative_tokens
+        self.predictions_only = predictions_only
         self.stats = SpecDecodeStats()
         self.acceptance = MatchAcceptance()
+        self.prediction_acceptance = MatchAcceptance()  # predictions' drafts, kept apart
+        # req_id -> (where its last prediction draft started, its output tokens then)
+        self._expect: dict[str, tuple[int, int]] = {}
         row_cost = DEFAULT_ROW_COST if config.row_cost is None else config.row_cost
         self.costs = StepCosts(row_cost)
         self._adaptive: dict[str, RequestAcceptance] = {}
-        self._matches: dict[str, int] = {}  # req_id -> its n-gram draft's match length
+        # req_id -> the acceptance table and match length of its n-gram or prediction draft
+        self._matches: dict[str, tuple[MatchAcceptance, int]] = {}
         self._drafts: dict[str, list[int]] = {}
         self._plan = StepPlan(1)
         self._cost: Cost = self.costs.prior
@@ -216,6 +269,8 @@ class SpecDecoder:
         self._drafts = {}
         self._matches = {}
         self._plan = StepPlan(len(running))
+        if self.predictions_only and all(r.prediction is None for r in running):
+            return
         self._cost = self.costs.prior if self.config.row_cost is not None else (
             self.costs.measured())
         if self.drafter is None or self._off(len(running)):
@@ -223,7 +278,8 @@ class SpecDecoder:
         reqs, ks = [], []
         trial = StepPlan(len(running))
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r):
+            if (r.num_tokens - r.num_computed_tokens != 1 or not can_speculate(r)
+                    or r.prediction is not None):
                 continue
             state = self._state(r)
             if state.pause or self._worthless(state):
@@ -304,7 +360,9 @@ class SpecDecoder:
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:
         the step's budget left after that token."""
-        if self._off(num_running) or not can_speculate(request):
+        predicted = request.prediction is not None
+        if ((self.predictions_only and not predicted) or self._off(num_running)
+                or not can_speculate(request)):
             return []
         state = self._state(request)
         if state.pause > 0:
@@ -314,10 +372,13 @@ class SpecDecoder:
         if self._worthless(state):  # pause; then measure again
             state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_PAUSE)
             return []
-        k = self._limit(request, min(self.config.num_speculative_tokens, token_budget))
+        most = self.prediction_tokens if predicted else self.config.num_speculative_tokens
+        k = self._limit(request, min(most, token_budget))
         if k <= 0:
             return []
-        if self.drafter is not None:
+        if predicted:
+            draft, chances = self._from_prediction(request, k, state)
+        elif self.drafter is not None:
             chances = self._alpha_chances(state, k)
             draft = self._drafts.get(request.request_id, [])[: self._length(
                 state, chances, self._plan)]
@@ -329,17 +390,34 @@ class SpecDecoder:
                 return []
             chances = self.acceptance.chances(match, min(k, len(tokens) - start))
             draft = tokens[start: start + self._length(state, chances, self._plan)]
-            self._matches[request.request_id] = match
+            self._matches[request.request_id] = (self.acceptance, match)
         if draft and request.grammar is not None:  # up to the first token it forbids
             draft = draft[: request.grammar.num_valid(draft)]
         self._plan.add(chances[: len(draft)])
         return draft
 
+    def _from_prediction(self, request: Request, k: int, state: RequestAcceptance
+                         ) -> tuple[list[int], list[float]]:
+        """Up to k draft tokens from the request's prediction, and their chances."""
+        pred = request.prediction
+        assert pred is not None
+        out = request.output_token_ids
+        start, then = self._expect.get(request.request_id, (0, 0))
+        start, match = prediction_match(pred, out, start + len(out) - then)
+        if start < 0:
+            return [], []
+        chances = self.prediction_acceptance.chances(match, min(k, len(pred) - start))
+        draft = pred[start: start + self._length(state, chances, self._plan)].tolist()
+        self._expect[request.request_id] = (start, len(out))
+        self._matches[request.request_id] = (self.prediction_acceptance, match)
+        return draft, chances
+
     def on_verified(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
-        match = self._matches.pop(req_id, None)
-        if match is not None:
-            self.acceptance.update(match, num_proposed, num_accepted)
+        matched = self._matches.pop(req_id, None)
+        if matched is not None:
+            table, match = matched
+            table.update(match, num_proposed, num_accepted)
         state = self._adaptive.get(req_id)
         if state is None:
             return
@@ -348,10 +426,17 @@ class SpecDecoder:
         if state.alpha > self._row_cost(state):
             state.backoff = 1
 
+    @property
+    def reported(self) -> bool:
+        """Whether the counters are worth showing (/metrics, bench): speculation was asked for,
+        or a request's prediction drafted."""
+        return not self.predictions_only or self.stats.num_drafts > 0
+
     def drop(self, req_id: str) -> None:
         """Forget a request that finished, was aborted or failed (a preempted one keeps its
         state: it comes back)."""
         self._adaptive.pop(req_id, None)
         self._matches.pop(req_id, None)
+        self._expect.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.drop(req_id)

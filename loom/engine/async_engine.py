@@ -447,7 +447,8 @@ class AsyncEngine:
             generation_tokens=stats.generation_tokens_total,
             max_waiting_requests=self.max_waiting_requests,
             num_rejected=self._num_rejected,
-            spec_decode=None if sched.spec is None else sched.spec.stats.copy(),
+            spec_decode=sched.spec.stats.copy() if sched.spec is not None
+            and sched.spec.reported else None,
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:

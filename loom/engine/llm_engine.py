@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from loom.config import CacheConfig, ConfigError, SchedulerConfig
@@ -227,6 +228,7 @@ class LLMEngine:
         else:
             text, prompt_ids = None, list(prompt)
         self._validate(prompt_ids, params)
+        prediction = self._prediction(params)
         grammar = self.compile_grammar(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children: dict[str, _Child] = {}
@@ -240,6 +242,7 @@ class LLMEngine:
             request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival)
             if grammar is not None:
                 request.grammar = grammar.matcher()
+            request.prediction = prediction
             requests.append(request)
             detok = IncrementalDetokenizer(self.tokenizer.backend, prompt_ids, child_params)
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
@@ -256,6 +259,23 @@ class LLMEngine:
         for child_id in children:
             self.child_to_parent[child_id] = request_id
         self.stats.prompt_tokens_total += len(prompt_ids)
+
+    def _prediction(self, params: SamplingParams) -> np.ndarray | None:
+        """The request's prediction as token ids (text tokenized without special tokens, as
+        the output would hold it), at most max_model_len of them; None without one or where
+        nothing proposes drafts from it (tensor or pipeline parallelism)."""
+        pred = params.prediction
+        if pred is None or self.scheduler.spec is None:
+            return None
+        ids = self.tokenizer.encode(pred, add_special_tokens=False) if isinstance(pred, str) \
+            else pred
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"prediction token ids out of range [0, {vocab}): "
+                                      f"{bad[:5]}", "prediction")
+        return np.asarray(ids[: self.scheduler_config.max_model_len], dtype=np.int64) \
+            if ids else None
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -399,6 +419,8 @@ class LLMEngine:
         if o.logprobs is not None and out.new_logprobs is not None:
             o.logprobs.extend(out.new_logprobs)
             o.delta_logprobs.extend(out.new_logprobs)
+        if out.prediction_tokens is not None:
+            o.accepted_prediction_tokens, o.rejected_prediction_tokens = out.prediction_tokens
         finish, stop_reason = out.finish_reason, out.stop_reason
         stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
         if stop_str is not None and finish is None:
@@ -452,4 +474,6 @@ def _snapshot(o: CompletionOutput) -> CompletionOutput:
         logprobs=None if o.logprobs is None else list(o.logprobs),
         finish_reason=o.finish_reason, stop_reason=o.stop_reason, delta_text=o.delta_text,
         delta_token_ids=o.delta_token_ids, delta_logprobs=o.delta_logprobs,
+        accepted_prediction_tokens=o.accepted_prediction_tokens,
+        rejected_prediction_tokens=o.rejected_prediction_tokens,
     )

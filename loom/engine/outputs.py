@@ -17,6 +17,10 @@ class CompletionOutput:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # With a prediction (SamplingParams.prediction): its tokens the output kept and those it
+    # did not, as drafts verified so far (OpenAI's usage.completion_tokens_details)
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
     # This step's additions (for streaming):
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -23,12 +23,19 @@ logger = logging.getLogger(__name__)
 
 def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, block_size: int,
                  device: torch.device, kernels: KernelChoice | None = None) -> SpecDecoder | None:
-    """The scheduler's SpecDecoder for args.speculative_config (None: off); loads the draft
-    model of method "draft_model". Warns where the target's CPU `kernels` make a verify step's
-    bits differ from one-row steps' (docs/speculative.md, "Kernels")."""
+    """The scheduler's SpecDecoder for args.speculative_config; loads the draft model of method
+    "draft_model". Without a config, one for requests with a prediction alone (OpenAI's
+    predicted outputs); None with tensor or pipeline parallelism (a prediction then goes
+    unused: it only ever changes speed). Warns where the target's CPU `kernels` make a verify
+    step's bits differ from one-row steps' (docs/speculative.md, "Kernels")."""
     config = SpeculativeConfig.parse(args.speculative_config)
+    parallel = args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
+    # a prediction's drafts: up to the rows whose verify step keeps one-row steps' bits
+    most = DECODE_ROWS - 1 if kernels is None or not kernels.same_bits_past_8 else 2 * DECODE_ROWS
     if config is None:
-        return None
+        return None if parallel else SpecDecoder(
+            SpeculativeConfig(num_speculative_tokens=most), max_model_len,
+            predictions_only=True)
     rows = config.num_speculative_tokens + 1
     if kernels is not None and rows > DECODE_ROWS and not kernels.same_bits_past_8:
         logger.warning(
@@ -37,7 +44,7 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
             "greedy output can differ from decoding without speculation where two tokens "
             "nearly tie; num_speculative_tokens <= %d (or --batch-invariant) keeps it identical",
             config.num_speculative_tokens, rows, DECODE_ROWS, DECODE_ROWS - 1)
-    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+    if parallel:
         raise ConfigError("speculative decoding does not run with tensor or pipeline "
                           "parallelism yet")
     drafter = None
@@ -47,7 +54,8 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
         assert config.model is not None
         drafter = DraftModelProposer(args, config.model, target, max_model_len, block_size,
                                      device)
-    return SpecDecoder(config, max_model_len, drafter)
+    return SpecDecoder(config, max_model_len, drafter,
+                       prediction_tokens=max(most, config.num_speculative_tokens))
 
 
 def drop_after_stop(output: CompletionOutput, num_tokens: int) -> None:

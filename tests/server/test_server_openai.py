@@ -302,3 +302,35 @@ def test_chat_template_options(client: OpenAI, server: ServerProcess, model_name
         r = httpx.post(f"{server.url}/v1/chat/completions",
                        json={"model": model_name, "messages": messages, **options})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_prediction(client: OpenAI, server: ServerProcess, model_name: str) -> None:
+    """OpenAI's predicted outputs on the default server (no --speculative-config): the reply
+    is the one without a prediction, usage counts the prediction's tokens accepted and
+    rejected as drafts (whole and streamed, text or text parts); a malformed one is a 400."""
+    import openai
+
+    messages = [{"role": "user", "content": "Copy this list exactly, one item per line:\n"
+                 "- apples: 3 kg\n- bread: 2 loaves\n- milk: 1 litre\n- eggs: 12\n"}]
+    kw = dict(model=model_name, messages=messages, max_tokens=48, temperature=0)
+    base = client.chat.completions.create(**kw)
+    text = base.choices[0].message.content
+    assert base.usage.completion_tokens_details is None
+    got = client.chat.completions.create(**kw, prediction={"type": "content", "content": text})
+    assert got.choices[0].message.content == text
+    details = got.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > base.usage.completion_tokens // 2
+    assert details.rejected_prediction_tokens >= 0
+    parts = [{"type": "text", "text": text[:10]}, {"type": "text",
+                                                   "text": text[10:].replace("milk", "tea")}]
+    chunks = list(client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True},
+        prediction={"type": "content", "content": parts}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
+    assert server.wait_idle()["loom:spec_decode_num_accepted_tokens_total"] > 0
+    for bad in ({"type": "text", "content": "x"}, {"type": "content"},
+                {"type": "content", "content": 5}):
+        with pytest.raises(openai.BadRequestError, match="prediction"):
+            client.chat.completions.create(**kw, prediction=bad)

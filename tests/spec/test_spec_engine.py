@@ -225,3 +225,71 @@ def test_tiny_draft_model_greedy_same(make_llm, tiny, tmp_path, draft) -> None:
                 assert stats.num_accepted_tokens < stats.num_draft_tokens
             sched.spec.drafter.kv.check_integrity()
     assert results[True] == results[False]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", [None, 40])  # 40: preemptions
+def test_tiny_greedy_same_with_predictions(make_llm, tiny, blocks) -> None:
+    """OpenAI's predicted outputs without --speculative-config: requests whose prediction is
+    their output, their output with tokens changed, or unrelated tokens, batched with requests
+    without one, give the tokens they give without it; the kept drafts count as accepted
+    prediction tokens, the rolled-back ones as rejected."""
+    prompts = _tiny_prompts(6)
+    plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    kw = dict(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=64)
+    base = _run(make_llm(tiny, **kw), prompts, plain)
+    edited = [list(o[0]) for o in base]
+    for out in edited:
+        out[5], out[14] = (out[5] + 1) % 256, (out[14] + 7) % 256
+    predictions = [base[0][0], edited[1], list(range(40, 70)), None, base[4][0], edited[5]]
+    params = [p if pred is None else p.clone(prediction=pred)
+              for p, pred in zip(plain, predictions)]
+    llm = make_llm(tiny, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == base
+    counts = [(o.outputs[0].accepted_prediction_tokens, o.outputs[0].rejected_prediction_tokens)
+              for o in outs]
+    assert counts[3] == (None, None)
+    assert counts[0][0] >= 12 and counts[4][0] >= 12  # the whole output predicted
+    assert counts[1][1] > 0 and counts[5][1] > 0  # the changed tokens were rejected
+    spec = llm.engine.scheduler.spec
+    assert spec.predictions_only and spec.stats.num_accepted_tokens == sum(
+        a for a, _ in counts if a is not None)
+    if blocks is not None:
+        assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+@pytest.mark.slow
+def test_smollm2_prediction_text(make_llm) -> None:
+    """The packaged model on its default path: a prediction given as text (an edit's expected
+    reply) leaves greedy chat output as it is, most of it accepted as drafts."""
+    llm = make_llm(None, enable_prefix_caching=False)
+    messages = [{"role": "user", "content": "Copy this list exactly, one item per line:\n"
+                 "- apples: 3 kg\n- bread: 2 loaves\n- milk: 1 litre\n- eggs: 12\n"}]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    base = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    edit = base.text.replace("bread", "rice")
+    for pred in (base.text, edit, ""):
+        out = llm.chat(messages, params.clone(prediction=pred), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids
+        if pred:
+            assert out.accepted_prediction_tokens > len(base.token_ids) // 2
+        else:  # an empty prediction drafts nothing
+            assert out.accepted_prediction_tokens is None
+
+
+def test_bad_prediction_refused(make_llm, tiny) -> None:
+    from loom.engine.llm_engine import InvalidRequestError
+    from loom.sampling_params import SamplingParamsError
+
+    llm = make_llm(tiny)
+    with pytest.raises(InvalidRequestError, match="prediction token ids out of range"):
+        llm.engine.add_request("r", [1, 2, 3], SamplingParams(prediction=[5, 10**6]))
+    with pytest.raises(SamplingParamsError, match="prediction"):
+        SamplingParams(prediction=[1, -2])
+    with pytest.raises(SamplingParamsError, match="prediction"):
+        SamplingParams(prediction={"type": "content"})
+    with pytest.raises(SamplingParamsError, match="embedding"):
+        SamplingParams(max_tokens=1, pooling="last", prediction="x")
+    assert not llm.engine.has_unfinished_requests()

@@ -12,7 +12,11 @@ import torch
 from loom.config import ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.sched_output import CachedRequestData, SchedulerOutput
-from loom.core.spec_decode import SpecDecoder, SpeculativeConfig, ngram_match, ngram_propose
+import numpy as np
+
+from loom.core.spec_decode import (
+    START_MATCH, SpecDecoder, SpeculativeConfig, ngram_match, ngram_propose, prediction_match,
+)
 from loom.engine.args import EngineArgs
 from loom.engine.spec import spec_decoder
 from loom.kernels.dispatch import KernelChoice
@@ -245,3 +249,77 @@ def test_long_drafts_warn_where_the_kernels_change_past_8_rows(caplog) -> None:
 
     assert warned(8, varying) and warned(12, varying)
     assert not warned(7, varying) and not warned(12, fixed) and not warned(12, None)
+
+
+def test_prediction_match_follows_the_output() -> None:
+    """Where the output goes on in a prediction: its start before any output; after the
+    longest suffix n-gram of the output found in it, the occurrence nearest after where the
+    last draft led; nowhere when the n-gram is absent or ends the prediction."""
+    pred = np.array([5, 6, 7, 8, 9, 5, 6, 7, 1, 2], dtype=np.int64)
+    assert prediction_match(pred, [], 0) == (0, START_MATCH)
+    assert prediction_match(pred[:0], [], 0) == (-1, 0)
+    assert prediction_match(pred, [5, 6], 2) == (2, START_MATCH)  # the prediction's start
+    # [6, 7] occurs twice: the one at or after the expected place, else the last before it
+    assert prediction_match(pred, [4, 6, 7], 3) == (3, 2)
+    assert prediction_match(pred, [4, 6, 7], 4) == (8, 2)
+    assert prediction_match(pred, [4, 6, 7], 9) == (8, 2)
+    # the longer n-gram wins over the expected place: [8, 9, 5, 6, 7] leads to 1
+    assert prediction_match(pred, [8, 9, 5, 6, 7], 3) == (8, 5)
+    assert prediction_match(pred, [3, 4], 0) == (-1, 0)
+    assert prediction_match(pred, [1, 2], 0) == (-1, 0)  # nothing follows it
+
+
+def _prediction_request(tokens: list[int], prediction: list[int], request_id: str = "p"
+                        ) -> Request:
+    r = _request(tokens, 90, request_id)
+    r.prediction = np.asarray(prediction, dtype=np.int64)
+    return r
+
+
+def test_prediction_drafts_without_a_speculative_config() -> None:
+    """The engine's decoder without --speculative-config drafts for requests with a prediction
+    alone: from the prediction's start, on along it as tokens are accepted, and again from where
+    the output meets it after a change; never for other requests, nor for pooling ones."""
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=7), 200, predictions_only=True)
+    assert not spec.reported
+    plain = _request(LONG, 90, "plain")  # its lookup would find a draft with a config
+    pred = list(range(100, 130))
+    req = _prediction_request([1, 2, 3], pred)
+    spec.prepare([plain, req])
+    assert spec.propose(plain, 2, 100) == []
+    first = spec.propose(req, 2, 100)
+    assert first and first == pred[: len(first)]
+    spec.on_verified("p", len(first), len(first))
+    assert spec.reported
+    req.append_output_token_ids(pred[: len(first) + 1])  # all kept, then the sampled one
+    spec.prepare([req])
+    assert spec.propose(req, 1, 100) == pred[len(first) + 1: len(first) + 8]
+    # the reply changes a token, then goes on as the prediction after it
+    req.append_output_token_ids([7, pred[len(first) + 2]])
+    spec.prepare([req])
+    assert spec.propose(req, 1, 100) == []  # a match of one token: not worth a row
+    req.append_output_token_ids(pred[len(first) + 3])
+    spec.prepare([req])
+    assert spec.propose(req, 1, 100)[:1] == [pred[len(first) + 4]]
+    pooled = Request("e", [1, 2], SamplingParams(max_tokens=1, pooling="last"))
+    pooled.prediction = req.prediction
+    spec.prepare([pooled])
+    assert spec.propose(pooled, 1, 100) == []
+    spec.drop("p")
+    assert not spec._expect and not spec._adaptive
+
+
+def test_prediction_tokens_from_the_engine_args() -> None:
+    """Without a config the decoder serves predictions alone, up to 7 drafts (a verify step
+    within the one-row kernels' 8 rows) or 16 where the kernels keep their bits past 8; with
+    one, predictions draft the more of that and its k; none with tensor parallelism."""
+    varying = KernelChoice("bf16", "bf16", "vnni", "int8", False)
+    fixed = KernelChoice("bf16", "fp32", "fp32", "int8", True)
+    cpu = torch.device("cpu")
+    alone = spec_decoder(EngineArgs(), 256, None, 16, cpu, varying)
+    assert alone is not None and alone.predictions_only and alone.prediction_tokens == 7
+    assert spec_decoder(EngineArgs(), 256, None, 16, cpu, fixed).prediction_tokens == 16
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    both = spec_decoder(EngineArgs(speculative_config=config), 256, None, 16, cpu, varying)
+    assert not both.predictions_only and both.prediction_tokens == 7
+    assert spec_decoder(EngineArgs(tensor_parallel_size=2), 256, None, 16, cpu, varying) is None

@@ -6,7 +6,8 @@ OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, s
 ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output), structured-output
 extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`) and beam search's on completions (`use_beam_search`, `beam_width`,
-`length_penalty`, `early_stopping`; serving_beam.py). `user` is accepted: it never changes
+`length_penalty`, `early_stopping`; serving_beam.py), and on chat OpenAI's `prediction`
+(predicted outputs: speculative drafts, never a change of output). `user` is accepted: it never changes
 output. `suffix` exists only to be rejected with a clear message, and `best_of` unless 1 or
 the beam width.
 Ranges are checked by `SamplingParams`, the engine's single source of truth. Sizes are bounded
@@ -216,6 +217,19 @@ class ChatTemplateOptions(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class PredictionContent(OpenAIBaseModel):
+    """OpenAI's predicted outputs: text the reply is expected to repeat (loom.core.spec_decode
+    drafts from it; the reply is what it would be without it)."""
+
+    type: Literal["content"]
+    content: str | list[TextContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     """POST /v1/chat/completions."""
 
@@ -227,6 +241,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     tools: list[ChatTool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    prediction: PredictionContent | None = None
 
 
 class TokenizeRequest(ChatTemplateOptions):

@@ -41,7 +41,7 @@ from loom.tools.chat import prepare_conversation
 if TYPE_CHECKING:
     from loom.core.sched_output import Logprobs
     from loom.engine.async_engine import RequestStream
-    from loom.engine.outputs import RequestOutput
+    from loom.engine.outputs import CompletionOutput, RequestOutput
     from loom.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         ChatMessage,
@@ -170,6 +170,11 @@ async def _create(
     size = sum(_num_chars(m) for m in req.messages) if not tools else INLINE_TEXT_CHARS + 1
     prompt_ids = await run_sized(size, INLINE_TEXT_CHARS, render_messages, ctx, req.messages,
                                  req, tools)
+    if req.prediction is not None:  # tokenized as the reply would hold it
+        text = req.prediction.text()
+        ids = await run_sized(len(text), INLINE_TEXT_CHARS, ctx.tokenizer.encode, text,
+                              add_special_tokens=False)
+        params = params.clone(prediction=ids)
     request_id = new_id("chatcmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser)
     if req.stream:
@@ -236,7 +241,7 @@ class _Builder:
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
-                "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+                "usage": usage(len(final.prompt_token_ids), completion_tokens, final.outputs)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
@@ -251,7 +256,7 @@ class _Builder:
         for i in range(self.n):
             yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]))
-        done: dict[int, int] = {}  # choice index -> completion tokens, once finished
+        done: dict[int, CompletionOutput] = {}  # choice index -> its output, once finished
         tool_streams = {i: _ToolStream(self.parser) for i in range(self.n)} if self.parser else {}
         prompt_tokens = 0
         async for _, out in merge_streams(streams):
@@ -274,10 +279,12 @@ class _Builder:
                           "finish_reason": finish_reason, "stop_reason": o.stop_reason}
                 yield sse(self._chunk([choice]))
                 if o.finished:
-                    done[o.index] = len(o.token_ids)
+                    done[o.index] = o
         if include_usage(self.req):
             usage_chunk = self._chunk([])
-            usage_chunk["usage"] = usage(prompt_tokens, sum(done.values()))
+            usage_chunk["usage"] = usage(prompt_tokens,
+                                         sum(len(o.token_ids) for o in done.values()),
+                                         done.values())
             yield sse(usage_chunk)
 
 

@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,7 +25,7 @@ from loom.tools.parsers import ToolParser, parser_for_template
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import AsyncEngine, RequestStream
-    from loom.engine.outputs import RequestOutput
+    from loom.engine.outputs import CompletionOutput, RequestOutput
     from loom.entrypoints.openai.protocol import SamplingRequest
     from loom.tokenizer.tokenizer import Tokenizer
 
@@ -338,9 +338,19 @@ def include_usage(req: SamplingRequest) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          outputs: Iterable[CompletionOutput] = ()) -> dict[str, Any]:
+    """OpenAI's usage; with a prediction, its tokens accepted and rejected as drafts."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    predicted = [o for o in outputs if o.accepted_prediction_tokens is not None]
+    if predicted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(o.accepted_prediction_tokens or 0
+                                              for o in predicted),
+            "rejected_prediction_tokens": sum(o.rejected_prediction_tokens or 0
+                                              for o in predicted)}
+    return out
 
 
 def sse(data: dict[str, Any]) -> str:
