@@ -263,13 +263,16 @@ class SpecDecoder:
         self._drafts: dict[str, list[int]] = {}
         self._plan = StepPlan(1)
         self._cost: Cost = self.costs.prior
+        self._active = True  # whether this step may draft (prepare)
 
     def prepare(self, running: list[Request]) -> None:
         """Start a step: its plan, and draft-model drafts for its decoding requests."""
         self._drafts = {}
         self._matches = {}
         self._plan = StepPlan(len(running))
-        if self.predictions_only and all(r.prediction is None for r in running):
+        self._active = not self.predictions_only or any(
+            r.prediction is not None for r in running)
+        if not self._active:
             return
         self._cost = self.costs.prior if self.config.row_cost is not None else (
             self.costs.measured())
@@ -297,8 +300,8 @@ class SpecDecoder:
         """A step's time, from the engine: counted by rows when every request of it decoded
         (its last token and its draft); not kept where nothing plans with it (row_cost set, or
         adaptive off)."""
-        if self.config.row_cost is not None or not self.config.adaptive:
-            return
+        if self.config.row_cost is not None or not self.config.adaptive or not self._active:
+            return  # (nor while no request of a predictions-only decoder has one)
         drafts = so.scheduled_spec_decode_tokens
         if so.scheduled_new_reqs or not so.num_scheduled_tokens or any(
                 n != 1 + len(drafts.get(r, ())) for r, n in so.num_scheduled_tokens.items()):

@@ -228,16 +228,26 @@ def test_tiny_draft_model_greedy_same(make_llm, tiny, tmp_path, draft) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("blocks", [None, 40])  # 40: preemptions
-def test_tiny_greedy_same_with_predictions(make_llm, tiny, blocks) -> None:
-    """OpenAI's predicted outputs without --speculative-config: requests whose prediction is
-    their output, their output with tokens changed, or unrelated tokens, batched with requests
-    without one, give the tokens they give without it; the kept drafts count as accepted
-    prediction tokens, the rolled-back ones as rejected."""
+@pytest.mark.parametrize(("blocks", "method"), [(None, None), (40, None), (None, "ngram"),
+                                                (40, "draft_model")])  # 40: preemptions
+def test_tiny_greedy_same_with_predictions(make_llm, tiny, tmp_path, blocks, method) -> None:
+    """OpenAI's predicted outputs, without --speculative-config or beside n-gram or draft-model
+    speculation: requests whose prediction is their output, their output with tokens changed,
+    or unrelated tokens, batched with requests without one, give the tokens they give without
+    it; the kept drafts count as accepted prediction tokens, the rolled-back ones as
+    rejected."""
+    from tests.tiny_models import make_tiny_model
+
     prompts = _tiny_prompts(6)
     plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     kw = dict(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=64)
     base = _run(make_llm(tiny, **kw), prompts, plain)
+    if method == "ngram":
+        kw["speculative_config"] = json.dumps(NGRAM)
+    elif method == "draft_model":
+        kw["speculative_config"] = json.dumps({
+            "method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+            "model": str(make_tiny_model("llama", tmp_path / "d", seed=1))})
     edited = [list(o[0]) for o in base]
     for out in edited:
         out[5], out[14] = (out[5] + 1) % 256, (out[14] + 7) % 256
@@ -254,8 +264,13 @@ def test_tiny_greedy_same_with_predictions(make_llm, tiny, blocks) -> None:
     assert counts[0][0] >= 12 and counts[4][0] >= 12  # the whole output predicted
     assert counts[1][1] > 0 and counts[5][1] > 0  # the changed tokens were rejected
     spec = llm.engine.scheduler.spec
-    assert spec.predictions_only and spec.stats.num_accepted_tokens == sum(
-        a for a, _ in counts if a is not None)
+    assert spec.predictions_only == (method is None)
+    if method is None:
+        assert spec.stats.num_accepted_tokens == sum(a for a, _ in counts if a is not None)
+    else:
+        assert spec.stats.num_draft_tokens > sum(a + r for a, r in counts if a is not None)
+    if method == "draft_model":
+        spec.drafter.kv.check_integrity()
     if blocks is not None:
         assert llm.engine.scheduler.num_preemptions_total > 0
 
