@@ -143,3 +143,27 @@ def build_attention_metadata(
         computed=computed,
     )
     return md, positions
+
+
+def next_decode_metadata(md: AttentionMetadata, positions: np.ndarray) -> AttentionMetadata:
+    """A decode-only step's metadata (one token a request) for the step after it: each request's
+    token one position on (`positions`: md's plus one, numpy, on the host), in the same blocks
+    (allocated beforehand). The block table and query starts are shared, the rest new."""
+    table = md.block_tables.cpu().numpy() if md.block_tables.device.type != "cpu" \
+        else md.block_tables.numpy()
+    req_idx = md.req_idx
+    slots = compute_slot_mapping(table, req_idx, positions, md.block_size)
+    device = md.slot_mapping.device
+    return AttentionMetadata(
+        num_tokens=md.num_tokens,
+        slot_mapping=to_device(slots, device),
+        query_start_loc=md.query_start_loc,
+        seq_lens=to_device(positions + 1, device),
+        block_tables=md.block_tables,
+        max_query_len=1,
+        positions=to_device(positions, device),
+        workspace=md.workspace,
+        block_size=md.block_size,
+        req_idx=req_idx,
+        computed=positions,
+    )

@@ -53,6 +53,10 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token (their
     # count is in num_scheduled_tokens); the runner verifies them (loom.worker.spec_verify).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Decode steps past this one that the runner runs before returning (num_scheduler_steps):
+    # every scheduled request decodes one token with the argmax alone; its KV slots are
+    # allocated for 1 + lookahead tokens, and it gets 1 + lookahead sampled tokens.
+    lookahead: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -113,6 +113,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self.spec = spec  # speculative decoding (loom.core.spec_decode), None: off
+        self.decode_steps = 1  # num_scheduler_steps (the engine sets it)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -179,7 +180,43 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=step.spec_tokens,
+            lookahead=self._lookahead(step),
         )
+
+    def _lookahead(self, step: _Step) -> int:
+        """Decode steps past this one the runner may run (SchedulerOutput.lookahead): where
+        every running request decodes one token greedily by the argmax alone (no logprobs,
+        penalties, grammar, pooling or draft), nobody waits or was preempted, and each has the
+        room (max_tokens, max_model_len, KV blocks: allocated here, never by preempting)."""
+        most = self.decode_steps - 1
+        if (most <= 0 or not self.running or self.waiting or step.new_reqs or step.preempted or step.spec_tokens
+                or len(step.num_scheduled_tokens) != len(self.running)):
+            return 0
+        for request in self.running:
+            if (step.num_scheduled_tokens.get(request.request_id) != 1
+                    or request.num_tokens - request.num_computed_tokens != 1
+                    or not request.sampling_params.argmax_only or request.grammar is not None
+                    or request.sampling_params.pooling is not None):
+                return 0
+            most = min(most, self.max_model_len - request.num_tokens - 1)
+            if request.max_tokens is not None:
+                most = min(most, request.max_tokens - request.num_output_tokens - 1)
+        if most <= 0:
+            return 0
+        kv = self.kv_cache_manager
+        added: list[list[int]] = []
+        for i, request in enumerate(self.running):
+            blocks = kv.allocate_slots(request, 1 + most)
+            if blocks is None:
+                for done in self.running[:i]:  # back to the step's one token
+                    kv.trim(done, done.num_computed_tokens + 1)
+                return 0
+            added.append([block.block_id for block in blocks])
+        cached = step.cached_reqs
+        at = {req_id: j for j, req_id in enumerate(cached.req_ids)}
+        for request, ids in zip(self.running, added):
+            cached.new_block_ids[at[request.request_id]].extend(ids)
+        return most
 
     def _schedule_running(self, step: _Step) -> None:
         req_index = 0
@@ -288,6 +325,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_scheduled
             i = index.get(req_id)
+            if sched_output.lookahead and i is not None:  # the KV of all but the last token
+                request.num_computed_tokens += len(runner_output.sampled_token_ids[i]) - 1
             draft = sched_output.scheduled_spec_decode_tokens.get(req_id)
             if draft:
                 sampled = [] if i is None else runner_output.sampled_token_ids[i]

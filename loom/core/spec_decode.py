@@ -303,7 +303,7 @@ class SpecDecoder:
         if self.config.row_cost is not None or not self.config.adaptive or not self._active:
             return  # (nor while no request of a predictions-only decoder has one)
         drafts = so.scheduled_spec_decode_tokens
-        if so.scheduled_new_reqs or not so.num_scheduled_tokens or any(
+        if so.lookahead or so.scheduled_new_reqs or not so.num_scheduled_tokens or any(
                 n != 1 + len(drafts.get(r, ())) for r, n in so.num_scheduled_tokens.items()):
             return
         self.costs.observe(so.total_num_scheduled_tokens, seconds)

@@ -148,6 +148,11 @@ class LLMEngine:
                                    spec_decoder(args, max_model_len, loaded.config,
                                                 cache_config.block_size, device,
                                                 loaded.kernels))
+        steps = args.resolved_scheduler_steps(device.type)
+        if steps > 1 and self.tensor_parallel is not None:
+            raise ConfigError("num_scheduler_steps > 1 does not run with tensor or pipeline "
+                              "parallelism")
+        self.scheduler.decode_steps = steps
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,

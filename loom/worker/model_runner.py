@@ -14,7 +14,9 @@ from torch import nn
 from loom.attention.backends import triton_attn
 from loom.attention.backends.triton_attn import bind_fp8_kv_scales
 from loom.attention.forward_context import set_forward_context
-from loom.attention.metadata import Workspace, build_attention_metadata, to_device
+from loom.attention.metadata import (
+    AttentionMetadata, Workspace, build_attention_metadata, next_decode_metadata, to_device,
+)
 from loom.config import ModelConfig
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
@@ -203,7 +205,42 @@ class ModelRunner:
                 logprobs[i] = None if lp is None else [lp]
         # after sampling: an int8 head writes every call's logits into the buffer it reuses
         prompt_lps = self._prompt_logprobs(states, computed, num_sched, ends, hidden, failed)
+        if so.lookahead and not failed:
+            self._decode_ahead(so.lookahead, states, md, positions, sampled_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps, failed)
+
+    def _decode_ahead(self, steps: int, states: list[CachedRequestState], md: AttentionMetadata,
+                      positions: np.ndarray, sampled_lists: list[list[int]]) -> None:
+        """The scheduler's lookahead (SchedulerOutput.lookahead): `steps` more decode steps of
+        the requests of the decode-only step just run (`md`, `positions`), each token the argmax
+        of the last step's logits, with no return to the scheduler (the slots are allocated).
+        Stops early once every request has sampled a stop token (the scheduler drops what
+        follows one)."""
+        n = len(states)
+        rows = np.arange(n, dtype=np.int64)
+        stopped = [self._stops(s, sampled_lists[i][-1]) for i, s in enumerate(states)]
+        for _ in range(steps):
+            if all(stopped):
+                return
+            positions = positions + 1
+            input_ids = np.fromiter((s.token_ids[-1] for s in states), dtype=np.int64, count=n)
+            md = next_decode_metadata(md, positions)
+            with set_forward_context(md):
+                _, logits = self.model.forward_logits(
+                    to_device(input_ids, self.device), to_device(positions, self.device), rows,
+                    only_rows=True)
+            for i, token in enumerate(self.sampler.argmax_tokens(logits)):
+                s = states[i]
+                s.token_ids.append(token)
+                s.output_token_ids.append(token)
+                sampled_lists[i].append(token)
+                stopped[i] = stopped[i] or self._stops(s, token)
+
+    def _stops(self, state: CachedRequestState, token: int) -> bool:
+        """Whether `token` ends the request (a stop token id, or EOS unless ignored)."""
+        params = state.sampling_params
+        return token in params.stop_token_ids or (not params.ignore_eos
+                                                  and token in self.eos_token_ids)
 
     def _verify(self, logits: torch.Tensor, states: list[CachedRequestState],
                 spec: dict[int, tuple[int, int]], so: SchedulerOutput,

@@ -115,6 +115,41 @@ def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> No
     assert preemptions > 0 and none == 0
 
 
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_decode_steps_ahead_give_the_same_tokens(make_llm, tiny, model) -> None:
+    """num_scheduler_steps 4 (the CPU's default: up to 3 decode steps ahead in one runner call)
+    gives the tokens of one step at a time: requests stopping on a stop token inside a step
+    ahead, one asking for logprobs (no steps ahead while it runs), max_tokens reached inside
+    them, with preemptions from a small cache."""
+    name = tiny if model == "tiny" else None
+    plain = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+
+    def run(steps: int, params: list[SamplingParams], blocks: int | None = None):
+        llm = make_llm(name, num_scheduler_steps=steps, num_gpu_blocks_override=blocks,
+                       enable_prefix_caching=False)
+        ahead = []
+        decode_ahead = llm.engine.runner._decode_ahead
+        llm.engine.runner._decode_ahead = lambda n, *a: (ahead.append(n), decode_ahead(n, *a))
+        prompts = _tiny_prompts(6, 30) if model == "tiny" else chats()[:6]
+        outs = (llm.generate(prompts, params, use_tqdm=False) if model == "tiny"
+                else llm.chat(prompts, params, use_tqdm=False))
+        llm.engine.check_integrity()
+        return token_ids(outs), ahead, llm.engine.scheduler.num_preemptions_total
+
+    ref, ahead, _ = run(1, [plain] * 6)
+    assert not ahead
+    params = [plain.clone(stop_token_ids=[ref[i][0][6 + i]]) if i % 2 else plain
+              for i in range(6)]
+    params[4] = plain.clone(max_tokens=10 + 4, logprobs=0)
+    expected, _, _ = run(1, params)
+    for blocks in (None, 14 if model == "tiny" else 20):
+        got, ahead, preempted = run(4, params, blocks)
+        assert got == expected
+        assert (preempted > 0) == (blocks is not None)
+        if blocks is None:  # (a small cache's steps often lack the blocks for steps ahead)
+            assert max(ahead) == 3
+
+
 @pytest.mark.slow
 def test_seed_reproducible_whatever_the_batch(make_llm) -> None:
     llm = make_llm(None)

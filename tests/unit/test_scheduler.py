@@ -449,3 +449,80 @@ def test_fan_out_of_one_prompt_shares_prompt_blocks() -> None:
     assert sched.prefix_cache_stats.hits == 48
     run_to_completion(sched)
     assert_drained(sched)
+
+
+def _lookahead_output(sched: Scheduler, out: SchedulerOutput, tokens: list[int]
+                      ) -> ModelRunnerOutput:
+    """A runner of a lookahead step: every request samples 1 + lookahead tokens."""
+    rids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=rids, sampled_token_ids=[
+        tokens[: 1 + out.lookahead] for _ in rids])
+
+
+def test_lookahead_only_for_greedy_decode_steps_with_room() -> None:
+    """num_scheduler_steps: a step where every running request decodes greedily (argmax only)
+    and nobody waits gets decode_steps - 1 more steps, capped by max_tokens and max_model_len,
+    their KV slots allocated and handed to the runner; a step with a prompt, a waiting
+    request, logprobs or too few free blocks gets none; the computed tokens follow."""
+    sched = make_scheduler(max_model_len=40)
+    sched.decode_steps = 4
+    a = make_request("a", 6, temperature=0.0, max_tokens=8)
+    sched.add_request(a)
+    out, _ = step(sched)
+    assert out.lookahead == 0  # the prompt's step
+    out = sched.schedule()
+    assert out.lookahead == 3 and out.scheduled_cached_reqs.new_block_ids == [[next(
+        iter(sched.kv_cache_manager.get_block_ids("a")[-1:]))]]  # slots up to position 9
+    sched.update_from_output(out, _lookahead_output(sched, out, [5, 6, 7, 8]))
+    sched.kv_cache_manager.check_integrity()
+    assert a.num_output_tokens == 5 and a.num_computed_tokens == a.num_tokens - 1 == 10
+    out = sched.schedule()
+    assert out.lookahead == 2  # 5 of 8 out: 1 + 2 more
+    sched.update_from_output(out, _lookahead_output(sched, out, [5, 6, 7, 8]))
+    assert a.num_output_tokens == 8 and a.is_finished()  # max_tokens exactly
+    out = sched.schedule()
+    assert out.lookahead == 0 and out.is_empty
+    # a request that asks for logprobs, or one waiting, keeps every step to one token
+    b = make_request("b", 6, temperature=0.0, max_tokens=20, logprobs=0)
+    sched.add_request(b)
+    sched.update_from_output(out, fake_runner_output(sched, out))
+    while b.num_computed_tokens < b.num_prompt_tokens:
+        out, _ = step(sched)
+    out, _ = step(sched)
+    assert out.lookahead == 0
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    c = make_request("c", 6, temperature=0.0, max_tokens=20)
+    sched.add_request(c)
+    step(sched)  # its prompt
+    sched.add_request(make_request("w", 6, temperature=0.0, max_tokens=20))
+    sched.max_num_seqs = 1  # w waits
+    out, _ = step(sched)
+    assert out.lookahead == 0
+    # too few free blocks: no lookahead, and nothing leaked
+    small = make_scheduler(num_blocks=7, max_model_len=40)
+    small.decode_steps = 8
+    for rid, n, most in (("d", 11, 3), ("e", 7, 8)):
+        small.add_request(make_request(rid, n, temperature=0.0, max_tokens=most))
+    step(small)
+    kv = small.kv_cache_manager
+    held = {rid: len(kv.get_block_ids(rid)) for rid in "de"}
+    assert held == {"d": 3, "e": 2} and kv.block_pool.get_num_free_blocks() == 1
+    out = small.schedule()
+    assert out.lookahead == 0  # d's one more token takes the free block, e's then finds none
+    assert {rid: len(kv.get_block_ids(rid)) for rid in "de"} == held
+    small.update_from_output(out, fake_runner_output(small, out))
+    kv.check_integrity()
+
+
+def test_lookahead_stop_token_mid_step_finishes() -> None:
+    """An EOS among a lookahead step's tokens ends the request there (what follows dropped)."""
+    sched = make_scheduler()
+    sched.decode_steps = 4
+    r = make_request("r", 6, temperature=0.0, max_tokens=30, ignore_eos=False)
+    sched.add_request(r)
+    step(sched)
+    out = sched.schedule()
+    assert out.lookahead == 3
+    (o,) = sched.update_from_output(out, _lookahead_output(sched, out, [5, EOS, 8, 9]))
+    assert o.finished and o.new_token_ids == [5, EOS] and r.output_token_ids == [7, 5, EOS]
+    assert_drained(sched)
