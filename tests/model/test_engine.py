@@ -134,14 +134,19 @@ def test_decode_steps_ahead_give_the_same_tokens(make_llm, tiny, model) -> None:
         outs = (llm.generate(prompts, params, use_tqdm=False) if model == "tiny"
                 else llm.chat(prompts, params, use_tqdm=False))
         llm.engine.check_integrity()
-        return token_ids(outs), ahead, llm.engine.scheduler.num_preemptions_total
+        return ([token_ids(outs), [o.outputs[0].text for o in outs]], ahead,
+                llm.engine.scheduler.num_preemptions_total)
 
-    ref, ahead, _ = run(1, [plain] * 6)
+    (ref, texts), ahead, _ = run(1, [plain] * 6)
     assert not ahead
     params = [plain.clone(stop_token_ids=[ref[i][0][6 + i]]) if i % 2 else plain
               for i in range(6)]
     params[4] = plain.clone(max_tokens=10 + 4, logprobs=0)
+    if model != "tiny":  # a stop string (the tiny model's text is mostly broken UTF-8)
+        params[2] = plain.clone(stop=[texts[2][len(texts[2]) // 2:][:3]])
     expected, _, _ = run(1, params)
+    if model != "tiny":
+        assert len(expected[0][2][0]) < len(ref[2][0]) and expected[1][2] in texts[2]
     for blocks in (None, 14 if model == "tiny" else 20):
         got, ahead, preempted = run(4, params, blocks)
         assert got == expected
