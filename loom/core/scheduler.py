@@ -114,6 +114,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.spec = spec  # speculative decoding (loom.core.spec_decode), None: off
         self.decode_steps = 1  # num_scheduler_steps (the engine sets it)
+        # With a bound (seconds): steps ahead only as many as fit in it by the measured time of
+        # a decode step (None: decode_steps whatever the time)
+        self.ahead_budget_s: float | None = None
+        self.decode_step_s: float | None = None  # a decode-only step's time, smoothed
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -189,6 +193,9 @@ class Scheduler:
         penalties, grammar, pooling or draft), nobody waits or was preempted, and each has the
         room (max_tokens, max_model_len, KV blocks: allocated here, never by preempting)."""
         most = self.decode_steps - 1
+        if self.ahead_budget_s is not None:  # none until a decode step was timed
+            t = self.decode_step_s
+            most = 0 if t is None else min(most, int(self.ahead_budget_s / t) - 1)
         if (most <= 0 or not self.running or self.waiting or step.new_reqs or step.preempted or step.spec_tokens
                 or len(step.num_scheduled_tokens) != len(self.running)):
             return 0
@@ -303,6 +310,17 @@ class Scheduler:
                 )
             )
             step.add(request, num_new)
+
+    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """A step's time, from the engine: of a decode-only step (every scheduled request one
+        token, no draft), per forward, smoothed into decode_step_s (the bound of steps ahead)."""
+        if (self.ahead_budget_s is None or so.scheduled_new_reqs or so.scheduled_spec_decode_tokens
+                or not so.num_scheduled_tokens
+                or so.total_num_scheduled_tokens != len(so.num_scheduled_tokens)):
+            return
+        t = seconds / (1 + so.lookahead)
+        prev = self.decode_step_s
+        self.decode_step_s = t if prev is None else 0.8 * prev + 0.2 * t
 
     # ---- results ---------------------------------------------------------------------------
 

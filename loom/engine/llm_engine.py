@@ -17,7 +17,7 @@ from loom.config import CacheConfig, ConfigError, SchedulerConfig
 from loom.core.kv_cache_manager import KVCacheManager, default_resident_blocks
 from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import RequestRejectedError, Scheduler
-from loom.engine.args import EngineArgs
+from loom.engine.args import AHEAD_BUDGET_S, EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.engine.spec import drop_after_stop, spec_decoder
 from loom.loader.model_loader import load_model, resolve_dtype
@@ -153,6 +153,8 @@ class LLMEngine:
             raise ConfigError("num_scheduler_steps > 1 does not run with tensor or pipeline "
                               "parallelism")
         self.scheduler.decode_steps = steps
+        if args.num_scheduler_steps is None:  # by default, within a time bound
+            self.scheduler.ahead_budget_s = AHEAD_BUDGET_S
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device,
@@ -368,8 +370,10 @@ class LLMEngine:
                 parent_id = self._process_contained(out)
                 if parent_id is not None and parent_id not in touched:
                     touched.append(parent_id)
+            seconds = time.perf_counter() - start
             if self.scheduler.spec is not None:  # the adaptive draft length's step costs
-                self.scheduler.spec.observe_step(sched_output, time.perf_counter() - start)
+                self.scheduler.spec.observe_step(sched_output, seconds)
+            self.scheduler.observe_step(sched_output, seconds)  # steps ahead's time bound
         return [self._emit(pid) for pid in touched if pid in self.parents]
 
     def _take_aborted(self) -> list[str]:

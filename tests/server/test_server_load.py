@@ -114,9 +114,9 @@ def test_metrics_after_traffic(server: ServerProcess) -> None:
                  "request_queue_time_seconds"):
         assert delta(f"loom:{name}_count") == 2
         assert after[f"loom:{name}_sum"] > 0
-    # one gap a request: its first token, then the other 4 in one step with 3 decode steps
-    # ahead (--num-scheduler-steps' CPU default, 4)
-    assert delta("loom:inter_token_latency_seconds_count") == 2 * 1
+    # a gap a step after the first token: fewer than a token's, the steps ahead of
+    # --num-scheduler-steps' CPU default (up to 4 tokens a step, within a time bound)
+    assert 2 * 1 <= delta("loom:inter_token_latency_seconds_count") < 2 * 4
     assert "loom:num_preemptions_total" in after
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE loom:time_to_first_token_seconds histogram" in text

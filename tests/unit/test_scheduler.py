@@ -526,3 +526,25 @@ def test_lookahead_stop_token_mid_step_finishes() -> None:
     (o,) = sched.update_from_output(out, _lookahead_output(sched, out, [5, EOS, 8, 9]))
     assert o.finished and o.new_token_ids == [5, EOS] and r.output_token_ids == [7, 5, EOS]
     assert_drained(sched)
+
+
+def test_lookahead_within_the_time_bound() -> None:
+    """By default (ahead_budget_s set) steps ahead only fit the bound by the measured time of a
+    decode step (per forward, smoothed): none before one was timed, 3 at 5 ms a step with 40
+    ms, 1 at 15 ms, none at 30 ms; steps with a prompt are not timed."""
+    sched = make_scheduler(max_model_len=200)
+    sched.decode_steps, sched.ahead_budget_s = 4, 0.04
+    sched.add_request(make_request("a", 6, temperature=0.0, max_tokens=150))
+    out, _ = step(sched)
+    sched.observe_step(out, 1.0)  # the prompt's step: not timed
+    assert sched.decode_step_s is None
+    lookaheads = []
+    for seconds in (0.005, None, *[0.015] * 12, *[0.03] * 12):
+        out = sched.schedule()
+        lookaheads.append(out.lookahead)
+        sched.update_from_output(out, _lookahead_output(sched, out, [5, 6, 7, 8]))
+        if seconds is not None:
+            sched.observe_step(out, seconds * (1 + out.lookahead))
+    assert lookaheads[:3] == [0, 3, 3]  # untimed; 5 ms; 5 ms still (no step timed between)
+    assert lookaheads[14] == 1 and lookaheads[-1] == 0
+    assert sched.decode_step_s == pytest.approx(0.03, rel=0.25)
