@@ -196,8 +196,8 @@ class Scheduler:
         if self.ahead_budget_s is not None:  # none until a decode step was timed
             t = self.decode_step_s
             most = 0 if t is None else min(most, int(self.ahead_budget_s / t) - 1)
-        if (most <= 0 or not self.running or self.waiting or step.new_reqs or step.preempted or step.spec_tokens
-                or len(step.num_scheduled_tokens) != len(self.running)):
+        if (most <= 0 or not self.running or self.waiting or step.new_reqs or step.preempted
+                or step.spec_tokens or len(step.num_scheduled_tokens) != len(self.running)):
             return 0
         for request in self.running:
             if (step.num_scheduled_tokens.get(request.request_id) != 1
@@ -314,8 +314,8 @@ class Scheduler:
     def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
         """A step's time, from the engine: of a decode-only step (every scheduled request one
         token, no draft), per forward, smoothed into decode_step_s (the bound of steps ahead)."""
-        if (self.ahead_budget_s is None or so.scheduled_new_reqs or so.scheduled_spec_decode_tokens
-                or not so.num_scheduled_tokens
+        if (self.ahead_budget_s is None or so.scheduled_new_reqs
+                or so.scheduled_spec_decode_tokens or not so.num_scheduled_tokens
                 or so.total_num_scheduled_tokens != len(so.num_scheduled_tokens)):
             return
         t = seconds / (1 + so.lookahead)

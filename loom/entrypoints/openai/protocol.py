@@ -6,10 +6,10 @@ OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, s
 ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output), structured-output
 extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`) and beam search's on completions (`use_beam_search`, `beam_width`,
-`length_penalty`, `early_stopping`; serving_beam.py), and on chat OpenAI's `prediction`
-(predicted outputs: speculative drafts, never a change of output). `user` is accepted: it never changes
-output. `suffix` exists only to be rejected with a clear message, and `best_of` unless 1 or
-the beam width.
+`length_penalty`, `early_stopping`; serving_beam.py). Chat's `prediction` (OpenAI's predicted
+outputs) becomes speculative drafts: it changes speed, never output. `user` is accepted: it
+never changes output. `suffix` exists only to be rejected with a clear message, and `best_of`
+unless 1 or the beam width.
 Ranges are checked by `SamplingParams`, the engine's single source of truth. Sizes are bounded
 here (the MAX_* limits below, each a 400 naming the field); the body's size, Unicode and nesting
 depth are checked before these models see it (body.py).
