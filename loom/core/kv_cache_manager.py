@@ -67,6 +67,14 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # A hit leaves at least this many of a request's tokens to compute (where it has that
+        # many, and asks for no prompt logprobs, whose scores from the cache are close, not
+        # exact, anyway; 0: no rule), set by the engine where a step of fewer rows runs other
+        # kernels
+        # than a longer prompt's (the CPU's decode kernels): the tokens after a hit are then
+        # computed as the whole prompt was the first time, so a repeated greedy request gives
+        # the same tokens with and without the cache.
+        self.min_new_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +111,9 @@ class KVCacheManager:
         if params.prompt_logprobs is not None:
             last_hit = (params.prompt_logprobs_start - 1) // self.block_size
             max_hit_blocks = min(max_hit_blocks, last_hit)
+        elif request.num_tokens >= self.min_new_tokens > 0:  # (scores are close, not exact)
+            max_hit_blocks = min(max_hit_blocks,
+                                 (request.num_tokens - self.min_new_tokens) // self.block_size)
         tokens = request.all_token_ids
         bs = self.block_size
         blocks: list[KVCacheBlock] = []

@@ -20,8 +20,10 @@ from loom.core.scheduler import RequestRejectedError, Scheduler
 from loom.engine.args import AHEAD_BUDGET_S, EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.engine.spec import drop_after_stop, spec_decoder
-from loom.loader.model_loader import load_model, resolve_dtype
+from loom.loader.model_loader import LoadedModel, load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
+from loom.quant.int8 import DECODE_ROWS
+from loom.quant.kquant import R16_INT_ROWS, KBlocks, KQuantLinear
 from loom.request import FinishReason, Request, RequestStatus
 from loom.sample.metadata import check_token_ids_in_vocab
 from loom.sampling_params import SamplingParams, SamplingParamsError
@@ -144,6 +146,9 @@ class LLMEngine:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, max_model_len,
             resident,
         )
+        small = _small_step_rows(loaded) if device.type == "cpu" else 0
+        if small:
+            kv_manager.min_new_tokens = small + 1
         self.scheduler = Scheduler(self.scheduler_config, kv_manager, cache_config.block_size,
                                    spec_decoder(args, max_model_len, loaded.config,
                                                 cache_config.block_size, device,
@@ -475,6 +480,18 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.kv_cache_manager.check_integrity()
+
+
+def _small_step_rows(loaded: LoadedModel) -> int:
+    """The most rows a step runs on CPU kernels whose bits differ from a longer step's (the
+    decode kernels: 8 rows; interleaved Q4_K's integer kernel: 32), 0 where none do."""
+    kernels = loaded.kernels
+    if kernels is None or kernels.same_bits_past_8:
+        return 0
+    interleaved = any(isinstance(p, KBlocks) and p.interleaved
+                      for m in loaded.model.modules() if isinstance(m, KQuantLinear)
+                      for _, p in m.parts.values())
+    return R16_INT_ROWS if interleaved else DECODE_ROWS
 
 
 def _snapshot(o: CompletionOutput) -> CompletionOutput:

@@ -36,6 +36,7 @@ KQ_TYPES = {GGMLQuantizationType.Q2_K: 10, GGMLQuantizationType.Q3_K: 11,
 
 
 R16 = 0x200  # loom.h's LOOM_KQ_R16: Q4_K rows interleaved 16 at a time
+R16_INT_ROWS = 32  # loom.h's LOOM_KQ_R16_INT_ROWS: their integer kernel's most rows
 GROUP_ROWS = 16
 
 

@@ -156,6 +156,27 @@ def test_decode_steps_ahead_give_the_same_tokens(make_llm, tiny, model) -> None:
 
 
 @pytest.mark.slow
+def test_repeated_greedy_request_same_with_the_prefix_cache(make_llm) -> None:
+    """Loom's default kernels (not batch-invariant: a step of up to 8 rows runs the decode
+    kernels, of more the batch kernels, other bits): a greedy request repeated is answered
+    from the prefix cache with the tokens of its first run, because a hit leaves more rows to
+    compute than the small-step kernels take (KVCacheManager.min_new_tokens). Without that rule
+    this 49-token prompt hit 48 cached tokens, its last one ran on the decode kernel and the
+    reply changed from its first token (the packaged model on a Zen 4, bf16 build)."""
+    code = "def add(a, b):\n    return a + b\n"
+    messages = [{"role": "user", "content": "Repeat this code exactly:\n" + code}]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    llm = make_llm(None, batch_invariant=False)
+    kv = llm.engine.scheduler.kv_cache_manager
+    first = llm.chat(messages, params, use_tqdm=False)[0]
+    again = llm.chat(messages, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    if kv.min_new_tokens:  # kernels whose bits change with the rows: the tail ran on the others
+        assert len(first.prompt_token_ids) - again.num_cached_tokens >= kv.min_new_tokens
+
+
+@pytest.mark.slow
 def test_seed_reproducible_whatever_the_batch(make_llm) -> None:
     llm = make_llm(None)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)

@@ -223,3 +223,30 @@ def test_manager_hashes_requests_made_without_block_size() -> None:
     assert len(a.block_hashes) == 2 and a.block_size == BS
     blocks, num_hit = kv.get_computed_blocks(Request("b", list(range(9)), SamplingParams()))
     assert [blk.block_id for blk in blocks] == [1, 2] and num_hit == 8
+
+
+@pytest.mark.parametrize(("prompt_len", "min_new", "expected_hit"),
+                         [(14, 0, 12), (14, 3, 8), (14, 6, 8), (14, 7, 4), (14, 14, 0),
+                          (14, 15, 12), (5, 9, 4)])
+def test_prefix_hit_leaves_min_new_tokens(prompt_len: int, min_new: int,
+                                          expected_hit: int) -> None:
+    """min_new_tokens (the engine's: one past the rows the CPU's small-step kernels take): a
+    hit leaves at least that many tokens to compute, in whole blocks, where the request has
+    that many (a shorter one ran on those kernels the first time too); the stats count what
+    is used."""
+    kv = make_manager()
+    admit(kv, make_request("a", list(range(prompt_len))))
+    kv.min_new_tokens = min_new
+    blocks, num_hit = kv.get_computed_blocks(make_request("b", list(range(prompt_len))))
+    assert num_hit == expected_hit and len(blocks) == expected_hit // BS
+    assert kv.prefix_cache_stats.hits == expected_hit
+
+
+def test_min_new_tokens_leaves_prompt_logprob_hits_alone() -> None:
+    """Scores (prompt logprobs from a start) keep their hits up to the start: from the cache
+    they are close, not exact, whatever the kernels."""
+    kv = make_manager()
+    admit(kv, make_request("a", list(range(14))))
+    kv.min_new_tokens = 7
+    req = make_request("b", list(range(14)), prompt_logprobs=0, prompt_logprobs_start=13)
+    assert kv.get_computed_blocks(req)[1] == 12
