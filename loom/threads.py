@@ -147,7 +147,7 @@ class TeamSize:
         if len(b.recent) < 4:
             return
         due = self.PROBE_UP_S if b.at else self.PROBE_EVERY_S if b.settled else self.FIRST_PROBE_S
-        median = _median(b.recent)
+        median = statistics.median(b.recent)
         probe_s = self.PROBE_CALLS * median * rows  # a probe's time, about
         slow = (b.at + 1 < len(self.sizes) and median > self.SLOW * b.best
                 and b.spent >= probe_s / self.SLOW_SHARE)
@@ -182,13 +182,6 @@ class TeamSize:
         if b is None:
             b = self._buckets[key] = _Bucket(key, collections.deque(maxlen=self.RECENT))
         return b
-
-
-def _median(values: collections.deque) -> float:
-    """statistics.median of a few floats, without its checks (it ran every step)."""
-    v = sorted(values)
-    h = len(v) // 2
-    return v[h] if len(v) % 2 else (v[h - 1] + v[h]) / 2
 
 
 @dataclasses.dataclass

@@ -70,10 +70,9 @@ class KVCacheManager:
         # A hit leaves at least this many of a request's tokens to compute (where it has that
         # many, and asks for no prompt logprobs, whose scores from the cache are close, not
         # exact, anyway; 0: no rule), set by the engine where a step of fewer rows runs other
-        # kernels
-        # than a longer prompt's (the CPU's decode kernels): the tokens after a hit are then
-        # computed as the whole prompt was the first time, so a repeated greedy request gives
-        # the same tokens with and without the cache.
+        # kernels than a longer prompt's (the CPU's decode kernels): the tokens after a hit are
+        # then computed as the whole prompt was the first time, so a repeated greedy request
+        # gives the same tokens with and without the cache.
         self.min_new_tokens = 0
 
     @property

@@ -197,9 +197,9 @@ class Scheduler:
             t = self.decode_step_s
             most = 0 if t is None else min(most, int(self.ahead_budget_s / t) - 1)
         if (most <= 0 or not self.running or self.waiting or step.new_reqs or step.preempted
-                or step.spec_tokens or len(step.num_scheduled_tokens) != len(self.running)):
+                or step.spec_tokens):
             return 0
-        for request in self.running:
+        for request in self.running:  # one left out of the step (None) has none either
             if (step.num_scheduled_tokens.get(request.request_id) != 1
                     or request.num_tokens - request.num_computed_tokens != 1
                     or not request.sampling_params.argmax_only or request.grammar is not None
@@ -419,7 +419,7 @@ class Scheduler:
             num_cached_tokens=max(0, request.num_cached_tokens),
             error=error,
             prediction_tokens=(None if request.prediction is None
-                               else (request.prediction_tokens[0], request.prediction_tokens[1])),
+                               else tuple(request.prediction_tokens)),
         )
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:

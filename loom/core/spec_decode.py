@@ -111,6 +111,31 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def _suffix_ends(source: np.ndarray, tail: np.ndarray, min_n: int, max_n: int) -> np.ndarray:
+    """Where in `source` the longest suffix n-gram of `tail` (max_n down to min_n tokens) ends,
+    ascending indices; empty when none occurs. An occurrence's last token sits at the index
+    (the caller leaves out of `source` what must not end one)."""
+    ends = np.flatnonzero(source == tail[-1])
+    found = ends if min_n <= 1 else ends[:0]
+    for i in range(1, min(max_n, len(tail))):  # narrowed to the suffix i + 1 tokens long
+        ends = ends[ends >= i]
+        ends = ends[source[ends - i] == tail[-1 - i]]
+        if not len(ends):
+            break
+        if i + 1 >= min_n:
+            found = ends
+    return found
+
+
+def _match_length(source: np.ndarray, end: int, tail: np.ndarray) -> int:
+    """How many tokens agree backwards from source[end] and tail's last, up to MAX_MATCH."""
+    length = 1
+    while (length < MAX_MATCH and end >= length and length < len(tail)
+           and source[end - length] == tail[-1 - length]):
+        length += 1
+    return length
+
+
 def ngram_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
     """Prompt lookup: the latest earlier occurrence of the longest suffix n-gram (max_n down to
     min_n) of `tokens`, as (the index of the token after it, the match length: how many tokens
@@ -119,25 +144,11 @@ def ngram_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
     if num < min_n + 1:
         return -1, 0
     arr = np.asarray(tokens, dtype=np.int64)
-    # ends: where an occurrence of the suffix i + 1 tokens long ends (never the suffix itself,
-    # always a token after it), narrowed as i grows
-    ends = np.flatnonzero(arr[: num - 1] == arr[num - 1])
-    found = ends if min_n <= 1 else ends[:0]
-    for i in range(1, min(max_n, num - 1)):
-        ends = ends[ends >= i]
-        ends = ends[arr[ends - i] == arr[num - 1 - i]]
-        if not len(ends):
-            break
-        if i + 1 >= min_n:
-            found = ends
+    found = _suffix_ends(arr[: num - 1], arr, min_n, max_n)  # never the suffix itself
     if not len(found):
         return -1, 0
     end = int(found[-1])
-    length = 1
-    while (length < MAX_MATCH and end >= length
-           and tokens[end - length] == tokens[num - 1 - length]):
-        length += 1
-    return end + 1, length
+    return end + 1, _match_length(arr, end, arr)
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -166,22 +177,13 @@ def prediction_match(pred: np.ndarray, out: list[int], expect: int) -> tuple[int
         return (0, START_MATCH) if size else (-1, 0)
     if size < 2:
         return -1, 0
-    ends = np.flatnonzero(pred[: size - 1] == out[-1])  # a token must follow the occurrence
-    found = ends
-    for i in range(1, min(PREDICTION_NGRAM, len(out))):
-        ends = ends[ends >= i]
-        ends = ends[pred[ends - i] == out[-1 - i]]
-        if not len(ends):
-            break
-        found = ends
+    tail = np.asarray(out[-MAX_MATCH:], dtype=np.int64)
+    found = _suffix_ends(pred[: size - 1], tail, 1, PREDICTION_NGRAM)  # a token must follow
     if not len(found):
         return -1, 0
     at = int(np.searchsorted(found, expect - 1))
     end = int(found[at] if at < len(found) else found[-1])
-    length = 1
-    while (length < MAX_MATCH and end >= length and length < len(out)
-           and pred[end - length] == out[-1 - length]):
-        length += 1
+    length = _match_length(pred, end, tail)
     if length == len(out) and end + 1 == length:  # the output so far is the prediction's start
         length = max(length, START_MATCH)
     return end + 1, length

@@ -56,9 +56,7 @@ class Sampler:
     def argmax_tokens(logits: torch.Tensor) -> list[int]:
         """Each row's token for requests whose params are all `argmax_only`: the choice `forward`
         makes for them (the first max of the fp32 logits), without the batch metadata."""
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        return argmax_rows(logits).tolist()
+        return argmax_rows(logits.to(torch.float32)).tolist()
 
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -227,8 +227,7 @@ class ModelRunner:
             md = next_decode_metadata(md, positions)
             with set_forward_context(md):
                 _, logits = self.model.forward_logits(
-                    to_device(input_ids, self.device), to_device(positions, self.device), rows,
-                    only_rows=True)
+                    to_device(input_ids, self.device), md.positions, rows, only_rows=True)
             for i, token in enumerate(self.sampler.argmax_tokens(logits)):
                 s = states[i]
                 s.token_ids.append(token)

@@ -346,10 +346,8 @@ def usage(prompt_tokens: int, completion_tokens: int,
     predicted = [o for o in outputs if o.accepted_prediction_tokens is not None]
     if predicted:
         out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": sum(o.accepted_prediction_tokens or 0
-                                              for o in predicted),
-            "rejected_prediction_tokens": sum(o.rejected_prediction_tokens or 0
-                                              for o in predicted)}
+            "accepted_prediction_tokens": sum(o.accepted_prediction_tokens for o in predicted),
+            "rejected_prediction_tokens": sum(o.rejected_prediction_tokens for o in predicted)}
     return out
 
 
