@@ -437,9 +437,14 @@ class LLMEngine:
             o.accepted_prediction_tokens, o.rejected_prediction_tokens = out.prediction_tokens
         finish, stop_reason = out.finish_reason, out.stop_reason
         stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
-        if stop_str is not None and finish is None:
-            drop_after_stop(o, len(child.detokenizer.output_token_ids))  # speculative steps
-            self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+        # A step of several tokens (accepted drafts, steps ahead) may have ended by its last
+        # token's rule (max_tokens, a stop token) after a stop string completed at an earlier
+        # one: the string came first, as one token a step would have found it.
+        if stop_str is not None and (finish is None or
+                                     len(child.detokenizer.output_token_ids) < len(o.token_ids)):
+            drop_after_stop(o, len(child.detokenizer.output_token_ids))
+            if finish is None:
+                self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
             finish, stop_reason = "stop", stop_str
         if finish is not None:
             o.finish_reason, o.stop_reason = str(finish), stop_reason

@@ -156,6 +156,37 @@ def test_decode_steps_ahead_give_the_same_tokens(make_llm, tiny, model) -> None:
 
 
 @pytest.mark.slow
+def test_stop_string_before_the_last_rule_of_a_step_ahead(make_llm) -> None:
+    """A stop string completed at a token before the one where max_tokens or a stop token
+    ends the same multi-token step (steps ahead here; accepted drafts alike) stops the request
+    there, as one token a step does: the fuzzing of steps 1 against 8 found 'length' with the
+    tokens past the string kept."""
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [[{"role": "user", "content": "Count from one to twenty in words."}]]
+    one = make_llm(None, num_scheduler_steps=1, enable_prefix_caching=False)
+    ref = one.chat(prompt, plain, use_tqdm=False)[0].outputs[0]
+    tokens = list(ref.token_ids)
+    cut = len(one.get_tokenizer().decode(tokens[:3]))  # the stop string ends in token 3 or 4
+    stop = ref.text[cut - 1:cut + 1]
+    assert stop and stop in ref.text
+    cases = [plain.clone(max_tokens=8, stop=[stop]),
+             plain.clone(stop=[stop], stop_token_ids=[tokens[7]]),
+             plain.clone(max_tokens=8, stop=[stop], include_stop_str_in_output=True)]
+    want = [o.outputs[0] for o in one.chat(prompt * 3, cases, use_tqdm=False)]
+    assert all(w.finish_reason == "stop" and w.stop_reason == stop and len(w.token_ids) < 8
+               for w in want)
+    ahead = make_llm(None, num_scheduler_steps=8, enable_prefix_caching=False)
+    steps = []
+    decode_ahead = ahead.engine.runner._decode_ahead
+    ahead.engine.runner._decode_ahead = lambda n, *a: (steps.append(n), decode_ahead(n, *a))
+    got = [o.outputs[0] for o in ahead.chat(prompt * 3, cases, use_tqdm=False)]
+    assert steps  # the tokens came in steps ahead
+    for g, w in zip(got, want):
+        assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == (
+            list(w.token_ids), w.text, w.finish_reason, w.stop_reason)
+
+
+@pytest.mark.slow
 def test_repeated_greedy_request_same_with_the_prefix_cache(make_llm) -> None:
     """Loom's default kernels (not batch-invariant: a step of up to 8 rows runs the decode
     kernels, of more the batch kernels, other bits): a greedy request repeated is answered
