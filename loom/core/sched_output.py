@@ -45,6 +45,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose runner state must be dropped before this step: finished, aborted, preempted.
     finished_req_ids: set[str]
+    # Those of them preempted: the runner keeps a seeded request's generator for its resumption,
+    # so its draws go on where they stopped (its tokens as without the preemption).
+    preempted_req_ids: set[str] = field(default_factory=set)
     # Structured output, filled by the engine after scheduling: the allowed-token bitmask
     # [rows, ceil(vocab / 32)] int32 of the constrained requests that sample this step, and
     # req_id -> its row. None when no constrained request samples.

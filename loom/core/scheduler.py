@@ -109,8 +109,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Ids whose runner state must go before the next step (finished, aborted, preempted).
+        # Ids whose runner state must go before the next step (finished, aborted, preempted),
+        # and those of them that were preempted (the runner keeps their sampling generators).
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self.spec = spec  # speculative decoding (loom.core.spec_decode), None: off
         self.decode_steps = 1  # num_scheduler_steps (the engine sets it)
@@ -177,12 +179,14 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        preempted, self.preempted_req_ids = self.preempted_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=finished,
+            preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=step.spec_tokens,
             lookahead=self._lookahead(step),
         )
@@ -275,6 +279,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(victim)
         self.finished_req_ids.add(victim.request_id)
+        self.preempted_req_ids.add(victim.request_id)
         step.preempted.append(victim)
         step.spec_tokens.pop(victim.request_id, None)
         return victim
@@ -434,8 +439,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.spec is not None:
             self.spec.drop(request.request_id)
-        if had_runner_state:
+        if had_runner_state or request.num_preemptions:  # (the runner may keep its generator)
             self.finished_req_ids.add(request.request_id)
+        self.preempted_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:

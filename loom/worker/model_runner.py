@@ -70,6 +70,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.workspace = Workspace()
         self.requests: dict[str, CachedRequestState] = {}
+        # A preempted seeded request's generator until it resumes (its draws go on from there).
+        self.resumed_generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.graphs: DecodeGraphs | None = None  # CUDA only: capture_cuda_graphs
 
@@ -98,8 +100,12 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
             self.pooler.drop(req_id)
+            if req_id in so.preempted_req_ids and state is not None and state.generator is not None:
+                self.resumed_generators[req_id] = state.generator
+            else:
+                self.resumed_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             try:  # a request whose inputs cannot be prepared fails alone (`failed`)
                 self.requests[new.req_id] = self._new_state(new)
@@ -117,8 +123,8 @@ class ModelRunner:
         """The runner's state of a newly scheduled request; raises if its sampling inputs
         cannot be built (checked here, on its own row, so it never fails a batch)."""
         params = new.sampling_params
-        gen = None
-        if params.seed is not None:
+        gen = self.resumed_generators.pop(new.req_id, None)  # resumed after a preemption
+        if params.seed is not None and gen is None:
             gen = torch.Generator(device=self.device)
             # Any integer seeds: torch takes [0, 2**64) (a negative one as its two's complement).
             gen.manual_seed(params.seed & _SEED_MASK)

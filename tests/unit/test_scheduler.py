@@ -199,7 +199,7 @@ def test_preempts_newest_and_recomputes_it_later() -> None:
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1}
     assert out.scheduled_cached_reqs.new_block_ids == [[4]]  # b's freed tail block, evicted
-    assert out.finished_req_ids == {"b"}
+    assert out.finished_req_ids == out.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED
     assert (b.num_computed_tokens, b.num_preemptions, sched.num_preemptions_total) == (0, 1, 1)
     assert list(sched.waiting) == [b] and sched.running == [a]
@@ -222,6 +222,24 @@ def test_preempts_newest_and_recomputes_it_later() -> None:
     assert_drained(sched)
 
 
+def test_request_aborted_while_preempted_reaches_the_runner() -> None:
+    """A preempted request aborted before it resumes is named in finished_req_ids (and not
+    as preempted) so the runner forgets the generator it kept for the resumption."""
+    sched = make_scheduler(num_blocks=5)
+    a = make_request("a", 6, max_tokens=3)
+    b = make_request("b", 8, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    out, _ = step(sched)
+    assert out.preempted_req_ids == {"b"} and b.status == RequestStatus.PREEMPTED
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert "b" in out.finished_req_ids and not out.preempted_req_ids
+    run_to_completion(sched)
+    assert_drained(sched)
+
+
 def test_request_preempts_itself_when_it_is_the_newest() -> None:
     sched = make_scheduler(num_blocks=5)  # 4 usable blocks
     a = make_request("a", 6, max_tokens=3)  # 2 blocks with room for position 6
@@ -231,7 +249,7 @@ def test_request_preempts_itself_when_it_is_the_newest() -> None:
     step(sched)
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1}
-    assert out.finished_req_ids == {"b"}
+    assert out.finished_req_ids == out.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and sched.running == [a]
     finals = run_to_completion(sched)
     assert set(finals) == {"a", "b"}
