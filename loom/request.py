@@ -80,7 +80,7 @@ class Request:
         "output_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "block_hashes", "num_cached_tokens", "stop_reason", "num_preemptions", "max_tokens",
         "block_size", "extra_keys", "grammar", "_all_token_ids", "prediction",
-        "prediction_tokens",
+        "prediction_tokens", "num_prompt_logprobs",
     )
 
     def __init__(
@@ -111,6 +111,9 @@ class Request:
         # The stop token id (or stop string, set by the front) that finished the request.
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prompt tokens whose prompt logprobs went out (from token 0): a preempted request's
+        # recomputation scores some again, and those are not sent twice.
+        self.num_prompt_logprobs = 0
         # Resolved output cap: the scheduler fills it in when sampling_params.max_tokens is None.
         self.max_tokens: int | None = sampling_params.max_tokens
         # Extra hash keys for every block (e.g. a LoRA id or cache salt).

@@ -346,6 +346,7 @@ class Scheduler:
                 outputs.append(self._fail(request, error))
                 any_finished = True
                 continue
+            start = request.num_computed_tokens
             request.num_computed_tokens += num_scheduled
             i = index.get(req_id)
             if sched_output.lookahead and i is not None:  # the KV of all but the last token
@@ -356,7 +357,7 @@ class Scheduler:
                 self._roll_back(request, draft, sampled)
             if i is None:
                 continue
-            output = self._apply_sampled(request, runner_output, i)
+            output = self._apply_sampled(request, runner_output, i, start)
             if output is None:
                 continue
             outputs.append(output)
@@ -368,8 +369,10 @@ class Scheduler:
         return outputs
 
     def _apply_sampled(
-        self, request: Request, runner_output: ModelRunnerOutput, i: int
+        self, request: Request, runner_output: ModelRunnerOutput, i: int, start: int
     ) -> EngineCoreOutput | None:
+        """The step's sampled tokens (stop rules token by token) and prompt logprobs, whose
+        first entry is prompt token `start` + 1 (0 where the step started at 0)."""
         new_token_ids: list[int] = []
         for token_id in runner_output.sampled_token_ids[i]:
             request.append_output_token_ids(token_id)
@@ -391,6 +394,12 @@ class Scheduler:
         prompt_logprobs = (
             runner_output.prompt_logprobs[i] if i < len(runner_output.prompt_logprobs) else None
         )
+        if prompt_logprobs is not None:  # after a preemption: the tokens not sent yet alone
+            first = start + 1 if start else 0
+            end, sent = first + len(prompt_logprobs), request.num_prompt_logprobs
+            if sent > first:
+                prompt_logprobs = prompt_logprobs[sent - first:] or None
+            request.num_prompt_logprobs = max(sent, end)
         if not new_token_ids and prompt_logprobs is None:
             return None  # a prefill chunk with nothing to report
         return self._core_output(request, new_token_ids, logprobs, prompt_logprobs)

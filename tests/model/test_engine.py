@@ -104,6 +104,7 @@ def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> No
     name = tiny if model == "tiny" else None
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     params = [greedy if i % 2 else greedy.clone(temperature=1.0, seed=i) for i in range(8)]
+    params[5] = params[7] = greedy.clone(prompt_logprobs=1)  # scored once, however recomputed
     def run(blocks: int | None):
         llm = make_llm(name, num_gpu_blocks_override=blocks, enable_prefix_caching=False)
         if model == "tiny":
@@ -112,10 +113,16 @@ def test_preemption_with_a_tiny_cache_loses_nothing(make_llm, tiny, model) -> No
             outs = llm.chat(chats()[:8], params, use_tqdm=False)
         llm.engine.check_integrity()
         assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
-        return token_ids(outs), llm.engine.scheduler.num_preemptions_total
-    small, preemptions = run(14 if model == "tiny" else 20)
-    ample, none = run(None)
+        scores = [[None if p is None else p.logprobs for p in o.prompt_logprobs]
+                  for o in outs if o.prompt_logprobs is not None]
+        assert [len(s) for s in scores] == [len(outs[i].prompt_token_ids) for i in (5, 7)]
+        return token_ids(outs), scores, llm.engine.scheduler.num_preemptions_total
+    small, small_scores, preemptions = run(14 if model == "tiny" else 20)
+    ample, ample_scores, none = run(None)
     assert small == ample
+    for got, want in zip(small_scores, ample_scores):
+        assert got[0] is None and want[0] is None
+        assert sum(got[1:], []) == pytest.approx(sum(want[1:], []), abs=1e-4)
     assert preemptions > 0 and none == 0
 
 
