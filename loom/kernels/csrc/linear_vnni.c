@@ -189,25 +189,29 @@ static inline __m512i chunk_group(int bits)
 // The weights of 64 bytes v as int16 lanes, in XV(bits) vectors: 4-bit: the low nibbles of
 // the even bytes, of the odd bytes, then the high nibbles of the even and of the odd bytes;
 // 8-bit: the even bytes, then the odd ones. Word i of each vector comes from bytes 2i and
-// 2i + 1, so vpdpwssd's lane k (words 2k, 2k + 1) sums bytes 4k .. 4k + 3.
+// 2i + 1, so vpdpwssd's lane k (words 2k, 2k + 1) sums bytes 4k .. 4k + 3. unpack_k: vector k
+// alone (the block loop unpacks one at a time, as it multiplies them: fewer live registers).
+static inline __attribute__((always_inline)) __m512i unpack_k(__m512i v, const int bits,
+                                                              const int lv, const int k)
+{
+    if (bits != 4)
+        return k == 0 ? _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)) : _mm512_srli_epi16(v, 8);
+    const __m512i nib = _mm512_set1_epi16(0x000F);
+    const __m512i w = k == 0 ? _mm512_and_si512(v, nib)
+                    : k == 1 ? _mm512_and_si512(_mm512_srli_epi16(v, 8), nib)
+                    : k == 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)
+                             : _mm512_srli_epi16(v, 12);
+    if (lv != LOOM_Q8_LEVELS)
+        return w;
+    const __m512i t = _mm512_cvtepu8_epi16(  // each nibble i is the value loom_iq4_q[i] (vpermw)
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)loom_iq4_q)));
+    return _mm512_permutexvar_epi16(w, t);
+}
+
 static inline __attribute__((always_inline)) void unpack(__m512i v, const int bits,
                                                          const int lv, __m512i *w)
 {
-    if (bits == 4) {
-        const __m512i nib = _mm512_set1_epi16(0x000F);
-        w[0] = _mm512_and_si512(v, nib);
-        w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
-        w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        w[3] = _mm512_srli_epi16(v, 12);
-        if (lv == LOOM_Q8_LEVELS) {  // each nibble i is the value loom_iq4_q[i] (vpermw)
-            const __m512i t = _mm512_cvtepu8_epi16(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)loom_iq4_q)));
-            for (int k = 0; k < 4; k++) w[k] = _mm512_permutexvar_epi16(w[k], t);
-        }
-    } else {
-        w[0] = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF));
-        w[1] = _mm512_srli_epi16(v, 8);
-    }
+    for (int k = 0; k < XV(bits); k++) w[k] = unpack_k(v, bits, lv, k);
 }
 
 
@@ -411,24 +415,31 @@ static inline __attribute__((always_inline)) void rows_vnni(
         __m512i dot[4][TILE * UNIT];
         for (int c = 0; c < S; c++)
             for (int i = 0; i < M * R; i++) dot[c][i] = _mm512_setzero_si512();
+        // One unpacked vector k of a j at a time, multiplied as it comes (fewer live registers:
+        // the 135M's steps of 1 to 8 rows 1.04-1.14x as fast); LOOM_Q8_Q5 rows unpack a j's
+        // four at once (their fifth bits' masks: one at a time took 1.06x the time at 4 to 8
+        // rows on the 1.7B shape in Q5_0).
+#pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             __m512i w[UNIT][4];
-            for (int r = 0; r < R; r++) {
-                unpack(u[r][j], bits, lv, w[r]);
-                if (lv == LOOM_Q8_Q5)  // words: bit 4 j, then 4 j + 2
+            if (lv == LOOM_Q8_Q5)  // words: bit 4 j, then 4 j + 2
+                for (int r = 0; r < R; r++) {
+                    unpack(u[r][j], bits, lv, w[r]);
                     add_high(w[r], hl[r], hh[r], _mm512_set1_epi32(0x00040001 << 4 * j));
-            }
-            for (int m = 0; m < M; m++) {
-                const uint8_t *xm = xq + m * xstride + (bk * 4 + j) * nv * 64;
-                __m512i x[4];
-                for (int k = 0; k < nv; k++) {
-                    x[k] = _mm512_load_si512((const void *)(xm + k * 64));
-                    if (R > 1) __asm__("" : "+v"(x[k]));  // one load for the R rows
                 }
+#pragma GCC unroll 4
+            for (int k = 0; k < nv; k++) {
+                __m512i wk[UNIT];
                 for (int r = 0; r < R; r++)
-                    for (int k = 0; k < nv; k++)
+                    wk[r] = lv == LOOM_Q8_Q5 ? w[r][k] : unpack_k(u[r][j], bits, lv, k);
+                for (int m = 0; m < M; m++) {
+                    __m512i x = _mm512_load_si512(
+                        (const void *)(xq + m * xstride + ((bk * 4 + j) * nv + k) * 64));
+                    if (R > 1) __asm__("" : "+v"(x));  // one load for the R rows
+                    for (int r = 0; r < R; r++)
                         dot[j % S][m * R + r] =
-                            _mm512_dpwssd_epi32(dot[j % S][m * R + r], w[r][k], x[k]);
+                            _mm512_dpwssd_epi32(dot[j % S][m * R + r], wk[r], x);
+                }
             }
         }
         for (int c = 1; c < S; c++)
@@ -693,20 +704,24 @@ static inline __attribute__((always_inline)) void rows_vnni(
 }
 #endif  // VNNI_512
 
-// Weight unit u (its rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where UNIT's comment says,
-// else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX quantized x rows,
-// with their bias: M, bits (loom.h's code: 8, 5, 4 or 4 | LOOM_Q8_LEVELS) and R picked here, so
-// each case runs with constants.
+// Weight units u0 .. u1 - 1 (unit u's rows: n0, n0 + step, ...; u and u + (N + 1) / 2 where
+// UNIT's comment says, else u UNIT .. u UNIT + UNIT - 1; fewer at the end of N) for M <= M_MAX
+// quantized x rows, with their bias: M, bits (loom.h's code: 8, 5, 4 or 4 | LOOM_Q8_LEVELS) and
+// R picked here, so each case runs with constants. A team's chunk of units in one call: the
+// call's set-up once a chunk, not once a unit (~7% of a one-row step's samples on the 135M).
 static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8_t *w,
                       int bits, const uint16_t *scales, const uint16_t *mins,
-                      const float *bias, int64_t K, int64_t u, int64_t N, float *y, int64_t ldy)
+                      const float *bias, int64_t K, int64_t u0, int64_t u1, int64_t N, float *y,
+                      int64_t ldy)
 {
     const int width = LOOM_Q8_WIDTH(bits);
     const int64_t groups = K / GROUP, row_bytes = K * width / 8;
     const int far = width != 8 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
-    const int64_t step = far ? (N + 1) / 2 : 1, n0 = far ? u : u * UNIT;
-    int64_t rows = 0;  // the unit's rows within N
-    while (rows < UNIT && n0 + rows * step < N) rows++;
+    const int64_t step = far ? (N + 1) / 2 : 1;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t n0 = far ? u : u * UNIT;
+        int64_t rows = 0;  // the unit's rows within N
+        while (rows < UNIT && n0 + rows * step < N) rows++;
 #define ROWS(m, b, lv, r, n) rows_vnni(xt, m, L.stride, L, w + (n) * row_bytes, row_bytes, b, \
                                        lv, scales + (n) * groups, \
                                        mins ? mins + (n) * groups : NULL, groups, r, step, \
@@ -717,17 +732,18 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
 #define CASES(b, lv) switch (tile) { \
     case 1: ROWS_R(1, b, lv) break; case 2: ROWS_R(2, b, lv) break; \
     case 3: ROWS_R(3, b, lv) break; default: ROWS_R(4, b, lv) break; }
-    // past TILE x rows, tiles of at most TILE (the weights come again from L1)
-    for (int64_t m0 = 0, tiles = (M + TILE - 1) / TILE; m0 < M;) {
-        const int64_t tile = (M - m0 + tiles - 1) / tiles;
-        const uint8_t *xt = xq + m0 * L.stride;
-        float *yt = y + m0 * ldy;
-        if (bits == 4) { CASES(4, 0) }
-        else if (bits == 8) { CASES(8, 0) }
-        else if (bits == LOOM_Q8_Q5) { CASES(4, LOOM_Q8_Q5) }
-        else { CASES(4, LOOM_Q8_LEVELS) }
-        m0 += tile;
-        tiles--;
+        // past TILE x rows, tiles of at most TILE (the weights come again from L1)
+        for (int64_t m0 = 0, tiles = (M + TILE - 1) / TILE; m0 < M;) {
+            const int64_t tile = (M - m0 + tiles - 1) / tiles;
+            const uint8_t *xt = xq + m0 * L.stride;
+            float *yt = y + m0 * ldy;
+            if (bits == 4) { CASES(4, 0) }
+            else if (bits == 8) { CASES(8, 0) }
+            else if (bits == LOOM_Q8_Q5) { CASES(4, LOOM_Q8_Q5) }
+            else { CASES(4, LOOM_Q8_LEVELS) }
+            m0 += tile;
+            tiles--;
+        }
     }
 #undef CASES
 #undef ROWS_R
@@ -757,7 +773,8 @@ int loom_linear_q8_vnni(const float *x, int64_t M, int64_t K, int64_t ldx, const
         // rows to the others)
 #pragma omp parallel for schedule(guided, 16 / UNIT) num_threads(num_threads)
         for (int64_t u = 0; u < units; u++)
-            unit_vnni(xq, rows, L, w, bits, scales, mins, bias, K, u, N, y + m0 * ldy, ldy);
+            unit_vnni(xq, rows, L, w, bits, scales, mins, bias, K, u, u + 1, N, y + m0 * ldy,
+                      ldy);
     }
     return 0;
 #else
@@ -796,8 +813,7 @@ void loom_linear_q8_vnni_team(const float *x, int64_t M, int64_t K, int64_t ldx,
     quantize_x(x, M, K, ldx, LAYOUT(bits), xq);
     for (int64_t u0, u1; loom_take_units(next, (N + UNIT - 1) / UNIT, 16 / UNIT, team, &u0,
                                          &u1);)
-        for (int64_t u = u0; u < u1; u++)
-            unit_vnni(xq, M, L, w, bits, scales, mins, bias, K, u, N, y, ldy);
+        unit_vnni(xq, M, L, w, bits, scales, mins, bias, K, u0, u1, N, y, ldy);
 #else  // not reached: reserve fails
     (void)x; (void)M; (void)K; (void)ldx; (void)w; (void)scales; (void)mins; (void)bias;
     (void)N; (void)y; (void)ldy; (void)bits; (void)next; (void)team;
