@@ -128,18 +128,29 @@ def _reassemble(stream) -> tuple[str | None, list[tuple[str, str]], str | None]:
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
 
 
-@pytest.mark.parametrize("tool_choice", ["required", "auto",
-                                         {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_tool_calls_reassemble_to_the_whole_answer(client: OpenAI, tool_choice) -> None:
+@pytest.mark.parametrize("tool_choice, max_tokens", [
+    ("required", 150), ("auto", 150),
+    ({"type": "function", "function": {"name": "get_weather"}}, 150),
+    ("required", 22),  # cut short inside the call (its name written by the 16th token)
+])
+def test_streamed_tool_calls_reassemble_to_the_whole_answer(client: OpenAI, tool_choice,
+                                                            max_tokens) -> None:
+    """The stream's deltas add up to the whole answer, also when max_tokens cuts a call short:
+    the calls read so far (the last one's arguments as written), finish "length"; the fuzzing
+    found the stream sending a partial call and then the whole text as content, and the whole
+    answer the text alone."""
     kwargs = dict(model=None, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice,
-                  max_tokens=150, temperature=0)
+                  max_tokens=max_tokens, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0]
     content, calls, finish = _reassemble(client.chat.completions.create(**kwargs, stream=True))
     assert finish == whole.finish_reason
     assert content == whole.message.content
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert calls == expected
-    if tool_choice != "auto":
+    if max_tokens < 150:
+        assert finish == "length" and expected and expected[0][0] == "get_weather"
+        assert "<tool_call>" not in (content or "")
+    elif tool_choice != "auto":
         assert expected and finish == "tool_calls"
 
 

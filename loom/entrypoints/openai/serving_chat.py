@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         ChatMessage,
         ChatTemplateOptions,
     )
-    from loom.tools.parsers import ToolParser
+    from loom.tools.parsers import ToolCallView, ToolParser
 
 
 def render_messages(
@@ -226,7 +226,8 @@ class _Builder:
         for o in final.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
             finish_reason = o.finish_reason
-            view = self.parser.view(o.text, final=True) if self.parser is not None else None
+            view = (_final_view(self.parser, o.text, finish_reason) if self.parser is not None
+                    else None)
             if view is not None and view.calls:
                 message["content"] = view.content or None
                 message["tool_calls"] = [
@@ -268,7 +269,7 @@ class _Builder:
                 has_logprobs = logprobs is not None and bool(logprobs["content"])
                 finish_reason = o.finish_reason
                 if self.parser is not None:
-                    delta = tool_streams[o.index].delta(o.text, o.finished)
+                    delta = tool_streams[o.index].delta(o.text, o.finished, finish_reason)
                     if o.finished and tool_streams[o.index].num_calls:
                         finish_reason = _tool_finish_reason(finish_reason)
                 else:
@@ -292,6 +293,21 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _final_view(parser: ToolParser, text: str, finish_reason: str | None) -> ToolCallView:
+    """A finished reply's view. One cut short by max_tokens inside a call keeps the calls read
+    so far (the last with the arguments written so far: what streaming sent, and what OpenAI
+    returns with "length") instead of the final view's whole text as content."""
+    view = parser.view(text, final=True)
+    if finish_reason == "length" and not view.calls:
+        try:
+            cut = parser.view(text, final=False)
+        except ValueError:
+            return view
+        if cut.calls:
+            return cut
+    return view
+
+
 def _tool_finish_reason(finish_reason: str | None) -> str | None:
     """A reply that ends in tool calls finishes with "tool_calls" (unless it was cut short)."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
@@ -310,9 +326,10 @@ class _ToolStream:
     def num_calls(self) -> int:
         return len(self.calls)
 
-    def delta(self, text: str, final: bool) -> dict[str, Any]:
+    def delta(self, text: str, final: bool, finish_reason: str | None = None) -> dict[str, Any]:
         try:
-            view = self.parser.view(text, final)
+            view = (_final_view(self.parser, text, finish_reason) if final
+                    else self.parser.view(text, final))
         except ValueError:  # not parseable yet: send nothing until it is
             return {}
         delta: dict[str, Any] = {}
