@@ -153,6 +153,30 @@ def test_completion_logprobs_legacy_format(client: OpenAI, model_name: str) -> N
         assert value == pytest.approx(max(top.values()))  # greedy picks the top token
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_match_the_whole(client: OpenAI, model_name: str,
+                                                      echo: bool) -> None:
+    """Streamed legacy logprobs add up to the whole response's, text_offset too where a stop
+    string holds text back (the fuzzing found a stream's offsets lagging by the held-back
+    characters: [0, 0, 0, 2, ...] against [0, 2, 4, 6, ...])."""
+    whole = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12,
+                                      temperature=0, logprobs=1, echo=echo).choices[0]
+    stop = whole.text[len(whole.text) * 3 // 4:][:3]  # a late stop: earlier text waits for it
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
+                  echo=echo, stop=[stop])
+    want = client.completions.create(**kwargs).choices[0].logprobs
+    got = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                for key in got:
+                    got[key] += getattr(c.logprobs, key)
+    assert got["tokens"] == want.tokens and got["text_offset"] == want.text_offset
+    assert got["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-6)
+    assert want.text_offset == [sum(len(t) for t in want.tokens[:i])
+                                for i in range(len(want.tokens))]
+
+
 def test_completion_echo_with_logprobs(client: OpenAI, server: ServerProcess,
                                        model_name: str) -> None:
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3,

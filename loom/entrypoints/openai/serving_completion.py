@@ -182,7 +182,10 @@ class _Builder:
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """SSE events: one chunk per choice that changed, then the usage chunk if asked."""
-        sent_len: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        sent_len: dict[int, int] = {}  # choice index -> characters sent
+        # choice index -> where its next token's text starts (the tokens' texts summed, as the
+        # whole response counts them: text held back for a stop string does not shift them)
+        token_offset: dict[int, int] = {}
         done: dict[int, int] = {}  # choice index -> completion tokens, once finished
         prompt_tokens = [0] * len(streams)
         want_logprobs = self.req.logprobs is not None
@@ -198,9 +201,12 @@ class _Builder:
                     entries = self._prompt_entries(out) + entries if want_logprobs else entries
                 if not (text or o.finished or (want_logprobs and entries)):
                     continue
-                offset = sent_len.get(index, 0)
-                sent_len[index] = offset + len(text)
-                logprobs = self._logprobs(entries, offset) if want_logprobs else None
+                sent_len[index] = sent_len.get(index, 0) + len(text)
+                logprobs = None
+                if want_logprobs:
+                    offset = token_offset.get(index, 0)
+                    logprobs = self._logprobs(entries, offset)
+                    token_offset[index] = offset + sum(map(len, logprobs["tokens"]))
                 yield sse(self._chunk([self._choice(index, text, logprobs, o, o.finished)]))
                 if o.finished:
                     done[index] = len(o.token_ids)
