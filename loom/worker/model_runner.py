@@ -102,8 +102,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             state = self.requests.pop(req_id, None)
             self.pooler.drop(req_id)
-            if req_id in so.preempted_req_ids and state is not None and state.generator is not None:
-                self.resumed_generators[req_id] = state.generator
+            gen = None if state is None else state.generator
+            if gen is not None and req_id in so.preempted_req_ids:
+                self.resumed_generators[req_id] = gen
             else:
                 self.resumed_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:

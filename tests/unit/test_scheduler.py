@@ -222,26 +222,9 @@ def test_preempts_newest_and_recomputes_it_later() -> None:
     assert_drained(sched)
 
 
-def test_request_aborted_while_preempted_reaches_the_runner() -> None:
-    """A preempted request aborted before it resumes is named in finished_req_ids (and not
-    as preempted) so the runner forgets the generator it kept for the resumption."""
-    sched = make_scheduler(num_blocks=5)
-    a = make_request("a", 6, max_tokens=3)
-    b = make_request("b", 8, max_tokens=2)
-    sched.add_request(a)
-    sched.add_request(b)
-    step(sched)
-    out, _ = step(sched)
-    assert out.preempted_req_ids == {"b"} and b.status == RequestStatus.PREEMPTED
-    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-    out, _ = step(sched)
-    assert "b" in out.finished_req_ids and not out.preempted_req_ids
-    run_to_completion(sched)
-    assert_drained(sched)
-
-
-def test_request_preempts_itself_when_it_is_the_newest() -> None:
-    sched = make_scheduler(num_blocks=5)  # 4 usable blocks
+def _newest_preempted(sched: Scheduler) -> tuple[Request, Request]:
+    """Requests a and b in a 4-block cache: b, the newest, needs a third block at its first
+    decode and preempts itself there (the step after its prompt's)."""
     a = make_request("a", 6, max_tokens=3)  # 2 blocks with room for position 6
     b = make_request("b", 8, max_tokens=2)  # 2 full blocks: position 8 needs a 3rd
     sched.add_request(a)
@@ -251,6 +234,24 @@ def test_request_preempts_itself_when_it_is_the_newest() -> None:
     assert out.num_scheduled_tokens == {"a": 1}
     assert out.finished_req_ids == out.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and sched.running == [a]
+    return a, b
+
+
+def test_request_aborted_while_preempted_reaches_the_runner() -> None:
+    """A preempted request aborted before it resumes is named in finished_req_ids (and not
+    as preempted) so the runner forgets the generator it kept for the resumption."""
+    sched = make_scheduler(num_blocks=5)  # 4 usable blocks
+    _newest_preempted(sched)
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert "b" in out.finished_req_ids and not out.preempted_req_ids
+    run_to_completion(sched)
+    assert_drained(sched)
+
+
+def test_request_preempts_itself_when_it_is_the_newest() -> None:
+    sched = make_scheduler(num_blocks=5)  # 4 usable blocks
+    a, b = _newest_preempted(sched)
     finals = run_to_completion(sched)
     assert set(finals) == {"a", "b"}
     assert b.output_token_ids == [7, 7] and len(a.output_token_ids) == 3

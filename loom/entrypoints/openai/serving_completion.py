@@ -182,7 +182,7 @@ class _Builder:
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """SSE events: one chunk per choice that changed, then the usage chunk if asked."""
-        sent_len: dict[int, int] = {}  # choice index -> characters sent
+        started: set[int] = set()  # choice indices that sent a chunk (the echo went first)
         # choice index -> where its next token's text starts (the tokens' texts summed, as the
         # whole response counts them: text held back for a stop string does not shift them)
         token_offset: dict[int, int] = {}
@@ -196,12 +196,12 @@ class _Builder:
                 if index in done:
                     continue
                 text, entries = o.delta_text, list(zip(o.delta_token_ids, o.delta_logprobs))
-                if self.req.echo and index not in sent_len and (o.token_ids or o.finished):
+                if self.req.echo and index not in started and (o.token_ids or o.finished):
                     text = self._prompt_text(out) + text
                     entries = self._prompt_entries(out) + entries if want_logprobs else entries
                 if not (text or o.finished or (want_logprobs and entries)):
                     continue
-                sent_len[index] = sent_len.get(index, 0) + len(text)
+                started.add(index)
                 logprobs = None
                 if want_logprobs:
                     offset = token_offset.get(index, 0)
