@@ -16,7 +16,8 @@ from loom.tokenizer.tokenizer import template_kwargs
 from loom.tools.chat import prepare_conversation
 from loom.tools.parsers import parser_for_template
 
-Prompt = str | list[int]
+# vLLM's forms too: {"prompt": text} (TextPrompt) and {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
@@ -36,10 +37,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; one SamplingParams for all or one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        """Prompts are strings, token-id lists or vLLM's prompt dicts; one SamplingParams for all
+        or one per prompt."""
+        prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -62,7 +62,7 @@ class LLM:
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams
                     ) -> list[BeamSearchOutput]:
         """Beam search per prompt (loom.engine.beam_search: transformers' semantics)."""
-        return beam_search(self, prompts, params)
+        return beam_search(self, _prompt_list(prompts), params)
 
     def chat(
         self,
@@ -124,3 +124,24 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[i] for i in ids]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """One prompt or a sequence of them as a list of strings and token-id lists; a dict prompt
+    with keys Loom does not take (multi_modal_data, ...) is refused by name."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    out = []
+    for p in prompts:  # type: ignore[union-attr]
+        if isinstance(p, dict):
+            unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise ValueError(f"prompt keys not supported: {unknown}")
+            if "prompt_token_ids" in p:
+                p = p["prompt_token_ids"]
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        out.append(p)
+    return out

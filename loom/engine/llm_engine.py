@@ -7,6 +7,7 @@ prefix caching on they share the prompt's full KV blocks by reference count.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -238,7 +239,7 @@ class LLMEngine:
             prompt_ids = (self.tokenizer.encode(prompt) if prompt_token_ids is None
                           else list(prompt_token_ids))
         else:
-            text, prompt_ids = None, list(prompt)
+            text, prompt_ids = None, _token_ids(prompt)
         self._validate(prompt_ids, params)
         prediction = self._prediction(params)
         grammar = self.compile_grammar(params)
@@ -497,6 +498,17 @@ def _small_step_rows(loaded: LoadedModel) -> int:
                       for m in loaded.model.modules() if isinstance(m, KQuantLinear)
                       for _, p in m.parts.values())
     return R16_INT_ROWS if interleaved else DECODE_ROWS
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """A token-id prompt as a list of ints (numpy and torch integers too); anything else is a
+    clear InvalidRequestError, not a TypeError from deep in validation."""
+    try:
+        return [operator.index(t) for t in prompt]  # type: ignore[union-attr]
+    except TypeError:
+        message = (f"a prompt is a string or a list of token ids, not {type(prompt).__name__}"
+                   if not isinstance(prompt, (list, tuple)) else "prompt token ids must be integers")
+        raise InvalidRequestError(message, param="prompt") from None
 
 
 def _snapshot(o: CompletionOutput) -> CompletionOutput:

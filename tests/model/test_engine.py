@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+import numpy as np
 import pytest
 import torch
 
@@ -344,7 +345,21 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
         llm.generate([[]], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="out of range"):
         llm.generate([[10**7]], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="must be integers"):
+        llm.generate([["Hello", "world"]], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="not float"):
+        llm.generate([1.5], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "Hi", "multi_modal_data": {}}, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # vLLM's prompt dicts and numpy ids are the same prompts as a string and a list
+    params = SamplingParams(temperature=0, max_tokens=4)
+    plain = llm.generate("Hello", params, use_tqdm=False)[0]
+    ids = plain.prompt_token_ids
+    forms = [{"prompt": "Hello"}, {"prompt_token_ids": ids}, np.array(ids)]
+    for out in llm.generate(forms, params, use_tqdm=False):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     llm.engine.check_integrity()
 
 
