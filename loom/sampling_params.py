@@ -56,6 +56,15 @@ class SamplingParams:
     # follows it (loom.core.spec_decode), with or without --speculative-config: a hint for
     # speed that never changes the output.
     prediction: str | list[int] | None = None
+    # vLLM's: only these tokens may be sampled (their logits kept, every other one -inf).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. Each is tokenized as written and with a leading space
+    # (bad_words_token_ids, filled in by the engine from its tokenizer); a one-token word is
+    # banned everywhere, a longer one's last token where the output ends with the rest.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +75,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
@@ -121,6 +132,17 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids)):
+            fail("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            fail("bad_words", "must be a list of non-blank strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t == 0
+                              or t < -1):
+            fail("truncate_prompt_tokens", f"must be a positive integer or -1, got {t!r}")
         p = self.prediction
         if p is not None and not isinstance(p, str) and (
                 not isinstance(p, list)
@@ -136,11 +158,13 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy with nothing that changes the logits before the choice or reports them
-        (penalties, logit_bias, min_tokens, logprobs): the token is the logits' argmax, which
-        the runner takes without building the sampler's batch metadata."""
+        (penalties, logit_bias, min_tokens, allowed_token_ids, bad_words, logprobs): the token
+        is the logits' argmax, which the runner takes without building the sampler's batch
+        metadata."""
         return (self.greedy and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and self.repetition_penalty == 1.0 and not self.logit_bias
-                and self.min_tokens == 0 and self.logprobs is None)
+                and self.min_tokens == 0 and self.logprobs is None
+                and self.allowed_token_ids is None and not self.bad_words)
 
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}

@@ -240,6 +240,14 @@ class LLMEngine:
                           else list(prompt_token_ids))
         else:
             text, prompt_ids = None, _token_ids(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # -1: the most that leaves room for max_tokens
+            max_len = self.scheduler_config.max_model_len
+            keep = keep if keep > 0 else max(1, max_len - (params.max_tokens or 1))
+            if len(prompt_ids) > keep:
+                text, prompt_ids = None, prompt_ids[-keep:]
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(bad_words_token_ids=self._bad_words_ids(params.bad_words))
         self._validate(prompt_ids, params)
         prediction = self._prediction(params)
         grammar = self.compile_grammar(params)
@@ -272,6 +280,18 @@ class LLMEngine:
         for child_id in children:
             self.child_to_parent[child_id] = request_id
         self.stats.prompt_tokens_total += len(prompt_ids)
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as written at the start of a text and, where that makes other
+        tokens of the same number (a new first token), after a space, as vLLM does."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     def _prediction(self, params: SamplingParams) -> np.ndarray | None:
         """The request's prediction as token ids (text tokenized without special tokens, as

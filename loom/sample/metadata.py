@@ -36,6 +36,12 @@ def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
                 "stop_token_ids",
                 f"stop_token_ids token id {tok} is out of range (vocab_size {vocab_size})",
             )
+    for tok in params.allowed_token_ids or ():
+        if tok >= vocab_size:
+            raise SamplingParamsError(
+                "allowed_token_ids",
+                f"allowed_token_ids token id {tok} is out of range (vocab_size {vocab_size})",
+            )
 
 
 def _token_counts(
@@ -87,9 +93,13 @@ class SamplingMetadata:
     logit_bias_tokens: torch.Tensor | None
     logit_bias_values: torch.Tensor | None
 
-    # min_tokens bans as parallel [num_bans] tensors (row, token); None when nothing is banned.
+    # min_tokens and bad_words bans as parallel [num_bans] tensors (row, token); None when
+    # nothing is banned.
     ban_rows: torch.Tensor | None
     ban_tokens: torch.Tensor | None
+    # [num_reqs, vocab] bool: the tokens each row may sample (allowed_token_ids; every token
+    # in rows without it); None when no row has allowed_token_ids.
+    allowed_mask: torch.Tensor | None
 
     # Largest `logprobs` in the batch (None: no row wants logprobs); per-row values.
     max_num_logprobs: int | None
@@ -207,7 +217,8 @@ def _sparse_fields(
     vocab_size: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    """logit_bias entries and min_tokens bans as (row, token[, value]) index tensors."""
+    """logit_bias entries, min_tokens and bad_words bans as (row, token[, value]) index
+    tensors, and the allowed_token_ids mask."""
     bias_rows: list[int] = []
     bias_tokens: list[int] = []
     bias_values: list[float] = []
@@ -224,6 +235,20 @@ def _sparse_fields(
             banned = sorted(set(eos_token_ids).union(p.stop_token_ids))
             ban_rows.extend([i] * len(banned))
             ban_tokens.extend(banned)
+        for word in p.bad_words_token_ids or ():  # vLLM's NoBadWordsLogitsProcessor
+            out = output_token_ids[i]
+            if len(word) == 1 or (len(out) >= len(word) - 1
+                                  and out[len(out) - len(word) + 1:] == word[:-1]):
+                ban_rows.append(i)
+                ban_tokens.append(word[-1])
+    allowed = None
+    if any(p.allowed_token_ids is not None for p in params):
+        allowed = torch.ones(len(params), vocab_size, dtype=torch.bool, device=device)
+        for i, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                check_token_ids_in_vocab(p, vocab_size)
+                allowed[i] = False
+                allowed[i, _i64(p.allowed_token_ids, device)] = True
     has_bias = bool(bias_rows)
     return dict(
         no_logit_bias=not has_bias,
@@ -232,4 +257,5 @@ def _sparse_fields(
         logit_bias_values=_f32(bias_values, device) if has_bias else None,
         ban_rows=_i64(ban_rows, device) if ban_rows else None,
         ban_tokens=_i64(ban_tokens, device) if ban_rows else None,
+        allowed_mask=allowed,
     )

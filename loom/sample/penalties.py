@@ -1,4 +1,4 @@
-"""Logit adjustments applied before sampling: penalties, logit_bias and min_tokens bans.
+"""Logit adjustments applied before sampling: penalties, logit_bias, bans and allowed tokens.
 
 All functions work in place on `logits` [num_reqs, vocab] float32 and are vectorized over the
 batch; each is a no-op (and costs nothing) when its part of the metadata is None.
@@ -53,7 +53,8 @@ def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
 
 def apply_min_tokens_bans(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Set EOS and stop-token logits to -inf for requests still below `min_tokens`, in place."""
+    """Set the banned tokens' logits to -inf, in place: EOS and stop tokens of requests still
+    below `min_tokens`, and bad_words' tokens."""
     if metadata.ban_rows is None:
         return logits
     assert metadata.ban_tokens is not None
@@ -61,9 +62,25 @@ def apply_min_tokens_bans(logits: torch.Tensor, metadata: SamplingMetadata) -> t
     return logits
 
 
+def apply_allowed(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf for every token outside a row's allowed_token_ids, in place. Where the bans left
+    none of a row's allowed tokens, they come back at equal logits (a choice among them rather
+    than a row of -inf, which has no distribution)."""
+    allowed = metadata.allowed_mask
+    if allowed is None:
+        return logits
+    logits.masked_fill_(~allowed, float("-inf"))
+    dead = torch.isneginf(logits).all(dim=-1)  # [num_reqs]
+    if bool(dead.any()):
+        logits[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
+    return logits
+
+
 def apply_all(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Penalties, then logit_bias, then min_tokens bans (bans last so no bias can undo them)."""
+    """Penalties, then logit_bias, then the bans (min_tokens, bad_words) and allowed_token_ids
+    (last, so no bias can undo them)."""
     apply_penalties(logits, metadata)
     apply_logit_bias(logits, metadata)
     apply_min_tokens_bans(logits, metadata)
+    apply_allowed(logits, metadata)
     return logits

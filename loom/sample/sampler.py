@@ -34,7 +34,8 @@ class Sampler:
         """Sample one token per row of `logits` [num_reqs, vocab] (not modified)."""
         assert logits.dim() == 2 and logits.size(0) == metadata.num_reqs
         modifies = not (metadata.all_greedy and metadata.no_penalties
-                        and metadata.no_logit_bias and metadata.ban_rows is None)
+                        and metadata.no_logit_bias and metadata.ban_rows is None
+                        and metadata.allowed_mask is None)
         # [num_reqs, vocab] fp32; copied only when something below writes to it.
         logits = logits.to(torch.float32, copy=modifies)
         apply_all(logits, metadata)

@@ -363,6 +363,44 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
     llm.engine.check_integrity()
 
 
+@pytest.mark.slow
+def test_allowed_tokens_bad_words_and_truncation(make_llm) -> None:
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens on the packaged model,
+    greedy: a banned word the free reply holds is gone (alone and with n-gram drafts, which
+    check each draft against the bans), only allowed ids come out, and a truncated prompt
+    answers as its last N tokens given alone."""
+    llm = make_llm(None, max_model_len=256)
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    assert "Paris" in free.text
+    banned = SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris", "the capital"])
+    out = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0]
+    assert "Paris" not in out.text and "the capital" not in out.text and out.text != free.text
+    ids = llm.engine._bad_words_ids(["Paris"])  # as written and after a space
+    assert [len(i) for i in ids] == [1, 1] and ids[0] != ids[1]
+    allowed = [free.token_ids[1], free.token_ids[3], 30]
+    only = llm.generate(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=12,
+                                               allowed_token_ids=allowed), use_tqdm=False)
+    assert set(only[0].outputs[0].token_ids) <= set(allowed)
+    long = "one two three four five six seven eight nine ten. " + prompt
+    full = llm.get_tokenizer().encode(long)
+    cut = llm.generate(long, SamplingParams(temperature=0, max_tokens=8,
+                                            truncate_prompt_tokens=6), use_tqdm=False)[0]
+    alone = llm.generate([full[-6:]], SamplingParams(temperature=0, max_tokens=8),
+                         use_tqdm=False)[0]
+    assert cut.prompt_token_ids == full[-6:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    fits = llm.generate(long * 40, SamplingParams(temperature=0, max_tokens=4,
+                                                   truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert len(fits.prompt_token_ids) == llm.engine.scheduler_config.max_model_len - 4
+    spec = make_llm(None, max_model_len=256,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    quote = "Repeat: the capital of France is Paris, the capital of France is Paris."
+    want = llm.generate(quote, banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.generate(quote, banned, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])  # module path; int8's one-call stack
 @pytest.mark.parametrize("kv,row_bytes,min_same", [("float16", 128, 5), ("int8", 80, 4)])
 @pytest.mark.slow

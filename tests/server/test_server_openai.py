@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from loom import __version__
 from tests.server.utils import ServerProcess
@@ -265,6 +265,46 @@ def test_stop_token_ids_and_min_tokens(client: OpenAI, server: ServerProcess,
     forced = client.completions.create(model=model_name, prompt="Hi", max_tokens=6,
                                        temperature=0, extra_body={"min_tokens": 6})
     assert forced.usage.completion_tokens == 6
+
+
+def test_allowed_tokens_bad_words_and_truncation(client: OpenAI, server: ServerProcess,
+                                                 model_name: str) -> None:
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens on completions, chat and
+    embeddings; bad values are 400s naming the field."""
+    free = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8,
+                                     temperature=0)
+    assert "Paris" in free.choices[0].text
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8,
+                                    temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in out.choices[0].text
+    allowed = _tokens(server, " the") + _tokens(server, ".")
+    only = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, logprobs=0,
+                                     temperature=1.0, seed=1,
+                                     extra_body={"allowed_token_ids": allowed})
+    assert set(only.choices[0].logprobs.tokens) <= {" the", "."}
+    long = "word " * 20000 + PROMPT  # past max_model_len: refused unless truncated
+    with pytest.raises(BadRequestError, match="max_model_len"):
+        client.completions.create(model=model_name, prompt=long, max_tokens=4)
+    cut = client.completions.create(model=model_name, prompt=long, max_tokens=4, echo=True,
+                                    temperature=0, extra_body={"truncate_prompt_tokens": 8})
+    tail = _tokens(server, "word " * 20 + PROMPT)[-8:]  # (/tokenize refuses `long` too)
+    alone = client.completions.create(model=model_name, prompt=tail, max_tokens=4, echo=True,
+                                      temperature=0)
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": long}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+    emb = client.embeddings.create(model=model_name, input=long,
+                                   extra_body={"truncate_prompt_tokens": 10})
+    assert emb.usage.prompt_tokens == 10
+    for bad, param in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                       ({"bad_words": [""]}, "bad_words"),
+                       ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
+        with pytest.raises(BadRequestError) as e:
+            client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2,
+                                      extra_body=bad)
+        assert e.value.body["param"] == param
 
 
 def test_small_endpoints(server: ServerProcess, model_name: str) -> None:

@@ -141,6 +141,33 @@ def test_logit_bias_bans_and_forces() -> None:
     assert forced.tolist() == [3] * 2000
 
 
+def test_allowed_token_ids_and_bad_words() -> None:
+    """vLLM's allowed_token_ids (only these may be sampled) and bad_words (a one-token word
+    banned everywhere, a longer one's last token after the rest of it)."""
+    logits = log_probs(PROBS)
+    allowed = sample_many(logits, SamplingParams(allowed_token_ids=[1, 3]))
+    assert set(allowed.tolist()) == {1, 3}
+    share = (allowed == 1).float().mean().item()  # 0.3 / (0.3 + 0.05), 4000 draws
+    assert abs(share - 0.3 / 0.35) < 0.03
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=[2, 3])
+    assert sample_many(logits, greedy, 3).tolist() == [2] * 3
+    bad = SamplingParams(temperature=0.0, bad_words=["x", "y z"],
+                         bad_words_token_ids=[[0], [2, 1]])
+    row = torch.tensor([logits])
+    for out, want in ([[3]], 1), ([[2]], 2), ([[1, 2]], 2):  # 1 banned only right after 2
+        assert sampler(row, build([bad], 4, outputs=out)).sampled_token_ids.item() == want
+    # the bans leave none of the allowed tokens (EOS under min_tokens): the allowed come back
+    stuck = SamplingParams(allowed_token_ids=[EOS], min_tokens=3)
+    assert sample_many(logits, stuck, 50).tolist() == [EOS] * 50
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids"):
+        build([SamplingParams(allowed_token_ids=[4])], vocab=4)
+    for change in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words": [" "]},
+                   {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
+                   {"truncate_prompt_tokens": True}):
+        with pytest.raises(SamplingParamsError, match=next(iter(change))):
+            SamplingParams(**change)
+
+
 def test_logit_bias_out_of_vocab_is_rejected() -> None:
     with pytest.raises(SamplingParamsError, match="logit_bias"):
         build([SamplingParams(logit_bias={10: 1.0})], vocab=10)
@@ -280,6 +307,7 @@ def test_compute_prompt_logprobs() -> None:
 @pytest.mark.parametrize("change", [
     {}, {"temperature": 0.7}, {"presence_penalty": 0.5}, {"frequency_penalty": 2.0},
     {"repetition_penalty": 1.2}, {"logit_bias": {3: 5.0}}, {"min_tokens": 5}, {"logprobs": 0},
+    {"allowed_token_ids": [2, 3]}, {"bad_words": ["x"], "bad_words_token_ids": [[0]]},
 ])
 def test_argmax_only_is_the_samplers_choice(change):
     """`argmax_only` (the runner then takes the logits' argmax without the sampler) holds

@@ -3,7 +3,8 @@
 Strict pydantic models: wrong JSON types are 400s (no "5" -> 5 coercion) and unknown fields are
 rejected (`extra="forbid"`), so no parameter is ever accepted and ignored. Accepted beyond
 OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output), structured-output
+ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output, allowed_token_ids,
+bad_words, truncate_prompt_tokens), structured-output
 extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`) and beam search's on completions (`use_beam_search`, `beam_width`,
 `length_penalty`, `early_stopping`; serving_beam.py). Chat's `prediction` (OpenAI's predicted
@@ -28,6 +29,7 @@ MAX_STOP = 64  # stop strings (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 262144  # allowed_token_ids (Gemma 3's whole vocabulary)
 MAX_GRAMMAR_CHARS = 128 * 1024  # a regex, a grammar or a JSON schema given as text
 MAX_TOOLS = 128  # as OpenAI
 # guided_choice options: past 2,000 the grammar engine refuses a choice itself (with its
@@ -123,6 +125,9 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = 0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[_StopText] | None = Field(default=None, max_length=MAX_STOP)
+    truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: all that fit)
     # structured output (OpenAI's response_format, vLLM's extras)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -28,7 +28,8 @@ _DEFAULTS: dict[str, Any] = {
     "repetition_penalty": None, "logit_bias": None, "stop": None, "stop_token_ids": None,
     "min_tokens": 0, "response_format": None, "structured_outputs": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "suffix": None,
-    "include_stop_str_in_output": False, "stream_options": None,
+    "include_stop_str_in_output": False, "stream_options": None, "allowed_token_ids": None,
+    "bad_words": None, "truncate_prompt_tokens": None,
 }
 
 

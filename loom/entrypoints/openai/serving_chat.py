@@ -59,7 +59,8 @@ def render_messages(
     """Token ids of the conversation in the chat template; template errors are 400s.
 
     Slow for a long conversation (templating, tokenizing): call it on a worker thread."""
-    ctx.check_text_size(sum(_num_chars(m) for m in messages), "messages")
+    if getattr(options, "truncate_prompt_tokens", None) is None:  # else the engine cuts it
+        ctx.check_text_size(sum(_num_chars(m) for m in messages), "messages")
     conversation: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         content = m.text()

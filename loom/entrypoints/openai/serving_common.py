@@ -147,6 +147,9 @@ def build_sampling_params(
             skip_special_tokens=req.skip_special_tokens is not False,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             structured_outputs=structured,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e), e.param) from None
@@ -208,10 +211,15 @@ def as_prompts(value: str | list[Any], param: str) -> list[str | list[int]]:
 
 
 def check_prompt_sizes(
-    ctx: ServerContext, prompts: Sequence[str | list[int]], param: str = "prompt"
+    ctx: ServerContext, prompts: Sequence[str | list[int]], param: str = "prompt",
+    truncated: bool = False,
 ) -> None:
     """400 for a prompt too long for max_model_len by its size alone: a text by its characters
-    (without tokenizing it), token ids by their number. Names `param`, or `param[i]` of several."""
+    (without tokenizing it), token ids by their number. Names `param`, or `param[i]` of several.
+    None with `truncate_prompt_tokens` (`truncated`): the engine keeps the prompt's end (the
+    body's size limit bounds the text)."""
+    if truncated:
+        return
     for i, prompt in enumerate(prompts):
         name = param if len(prompts) == 1 else f"{param}[{i}]"
         if isinstance(prompt, str):
@@ -220,22 +228,23 @@ def check_prompt_sizes(
             ctx.check_ids_size(len(prompt), name)
 
 
-def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[list[int]]:
+def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]],
+                     truncated: bool = False) -> list[list[int]]:
     """Token ids of every prompt (a worker thread for long texts: tokenize_prompts_async):
     every prompt checked by its size before any is tokenized, and by its number of tokens
-    after."""
-    check_prompt_sizes(ctx, prompts)
+    after (unless `truncated`: check_prompt_sizes)."""
+    check_prompt_sizes(ctx, prompts, truncated=truncated)
     ids = [ctx.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    check_prompt_sizes(ctx, ids)
+    check_prompt_sizes(ctx, ids, truncated=truncated)
     return ids
 
 
 async def tokenize_prompts_async(
-    ctx: ServerContext, prompts: list[str | list[int]]
+    ctx: ServerContext, prompts: list[str | list[int]], truncated: bool = False
 ) -> list[list[int]]:
     """`tokenize_prompts` on a worker thread, or on the loop when the texts are short."""
     chars = sum(len(p) for p in prompts if isinstance(p, str))
-    return await run_sized(chars, INLINE_TEXT_CHARS, tokenize_prompts, ctx, prompts)
+    return await run_sized(chars, INLINE_TEXT_CHARS, tokenize_prompts, ctx, prompts, truncated)
 
 
 async def add_requests(
@@ -256,7 +265,8 @@ async def add_requests(
     ctx.check_accepting()
     ctx.check_capacity(len(prompts) * params.n)
     if prompt_ids is None:
-        prompt_ids = await tokenize_prompts_async(ctx, prompts)
+        prompt_ids = await tokenize_prompts_async(ctx, prompts,
+                                                  params.truncate_prompt_tokens is not None)
     if params.structured_outputs is not None:
         # Compile (or find cached) off the event loop and off the engine thread; a bad schema,
         # regex or grammar is a 400 here, before anything reaches the engine.

@@ -74,7 +74,8 @@ async def create_completion(
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
     params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
-    check_prompt_sizes(ctx, prompts)  # a 400 before add_requests' 503 and 429
+    # a 400 before add_requests' 503 and 429
+    check_prompt_sizes(ctx, prompts, truncated=req.truncate_prompt_tokens is not None)
     source = constraint_source(req)
     request_id = new_id("cmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)

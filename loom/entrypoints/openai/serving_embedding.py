@@ -28,7 +28,7 @@ from loom.entrypoints.openai.serving_common import (
     collect_final,
     new_id,
 )
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import SamplingParams, SamplingParamsError
 
 
 class EmbeddingRequest(OpenAIBaseModel):
@@ -37,6 +37,7 @@ class EmbeddingRequest(OpenAIBaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last N tokens
 
 
 def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[str | list[int]]:
@@ -45,7 +46,7 @@ def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[str | list[int]]:
         if not item:
             param = "input" if len(inputs) == 1 else f"input[{i}]"
             raise bad_request(f"{param} must not be empty", param)
-    check_prompt_sizes(ctx, inputs, "input")
+    check_prompt_sizes(ctx, inputs, "input", truncated=req.truncate_prompt_tokens is not None)
     return inputs
 
 
@@ -63,7 +64,11 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
         raise bad_request(f"dimensions {req.dimensions} is not supported: this model's "
                           f"embeddings have {config.hidden_size}", "dimensions")
     inputs = _inputs(ctx, req)
-    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=config.pooling)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=config.pooling,
+                                truncate_prompt_tokens=req.truncate_prompt_tokens)
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.param) from None
 
     async def work() -> JSONResponse:
         streams = await add_requests(ctx, new_id("embd"), inputs, params)
