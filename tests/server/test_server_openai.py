@@ -307,6 +307,30 @@ def test_allowed_tokens_bad_words_and_truncation(client: OpenAI, server: ServerP
         assert e.value.body["param"] == param
 
 
+def test_vllm_prompt_logprobs(client: OpenAI, server: ServerProcess, model_name: str) -> None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank,
+    decoded_token}} for it and the top N; the same values as echo's legacy logprobs; on chat
+    at the top level; a 400 with stream."""
+    ids = _tokens(server, PROMPT)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=1, extra_body={"prompt_logprobs": 3})
+    choice = r.model_dump()["choices"][0]
+    plp, legacy = choice["prompt_logprobs"], choice["logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, (tid, entry) in enumerate(zip(ids[1:], plp[1:]), start=1):
+        assert str(tid) in entry and 3 <= len(entry) <= 4  # the token itself and the top 3
+        assert entry[str(tid)]["logprob"] == pytest.approx(legacy["token_logprobs"][i])
+        assert {1, 2, 3} <= {e["rank"] for e in entry.values()}
+        assert len(legacy["top_logprobs"][i]) <= 2  # echo's own top 1 (and the token)
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_dump()["prompt_logprobs"]) == chat.usage.prompt_tokens
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
 def test_small_endpoints(server: ServerProcess, model_name: str) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}

@@ -29,7 +29,7 @@ _DEFAULTS: dict[str, Any] = {
     "min_tokens": 0, "response_format": None, "structured_outputs": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "suffix": None,
     "include_stop_str_in_output": False, "stream_options": None, "allowed_token_ids": None,
-    "bad_words": None, "truncate_prompt_tokens": None,
+    "bad_words": None, "truncate_prompt_tokens": None, "prompt_logprobs": None,
 }
 
 

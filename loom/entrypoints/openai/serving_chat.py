@@ -21,6 +21,7 @@ from loom.entrypoints.openai.serving_common import (
     ServerContext,
     add_requests,
     build_sampling_params,
+    check_prompt_logprobs,
     cancel_on_disconnect,
     check_stream_options,
     collect_final,
@@ -32,6 +33,7 @@ from loom.entrypoints.openai.serving_common import (
     sse,
     sse_guard,
     usage,
+    vllm_prompt_logprobs,
 )
 from loom.entrypoints.openai.protocol import NamedToolChoice
 from loom.structured.params import StructuredOutputsParams
@@ -161,7 +163,8 @@ async def _create(
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, max_tokens, logprobs)
+    check_prompt_logprobs(req)
+    params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
     tools, parser, constraint = _tool_setup(ctx, req, params.structured_outputs is not None)
     source = constraint_source(req)
     if constraint is not None:
@@ -241,9 +244,13 @@ class _Builder:
                             "logprobs": self._logprobs(o.token_ids, o.logprobs or []),
                             "finish_reason": finish_reason, "stop_reason": o.stop_reason})
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices,
-                "usage": usage(len(final.prompt_token_ids), completion_tokens, final.outputs)}
+        answer = {"id": self.id, "object": "chat.completion", "created": self.created,
+                  "model": self.ctx.model_name, "choices": choices,
+                  "usage": usage(len(final.prompt_token_ids), completion_tokens, final.outputs)}
+        if self.req.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(self.ctx, final,
+                                                             self.req.prompt_logprobs)
+        return answer
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",

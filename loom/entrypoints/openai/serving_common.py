@@ -110,6 +110,27 @@ def logprob_value(x: float) -> float:
     return MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, MIN_LOGPROB)
 
 
+def vllm_prompt_logprobs(ctx: ServerContext, out: RequestOutput, n: int) -> list[Any]:
+    """vLLM's `prompt_logprobs` of a request: per prompt token None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}} for the token itself and the top `n`."""
+    entries: list[Any] = []
+    for lp in out.prompt_logprobs or []:
+        if lp is None:
+            entries.append(None)
+            continue
+        entries.append({str(t): {"logprob": logprob_value(v), "rank": r,
+                                 "decoded_token": ctx.token_text(t)}
+                        for t, v, r in zip(lp.token_ids[: 1 + n], lp.logprobs[: 1 + n],
+                                           lp.ranks[: 1 + n])})
+    return entries + [None] * (len(out.prompt_token_ids) - len(entries))
+
+
+def check_prompt_logprobs(req: SamplingRequest) -> None:
+    """vLLM's prompt_logprobs come with the whole answer, not in a stream."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
+
+
 def build_sampling_params(
     req: SamplingRequest,
     max_tokens: int | None,

@@ -25,6 +25,7 @@ from loom.entrypoints.openai.serving_common import (
     as_prompts,
     build_sampling_params,
     cancel_on_disconnect,
+    check_prompt_logprobs,
     check_prompt_sizes,
     check_stream_options,
     collect_final,
@@ -36,6 +37,7 @@ from loom.entrypoints.openai.serving_common import (
     sse,
     sse_guard,
     usage,
+    vllm_prompt_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -70,7 +72,10 @@ async def create_completion(
     if req.use_beam_search:  # loom/entrypoints/openai/serving_beam.py
         return JSONResponse(await cancel_on_disconnect(
             raw_request, lambda: create_beam_completion(ctx, req, prompts)))
-    prompt_logprobs = req.logprobs if req.echo else None
+    check_prompt_logprobs(req)
+    asked = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs)
+             if n is not None]
+    prompt_logprobs = max(asked) if asked else None  # each answer keeps its own top N
     prompt_only = bool(req.echo) and req.max_tokens == 0
     max_tokens = 1 if prompt_only else req.max_tokens
     params = build_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
@@ -138,8 +143,9 @@ class _Builder:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(logprob_value(lp.logprobs[0]))
+            n = 1 + (self.req.logprobs or 0)  # (prompt entries may hold vLLM's prompt_logprobs)
             top = {self.ctx.token_text(t): logprob_value(v)
-                   for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])}
+                   for t, v in zip(lp.token_ids[1:n], lp.logprobs[1:n])}
             top.setdefault(text, logprob_value(lp.logprobs[0]))
             top_logprobs.append(top)
         return {"tokens": tokens, "token_logprobs": token_logprobs,
@@ -167,8 +173,11 @@ class _Builder:
                     entries = self._prompt_entries(out) if self.req.echo else []
                     entries += list(zip(o.token_ids, o.logprobs or []))
                     logprobs = self._logprobs(entries, 0)
-                choices.append(self._choice(p * self.n + o.index, prefix + o.text, logprobs, o,
-                                            True))
+                choice = self._choice(p * self.n + o.index, prefix + o.text, logprobs, o, True)
+                if self.req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        self.ctx, out, self.req.prompt_logprobs)
+                choices.append(choice)
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens)}
