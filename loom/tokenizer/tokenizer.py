@@ -418,6 +418,8 @@ class Tokenizer:
         )
         return rendered[0]
 
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        # The template already contains any BOS token.
-        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], add_special_tokens: bool = False,
+                    **kwargs: Any) -> list[int]:
+        # The template already contains any BOS token (add_special_tokens: another on top).
+        return self.encode(self.apply_chat_template(messages, **kwargs),
+                           add_special_tokens=add_special_tokens)

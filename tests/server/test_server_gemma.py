@@ -37,6 +37,21 @@ def test_gemma_completion_is_transformers_greedy(gemma_client: OpenAI) -> None:
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 20)  # <bos> + 5
 
 
+def test_gemma_add_special_tokens(gemma_client: OpenAI) -> None:
+    """vLLM's add_special_tokens: completions add Gemma's <bos> unless told not to (the same
+    text then follows the prompt without it); chat adds another on top of the template's only
+    when asked."""
+    model = gemma_client.models.list().data[0].id
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    without = gemma_client.completions.create(**kw, extra_body={"add_special_tokens": False})
+    assert without.usage.prompt_tokens == 5
+    chat = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert gemma_client.chat.completions.create(**chat).usage.prompt_tokens == 10
+    doubled = gemma_client.chat.completions.create(**chat,
+                                                   extra_body={"add_special_tokens": True})
+    assert doubled.usage.prompt_tokens == 11
+
+
 def test_gemma_chat_uses_the_turn_template(gemma_client: OpenAI,
                                             gemma_server: ServerProcess) -> None:
     model = gemma_client.models.list().data[0].id

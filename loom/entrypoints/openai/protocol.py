@@ -145,6 +145,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None  # top-N per token, 0..20 (legacy format)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) around a text prompt
     suffix: str | None = None  # rejected when set
     best_of: int | None = None  # rejected unless 1 (or the beam width, with use_beam_search)
     # beam search (vLLM's extras; early_stopping as transformers': true, false or "never")
@@ -248,6 +249,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     prediction: PredictionContent | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own on top of the template's
 
 
 class TokenizeRequest(ChatTemplateOptions):

@@ -65,7 +65,7 @@ def beam_params(req: CompletionRequest) -> tuple[BeamSearchParams, int]:
 async def create_beam_completion(ctx: ServerContext, req: CompletionRequest,
                                  prompts: list[str | list[int]]) -> dict[str, Any]:
     params, n = beam_params(req)
-    ids = await tokenize_prompts_async(ctx, prompts)
+    ids = await tokenize_prompts_async(ctx, prompts, add_special_tokens=req.add_special_tokens)
     try:
         search = BeamSearch(ids, params, ctx.engine.engine.eos_token_ids)
     except ValueError as e:  # a width past what a step can score

@@ -57,6 +57,7 @@ def render_messages(
     messages: list[ChatMessage],
     options: ChatTemplateOptions,
     tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of the conversation in the chat template; template errors are 400s.
 
@@ -84,7 +85,8 @@ def render_messages(
     try:
         kwargs = template_kwargs(options.add_generation_prompt, options.continue_final_message,
                                  options.chat_template_kwargs)
-        return ctx.tokenizer.encode_chat(conversation, tools=template_tools, **kwargs)
+        return ctx.tokenizer.encode_chat(conversation, tools=template_tools,
+                                         add_special_tokens=add_special_tokens, **kwargs)
     except ChatTemplateError as e:
         raise from_exception(e) from None
 
@@ -173,7 +175,7 @@ async def _create(
     # Short text without tools is templated on the loop (cheaper than a thread: offload.py).
     size = sum(_num_chars(m) for m in req.messages) if not tools else INLINE_TEXT_CHARS + 1
     prompt_ids = await run_sized(size, INLINE_TEXT_CHARS, render_messages, ctx, req.messages,
-                                 req, tools)
+                                 req, tools, req.add_special_tokens)
     if req.prediction is not None:  # tokenized as the reply would hold it
         text = req.prediction.text()
         ids = await run_sized(len(text), INLINE_TEXT_CHARS, ctx.tokenizer.encode, text,

@@ -250,22 +250,27 @@ def check_prompt_sizes(
 
 
 def tokenize_prompts(ctx: ServerContext, prompts: list[str | list[int]],
-                     truncated: bool = False) -> list[list[int]]:
+                     truncated: bool = False, add_special_tokens: bool = True
+                     ) -> list[list[int]]:
     """Token ids of every prompt (a worker thread for long texts: tokenize_prompts_async):
     every prompt checked by its size before any is tokenized, and by its number of tokens
-    after (unless `truncated`: check_prompt_sizes)."""
+    after (unless `truncated`: check_prompt_sizes). `add_special_tokens`: the tokenizer's own
+    (a BOS) around each text, as vLLM's completions field says."""
     check_prompt_sizes(ctx, prompts, truncated=truncated)
-    ids = [ctx.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    ids = [ctx.tokenizer.encode(p, add_special_tokens) if isinstance(p, str) else p
+           for p in prompts]
     check_prompt_sizes(ctx, ids, truncated=truncated)
     return ids
 
 
 async def tokenize_prompts_async(
-    ctx: ServerContext, prompts: list[str | list[int]], truncated: bool = False
+    ctx: ServerContext, prompts: list[str | list[int]], truncated: bool = False,
+    add_special_tokens: bool = True,
 ) -> list[list[int]]:
     """`tokenize_prompts` on a worker thread, or on the loop when the texts are short."""
     chars = sum(len(p) for p in prompts if isinstance(p, str))
-    return await run_sized(chars, INLINE_TEXT_CHARS, tokenize_prompts, ctx, prompts, truncated)
+    return await run_sized(chars, INLINE_TEXT_CHARS, tokenize_prompts, ctx, prompts, truncated,
+                           add_special_tokens)
 
 
 async def add_requests(
@@ -275,6 +280,7 @@ async def add_requests(
     params: SamplingParams,
     constraint_param: str = "structured_outputs",
     prompt_ids: list[list[int]] | None = None,
+    add_special_tokens: bool = True,
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
 
@@ -287,7 +293,8 @@ async def add_requests(
     ctx.check_capacity(len(prompts) * params.n)
     if prompt_ids is None:
         prompt_ids = await tokenize_prompts_async(ctx, prompts,
-                                                  params.truncate_prompt_tokens is not None)
+                                                  params.truncate_prompt_tokens is not None,
+                                                  add_special_tokens)
     if params.structured_outputs is not None:
         # Compile (or find cached) off the event loop and off the engine thread; a bad schema,
         # regex or grammar is a 400 here, before anything reaches the engine.

@@ -85,12 +85,14 @@ async def create_completion(
     request_id = new_id("cmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)
     if req.stream:
-        streams = await add_requests(ctx, request_id, prompts, params, source)
+        streams = await add_requests(ctx, request_id, prompts, params, source,
+                                     add_special_tokens=req.add_special_tokens)
         return StreamingResponse(sse_guard(builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, request_id, prompts, params, source)
+        streams = await add_requests(ctx, request_id, prompts, params, source,
+                                     add_special_tokens=req.add_special_tokens)
         return JSONResponse(builder.response(await collect_final(streams)))
 
     return await cancel_on_disconnect(raw_request, work)
