@@ -101,13 +101,15 @@ class LLM:
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
     ) -> list[RequestOutput]:
         """Embeddings of prompts (strings or token-id lists), each in its output's `.embedding`:
         the final hidden states pooled as the model's config says (`pooling` overrides: "last"
-        token or "mean"), L2-normalised; scheduled and batched like generation."""
+        token or "mean"), L2-normalised; scheduled and batched like generation.
+        `truncate_prompt_tokens`: embed each prompt's last N tokens (-1: all that fit)."""
         mode = pooling or self.engine.model_config.pooling
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=mode)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=mode,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm)
         for out in outputs:
             if out.embedding is None:

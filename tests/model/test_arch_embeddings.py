@@ -70,6 +70,11 @@ def test_embeddings_match_transformers_pooled_hidden_states(tmp_path, name, pool
     llm.engine.add_request("g", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0))
     mixed = llm.embed(PROMPTS[:2], use_tqdm=False)
     assert float((torch.tensor(mixed[1].embedding) * ref[1]).sum()) >= 0.9999
+    # truncate_prompt_tokens: the longest prompt's last 5 tokens, as they embed alone
+    longest = max(PROMPTS, key=len)
+    cut = llm.embed(longest, use_tqdm=False, truncate_prompt_tokens=5)[0]
+    assert cut.prompt_token_ids == longest[-5:]
+    assert cut.embedding == llm.embed([longest[-5:]], use_tqdm=False)[0].embedding
     llm.engine.check_integrity()
 
 
