@@ -331,6 +331,28 @@ def test_vllm_prompt_logprobs(client: OpenAI, server: ServerProcess, model_name:
     assert e.value.body["param"] == "prompt_logprobs"
 
 
+def test_return_tokens_as_token_ids(client: OpenAI, model_name: str) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", the same tokens
+    and values as by their text, on completions (streamed too) and chat."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    text = client.completions.create(**kw).choices[0].logprobs
+    ids = client.completions.create(
+        **kw, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in ids.tokens)
+    assert ids.token_logprobs == text.token_logprobs and ids.text_offset == text.text_offset
+    assert all(set(top) >= {tok} for top, tok in zip(ids.top_logprobs, ids.tokens))
+    streamed = [t for chunk in client.completions.create(
+        **kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+        for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == ids.tokens
+    chat = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert content and all(e.token.startswith("token_id:") for e in content)
+    assert all(e.top_logprobs[0].token.startswith("token_id:") for e in content)
+
+
 def test_small_endpoints(server: ServerProcess, model_name: str) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}

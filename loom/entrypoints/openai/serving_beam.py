@@ -30,6 +30,7 @@ _DEFAULTS: dict[str, Any] = {
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "suffix": None,
     "include_stop_str_in_output": False, "stream_options": None, "allowed_token_ids": None,
     "bad_words": None, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+    "return_tokens_as_token_ids": False,
 }
 
 

@@ -211,7 +211,7 @@ class _Builder:
         self.parser = parser
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.ctx.token_text(token_id)
+        text = self.ctx.token_name(token_id, self.req.return_tokens_as_token_ids)
         return {"token": text, "logprob": logprob_value(logprob),
                 "bytes": list(text.encode("utf-8"))}
 

@@ -93,6 +93,11 @@ class ServerContext:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down")
 
+    def token_name(self, token_id: int, as_id: bool | None) -> str:
+        """A token as logprobs name it: its text, or vLLM's "token_id:N" (`as_id`:
+        return_tokens_as_token_ids) where a text cannot say which token it was."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI shows it in logprobs (cached; vocab is finite)."""
         text = self.decoded_tokens.get(token_id)

@@ -135,9 +135,11 @@ class _Builder:
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
+        as_id = self.req.return_tokens_as_token_ids
         for token_id, lp in entries:
             text = self.ctx.token_text(token_id)
-            tokens.append(text)
+            name = self.ctx.token_name(token_id, as_id)
+            tokens.append(name)
             text_offset.append(offset)
             offset += len(text)
             if lp is None:
@@ -146,9 +148,9 @@ class _Builder:
                 continue
             token_logprobs.append(logprob_value(lp.logprobs[0]))
             n = 1 + (self.req.logprobs or 0)  # (prompt entries may hold vLLM's prompt_logprobs)
-            top = {self.ctx.token_text(t): logprob_value(v)
+            top = {self.ctx.token_name(t, as_id): logprob_value(v)
                    for t, v in zip(lp.token_ids[1:n], lp.logprobs[1:n])}
-            top.setdefault(text, logprob_value(lp.logprobs[0]))
+            top.setdefault(name, logprob_value(lp.logprobs[0]))
             top_logprobs.append(top)
         return {"tokens": tokens, "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs, "text_offset": text_offset}
