@@ -139,6 +139,12 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             fail("bad_words", "must be a list of non-blank strings")
+        words = self.bad_words_token_ids
+        if words is not None and (not isinstance(words, list) or any(
+                not isinstance(w, list) or not w or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in w)
+                for w in words)):
+            fail("bad_words_token_ids", "must be lists of non-negative token ids")
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t == 0
                               or t < -1):

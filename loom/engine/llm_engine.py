@@ -288,8 +288,9 @@ class LLMEngine:
         for word in words:
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out.append(bare)
-            if spaced[0] != bare[0] and len(spaced) == len(bare):
+            if bare:
+                out.append(bare)
+            if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
                 out.append(spaced)
         return out
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loom.sample.metadata import SamplingMetadata
+from loom.sample.metadata import SamplingMetadata, check_token_ids_in_vocab
 from loom.sample.penalties import apply_penalties
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams, SamplingParamsError
@@ -161,9 +161,12 @@ def test_allowed_token_ids_and_bad_words() -> None:
     assert sample_many(logits, stuck, 50).tolist() == [EOS] * 50
     with pytest.raises(SamplingParamsError, match="allowed_token_ids"):
         build([SamplingParams(allowed_token_ids=[4])], vocab=4)
+    with pytest.raises(SamplingParamsError, match="bad_words_token_ids"):  # (at add_request)
+        check_token_ids_in_vocab(SamplingParams(bad_words_token_ids=[[1, 4]]), 4)
     for change in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words": [" "]},
                    {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
-                   {"truncate_prompt_tokens": True}):
+                   {"truncate_prompt_tokens": True}, {"bad_words_token_ids": [[]]},
+                   {"bad_words_token_ids": [[1, -2]]}):
         with pytest.raises(SamplingParamsError, match=next(iter(change))):
             SamplingParams(**change)
 
