@@ -63,7 +63,7 @@ class SamplingParams:
     # banned everywhere, a longer one's last token where the output ends with the rest.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
-    # vLLM's: keep only the prompt's last N tokens (-1: as many as max_model_len allows).
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as leave room for max_tokens).
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -170,7 +170,8 @@ class SamplingParams:
         return (self.greedy and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and self.repetition_penalty == 1.0 and not self.logit_bias
                 and self.min_tokens == 0 and self.logprobs is None
-                and self.allowed_token_ids is None and not self.bad_words)
+                and self.allowed_token_ids is None
+                and not (self.bad_words or self.bad_words_token_ids))
 
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}

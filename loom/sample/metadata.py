@@ -36,16 +36,13 @@ def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
                 "stop_token_ids",
                 f"stop_token_ids token id {tok} is out of range (vocab_size {vocab_size})",
             )
-    for word in params.bad_words_token_ids or ():
-        if max(word) >= vocab_size:
+    lists = [("allowed_token_ids", params.allowed_token_ids or [])]
+    lists += [("bad_words_token_ids", word) for word in params.bad_words_token_ids or ()]
+    for name, ids in lists:  # max(): C speed over a list as long as the vocabulary
+        top = max(ids, default=-1)
+        if top >= vocab_size:
             raise SamplingParamsError(
-                "bad_words_token_ids",
-                f"bad_words_token_ids token id {max(word)} is out of range (vocab_size "
-                f"{vocab_size})")
-    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
-        raise SamplingParamsError(
-            "allowed_token_ids", f"allowed_token_ids token id {max(params.allowed_token_ids)} "
-                                 f"is out of range (vocab_size {vocab_size})")
+                name, f"{name} token id {top} is out of range (vocab_size {vocab_size})")
 
 
 def _allowed_ids(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor:

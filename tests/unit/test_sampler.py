@@ -311,6 +311,7 @@ def test_compute_prompt_logprobs() -> None:
     {}, {"temperature": 0.7}, {"presence_penalty": 0.5}, {"frequency_penalty": 2.0},
     {"repetition_penalty": 1.2}, {"logit_bias": {3: 5.0}}, {"min_tokens": 5}, {"logprobs": 0},
     {"allowed_token_ids": [2, 3]}, {"bad_words": ["x"], "bad_words_token_ids": [[0]]},
+    {"bad_words_token_ids": [[0]]},
 ])
 def test_argmax_only_is_the_samplers_choice(change):
     """`argmax_only` (the runner then takes the logits' argmax without the sampler) holds

@@ -58,11 +58,14 @@ def render_messages(
     options: ChatTemplateOptions,
     tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
+    truncated: bool = False,
 ) -> list[int]:
-    """Token ids of the conversation in the chat template; template errors are 400s.
+    """Token ids of the conversation in the chat template; template errors are 400s. Its text
+    is checked against max_model_len unless `truncated` (truncate_prompt_tokens: the engine
+    keeps its end); `add_special_tokens`: the tokenizer's own on top of the template's.
 
     Slow for a long conversation (templating, tokenizing): call it on a worker thread."""
-    if getattr(options, "truncate_prompt_tokens", None) is None:  # else the engine cuts it
+    if not truncated:
         ctx.check_text_size(sum(_num_chars(m) for m in messages), "messages")
     conversation: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -175,7 +178,8 @@ async def _create(
     # Short text without tools is templated on the loop (cheaper than a thread: offload.py).
     size = sum(_num_chars(m) for m in req.messages) if not tools else INLINE_TEXT_CHARS + 1
     prompt_ids = await run_sized(size, INLINE_TEXT_CHARS, render_messages, ctx, req.messages,
-                                 req, tools, req.add_special_tokens)
+                                 req, tools, req.add_special_tokens,
+                                 req.truncate_prompt_tokens is not None)
     if req.prediction is not None:  # tokenized as the reply would hold it
         text = req.prediction.text()
         ids = await run_sized(len(text), INLINE_TEXT_CHARS, ctx.tokenizer.encode, text,

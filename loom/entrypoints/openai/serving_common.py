@@ -25,6 +25,7 @@ from loom.tools.parsers import ToolParser, parser_for_template
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import AsyncEngine, RequestStream
+    from loom.core.sched_output import Logprobs
     from loom.engine.outputs import CompletionOutput, RequestOutput
     from loom.entrypoints.openai.protocol import SamplingRequest
     from loom.tokenizer.tokenizer import Tokenizer
@@ -115,19 +116,20 @@ def logprob_value(x: float) -> float:
     return MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, MIN_LOGPROB)
 
 
+def prompt_logprobs_of(out: RequestOutput) -> list[Logprobs | None]:
+    """One entry per prompt token: its logprobs, or None (the first token, and any the engine
+    did not score)."""
+    lps = list(out.prompt_logprobs or [])
+    return lps + [None] * (len(out.prompt_token_ids) - len(lps))
+
+
 def vllm_prompt_logprobs(ctx: ServerContext, out: RequestOutput, n: int) -> list[Any]:
     """vLLM's `prompt_logprobs` of a request: per prompt token None (the first) or
     {token id: {"logprob", "rank", "decoded_token"}} for the token itself and the top `n`."""
-    entries: list[Any] = []
-    for lp in out.prompt_logprobs or []:
-        if lp is None:
-            entries.append(None)
-            continue
-        entries.append({str(t): {"logprob": logprob_value(v), "rank": r,
-                                 "decoded_token": ctx.token_text(t)}
-                        for t, v, r in zip(lp.token_ids[: 1 + n], lp.logprobs[: 1 + n],
-                                           lp.ranks[: 1 + n])})
-    return entries + [None] * (len(out.prompt_token_ids) - len(entries))
+    return [None if lp is None else
+            {str(t): {"logprob": logprob_value(v), "rank": r, "decoded_token": ctx.token_text(t)}
+             for t, v, r in zip(lp.token_ids[: 1 + n], lp.logprobs[: 1 + n], lp.ranks[: 1 + n])}
+            for lp in prompt_logprobs_of(out)]
 
 
 def check_prompt_logprobs(req: SamplingRequest) -> None:

@@ -34,6 +34,7 @@ from loom.entrypoints.openai.serving_common import (
     logprob_value,
     merge_streams,
     new_id,
+    prompt_logprobs_of,
     sse,
     sse_guard,
     usage,
@@ -125,9 +126,7 @@ class _Builder:
         return self.ctx.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     def _prompt_entries(self, out: RequestOutput) -> list[_Entry]:
-        lps = list(out.prompt_logprobs or [])
-        lps += [None] * (len(out.prompt_token_ids) - len(lps))
-        return list(zip(out.prompt_token_ids, lps))
+        return list(zip(out.prompt_token_ids, prompt_logprobs_of(out)))
 
     def _logprobs(self, entries: list[_Entry], offset: int) -> dict[str, Any]:
         """Legacy logprobs; `offset` is where the first token's text starts in the choice."""
