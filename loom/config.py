@@ -137,14 +137,21 @@ class CacheConfig:
             raise ConfigError("num_gpu_blocks_override must be at least 2 (block 0 is reserved)")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    policy: str = "fcfs"  # or "priority" (loom/core/scheduler.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                              f", got {self.policy!r}")

@@ -80,7 +80,7 @@ class Request:
         "output_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "block_hashes", "num_cached_tokens", "stop_reason", "num_preemptions", "max_tokens",
         "block_size", "extra_keys", "grammar", "_all_token_ids", "prediction",
-        "prediction_tokens", "num_prompt_logprobs",
+        "prediction_tokens", "num_prompt_logprobs", "priority",
     )
 
     def __init__(
@@ -93,8 +93,11 @@ class Request:
         *,
         block_size: int | None = None,
         extra_keys: tuple[object, ...] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # The priority scheduling policy's rank (lower first; the default policy ignores it).
+        self.priority = priority
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)

@@ -5,6 +5,12 @@ token budget (`max_num_batched_tokens`). Running requests go first, in order; wh
 out the newest running request is preempted (blocks freed, recomputed later from the front of
 the waiting queue). Waiting requests are then admitted first come, first served while budget,
 `max_num_seqs` and blocks allow. The scheduler holds integers only; the runner owns tensors.
+
+With the "priority" policy (vLLM's `--scheduling-policy priority`) both queues are ordered by
+(priority, arrival time), lower first: requests are admitted and run in that order, the victim
+of a preemption is the last running request (the lowest priority, newest), and a waiting request
+that cannot be admitted (`max_num_seqs` or blocks) preempts running requests of strictly lower
+priority, lowest first, until it can.
 """
 
 from __future__ import annotations
@@ -68,6 +74,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
+def _rank(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time
+
+
 @dataclass(slots=True)
 class _Step:
     """What one schedule() call has decided so far."""
@@ -101,6 +112,7 @@ class Scheduler:
                 f"block_size {block_size} != KV cache manager's {kv_cache_manager.block_size}"
             )
         self.scheduler_config = scheduler_config
+        self.by_priority = scheduler_config.policy == "priority"
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -132,7 +144,18 @@ class Scheduler:
             request.enable_block_hashing(self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back (`front`: a preempted request, at the front), or
+        under the priority policy in (priority, arrival) order, after its equals."""
+        if not self.by_priority:
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        i = len(self.waiting)
+        while i and _rank(self.waiting[i - 1]) > _rank(request):
+            i -= 1
+        self.waiting.insert(i, request)
 
     def _resolve_max_tokens(self, request: Request) -> None:
         """Reject requests too long for max_model_len or the whole cache; with max_tokens None,
@@ -172,6 +195,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the rule."""
         step = _Step(token_budget=self.max_num_batched_tokens)
+        if self.by_priority:
+            self._preempt_for_waiting()
         if self.spec is not None:
             self.spec.prepare(self.running)  # a draft model's drafts, batched
         self._schedule_running(step)
@@ -270,19 +295,40 @@ class Scheduler:
         return self.spec.propose(request, len(self.running), step.token_budget - 1)
 
     def _preempt_newest(self, step: _Step) -> Request:
-        """Preempt the newest running request: free its blocks, requeue it at the front."""
+        """Preempt the newest running request (by priority: the lowest, newest): free its
+        blocks, requeue it at the front (by priority: in its place)."""
+        victim = self._preempt_last()
+        step.preempted.append(victim)
+        step.spec_tokens.pop(victim.request_id, None)
+        return victim
+
+    def _preempt_last(self) -> Request:
         victim = self.running.pop()
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
         self.finished_req_ids.add(victim.request_id)
         self.preempted_req_ids.add(victim.request_id)
-        step.preempted.append(victim)
-        step.spec_tokens.pop(victim.request_id, None)
         return victim
+
+    def _preempt_for_waiting(self) -> None:
+        """The priority policy, before the step: while the first waiting request outranks the
+        last running one and cannot be admitted (`max_num_seqs` reached, or fewer free blocks
+        than its prompt's first chunk needs, prefix hits aside), preempt the last running one.
+        The step then runs as any other: the freed room goes to the best-ranked requests."""
+        if not self.waiting:
+            return
+        head, bs = self.waiting[0], self.block_size
+        need = -(-min(head.num_tokens, self.max_num_batched_tokens) // bs)
+        while self.running and head.priority < self.running[-1].priority and (
+                len(self.running) >= self.max_num_seqs
+                or self.kv_cache_manager.num_free_blocks < need):
+            victim = self._preempt_last()
+            logger.debug("request %s (priority %d) preempted for %s (priority %d)",
+                         victim.request_id, victim.priority, head.request_id, head.priority)
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
@@ -303,7 +349,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            self.running.append(request)
+            self._run(request)
             step.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -315,6 +361,14 @@ class Scheduler:
                 )
             )
             step.add(request, num_new)
+
+    def _run(self, request: Request) -> None:
+        """Into `running`: at the end, or under the priority policy in (priority, arrival)
+        order (so that the last running request is always the one to preempt)."""
+        i = len(self.running)
+        while self.by_priority and i and _rank(self.running[i - 1]) > _rank(request):
+            i -= 1
+        self.running.insert(i, request)
 
     def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
         """A step's time, from the engine: of a decode-only step (every scheduled request one

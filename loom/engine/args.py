@@ -93,6 +93,11 @@ class EngineArgs:
         None, "longest prompt + output in tokens (default: the model's context length)",
         SCHEDULER)
     max_num_seqs: int = flag(256, "most requests in one step", SCHEDULER)
+    scheduling_policy: str = flag(
+        "fcfs", "fcfs: requests run in arrival order; priority: by each request's `priority` "
+                "(lower first, then arrival; vLLM's), a waiting request preempting running ones "
+                "of lower priority when it cannot be admitted", SCHEDULER,
+        choices=("fcfs", "priority"))
     max_num_batched_tokens: int | None = flag(
         2048, "token budget of one step (prefill chunks + decodes); default 512 on the CPU (a "
               "long prefill step stalls every running stream), 2048 on CUDA", SCHEDULER,

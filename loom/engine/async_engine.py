@@ -146,6 +146,7 @@ class _Add:
     done: asyncio.Future[None]
     prompt_token_ids: list[int] | None = None
     check_queue: bool = True  # False for the later prompts of one HTTP request
+    priority: int = 0  # the priority scheduling policy's rank
 
 
 @dataclass(slots=True)
@@ -246,7 +247,7 @@ class AsyncEngine:
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        prompt_token_ids: list[int] | None = None, check_queue: bool = True,
+        prompt_token_ids: list[int] | None = None, check_queue: bool = True, priority: int = 0,
     ) -> RequestStream:
         """Queue a request and wait until the engine took it.
 
@@ -255,6 +256,7 @@ class AsyncEngine:
         call `stream.abort()` if you stop early. `prompt_token_ids`: a text prompt already
         tokenized (so the engine thread does not tokenize it). `check_queue=False`: the
         waiting-queue bound was checked for the whole HTTP request already (its first prompt).
+        `priority`: LLMEngine.add_request's.
         """
         if not self.is_running or self._loop is None:
             state = (f"it died: {self._dead}" if self._dead is not None else
@@ -263,7 +265,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         done: asyncio.Future[None] = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, stream, done, prompt_token_ids,
-                                check_queue))
+                                check_queue, priority))
         try:
             await done
         except asyncio.CancelledError:  # the caller went away while the add was in flight
@@ -350,7 +352,8 @@ class AsyncEngine:
         else:
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        prompt_token_ids=command.prompt_token_ids)
+                                        prompt_token_ids=command.prompt_token_ids,
+                                        priority=command.priority)
                 self._streams[command.request_id] = command.stream
             except InvalidRequestError as e:
                 error = e

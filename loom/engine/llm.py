@@ -36,21 +36,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or vLLM's prompt dicts; one SamplingParams for all
-        or one per prompt."""
+        or one per prompt. `priority`: one per prompt, with `scheduling_policy="priority"`
+        (lower runs first)."""
         prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priority):
                 request_id = f"llm-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=rank)
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)

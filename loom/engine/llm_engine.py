@@ -123,6 +123,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(device.type),
             max_model_len=max_model_len,
+            policy=args.scheduling_policy,
         )
         kv_cache_memory = args.kv_cache_memory
         if (device.type == "cuda" and kv_cache_memory is None and self.tensor_parallel is None
@@ -227,13 +228,16 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Tokenize (if text), validate and queue a request. Raises InvalidRequestError.
 
         `prompt_token_ids`: a text prompt's ids, tokenized by the caller already (the server
-        does it off the engine thread)."""
+        does it off the engine thread). `priority`: its rank under `--scheduling-policy
+        priority` (lower first); any other value than 0 is refused under "fcfs", as vLLM does."""
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_priority(priority)
         if isinstance(prompt, str):
             text: str | None = prompt
             prompt_ids = (self.tokenizer.encode(prompt) if prompt_token_ids is None
@@ -260,7 +264,8 @@ class LLMEngine:
             if params.n > 1:  # distinct but reproducible streams per sample
                 seed = None if params.seed is None else params.seed + i
                 child_params = params.clone(n=1, seed=seed)
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_ids, arrival,
+                              priority=priority)
             if grammar is not None:
                 request.grammar = grammar.matcher()
             request.prediction = prediction
@@ -280,6 +285,16 @@ class LLMEngine:
         for child_id in children:
             self.child_to_parent[child_id] = request_id
         self.stats.prompt_tokens_total += len(prompt_ids)
+
+    def _check_priority(self, priority: object) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}",
+                                      param="priority")
+        if priority and self.scheduler_config.policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs the priority scheduling policy (this engine "
+                "schedules first come, first served: --scheduling-policy priority)",
+                param="priority")
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as written at the start of a text and, where that makes other

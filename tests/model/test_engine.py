@@ -363,6 +363,46 @@ def test_bad_requests_are_rejected_clearly(make_llm) -> None:
     llm.engine.check_integrity()
 
 
+def test_priority_policy_serves_better_ranks_first_and_keeps_the_tokens(make_llm, tiny) -> None:
+    """vLLM's priority scheduling: with two sequences at a time, requests start in (priority,
+    arrival) order, a better-ranked arrival preempts the worst-ranked running request, and
+    every request's greedy tokens are those an FCFS engine gives. FCFS refuses a priority."""
+    prompts = _tiny_prompts(6, 30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fcfs = make_llm(tiny)
+    want = token_ids(fcfs.generate(prompts, params, use_tqdm=False))
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as e:
+        fcfs.generate(prompts[:1], params, use_tqdm=False, priority=[1])
+    assert e.value.param == "priority"
+    assert not fcfs.engine.has_unfinished_requests()
+
+    llm = make_llm(tiny, scheduling_policy="priority", max_num_seqs=2)
+    with pytest.raises(InvalidRequestError, match="must be an integer"):
+        llm.generate(prompts[:1], params, use_tqdm=False, priority=[True])
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate(prompts[:2], params, use_tqdm=False, priority=[0])
+    engine = llm.engine
+    ranks = [3, 5, 0, 1, 3]
+    for i, rank in enumerate(ranks):
+        engine.add_request(f"r{i}", prompts[i], params, priority=rank)
+    started: list[str] = []
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 4:  # r2 and r3 run: the best rank arrives and preempts r3 (rank 1)
+            engine.add_request("r5", prompts[5], params, priority=-1)
+        for out in engine.step():
+            if out.request_id not in started:
+                started.append(out.request_id)
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    assert started == ["r2", "r3", "r5", "r0", "r4", "r1"]
+    assert engine.scheduler.num_preemptions_total == 1
+    assert [got[f"r{i}"] for i in range(6)] == [w[0] for w in want]
+    engine.check_integrity()
+
+
 @pytest.mark.slow
 def test_allowed_tokens_bad_words_and_truncation(make_llm) -> None:
     """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens on the packaged model,

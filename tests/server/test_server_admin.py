@@ -1,5 +1,6 @@
 """A second server with an API key (from LOOM_API_KEY), two running sequences and a waiting
-queue of one: 401s, 429, and, last because it ends the server, graceful shutdown on SIGTERM."""
+queue of one, scheduled by priority: 401s, 429, a better-ranked request preempting a running
+one, and, last because it ends the server, graceful shutdown on SIGTERM."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def admin_server() -> ServerProcess:
     return start_server(
         # Room for a request that outlasts the grace period at any speed (_long).
         [*ENGINE_ARGS, "--max-model-len", "4096", "--max-num-seqs", "2",
-         "--max-waiting-requests", "1",
+         "--max-waiting-requests", "1", "--scheduling-policy", "priority",
          "--timeout-graceful-shutdown", str(GRACE_S), "--served-model-name", "loom-test"],
         env={"LOOM_API_KEY": KEY},
     )
@@ -107,6 +108,43 @@ def test_429_when_the_waiting_queue_is_full(admin_server: ServerProcess) -> None
     assert rejected.status_code == 429
     assert rejected.json()["error"]["type"] == "rate_limit_error"
     admin_server.wait_idle()  # both dropped requests were aborted
+
+
+def test_a_better_priority_preempts_a_running_request(admin_server: ServerProcess) -> None:
+    """Both running slots hold endless streams of priority 5; a request of priority 0 (the
+    `openai` client's extra_body) preempts one of them and is answered while both still run;
+    the preempted stream then goes on (recomputed), and an equal rank waits its turn."""
+    client = openai.OpenAI(base_url=f"{admin_server.url}/v1", api_key=KEY, max_retries=0,
+                           timeout=300)
+    before = admin_server.metrics().get("loom:num_preemptions_total", 0)
+
+    async def run() -> tuple[str, float, list[int]]:
+        async with httpx.AsyncClient(base_url=admin_server.url, headers=AUTH,
+                                     timeout=600) as http:
+            body = {**_long(True), "priority": 5}
+            async with http.stream("POST", "/v1/completions", json=body) as first, \
+                    http.stream("POST", "/v1/completions", json=body) as second:
+                readers = [first.aiter_lines(), second.aiter_lines()]
+                for lines in readers:
+                    while not (await lines.__anext__()).startswith("data: {"):
+                        pass  # both running slots are taken
+                urgent = await asyncio.to_thread(
+                    client.completions.create, model="loom-test", prompt="Say yes.",
+                    max_tokens=3, temperature=0, extra_body={"priority": 0})
+                m = admin_server.metrics()  # neither stream has ended
+                alive = m["loom:num_requests_running"] + m["loom:num_requests_waiting"]
+                more = []  # and both go on
+                for lines in readers:
+                    line = await lines.__anext__()
+                    while not line.startswith("data: {"):
+                        line = await lines.__anext__()
+                    more.append(len(line))
+            return urgent.choices[0].finish_reason, alive, more
+
+    finish, alive, more = asyncio.run(run())
+    assert finish == "length" and alive == 2 and all(more)
+    assert admin_server.metrics()["loom:num_preemptions_total"] >= before + 1
+    admin_server.wait_idle()  # both dropped streams were aborted
 
 
 def test_graceful_shutdown(admin_server: ServerProcess) -> None:

@@ -51,7 +51,7 @@ class _EngineCollector(Collector):
              s.prefix_cache_queries),
             ("loom:prefix_cache_hits", "Prompt tokens found in the prefix cache",
              s.prefix_cache_hits),
-            ("loom:num_preemptions", "Requests preempted for lack of KV blocks",
+            ("loom:num_preemptions", "Requests preempted (for lack of KV blocks, or by priority)",
              s.num_preemptions),
             ("loom:prompt_tokens", "Prompt tokens received", s.prompt_tokens),
             ("loom:generation_tokens", "Tokens generated", s.generation_tokens),

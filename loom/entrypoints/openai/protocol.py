@@ -4,7 +4,7 @@ Strict pydantic models: wrong JSON types are 400s (no "5" -> 5 coercion) and unk
 rejected (`extra="forbid"`), so no parameter is ever accepted and ignored. Accepted beyond
 OpenAI's own fields: vLLM's sampling extras (top_k, min_p, repetition_penalty, stop_token_ids,
 ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output, allowed_token_ids,
-bad_words, truncate_prompt_tokens, prompt_logprobs, return_tokens_as_token_ids),
+bad_words, truncate_prompt_tokens, prompt_logprobs, return_tokens_as_token_ids, priority),
 structured-output
 extras (`structured_outputs`, and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`) and beam search's on completions (`use_beam_search`, `beam_width`,
@@ -131,6 +131,7 @@ class SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: all that fit)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top N
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs' tokens as "token_id:N"
+    priority: int = 0  # vLLM's: --scheduling-policy priority's rank (lower first)
     # structured output (OpenAI's response_format, vLLM's extras)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

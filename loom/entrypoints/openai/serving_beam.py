@@ -77,7 +77,7 @@ async def create_beam_completion(ctx: ServerContext, req: CompletionRequest,
     while not search.done:
         batch = search.batch()
         streams = await add_requests(ctx, f"{request_id}-s{step}", batch, search.step_params,
-                                     prompt_ids=batch)
+                                     prompt_ids=batch, priority=req.priority)
         search.advance(await collect_final(streams))
         step += 1
     choices = []

@@ -188,12 +188,14 @@ async def _create(
     request_id = new_id("chatcmpl")
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser)
     if req.stream:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params, source)
+        streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
+                                     priority=req.priority)
         return StreamingResponse(sse_guard(builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params, source)
+        streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
+                                     priority=req.priority)
         (final,) = await collect_final(streams)
         return JSONResponse(builder.response(final))
 

@@ -288,6 +288,7 @@ async def add_requests(
     constraint_param: str = "structured_outputs",
     prompt_ids: list[list[int]] | None = None,
     add_special_tokens: bool = True,
+    priority: int = 0,
 ) -> list[RequestStream]:
     """Add one engine request per prompt (ids `{request_id}-{i}`); all or none.
 
@@ -314,7 +315,7 @@ async def add_requests(
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await ctx.engine.add_request(rid, prompt, params, ids,
-                                                        check_queue=i == 0))
+                                                        check_queue=i == 0, priority=priority))
     except BaseException as e:
         for stream in streams:
             stream.abort()

@@ -87,13 +87,15 @@ async def create_completion(
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, prompt_only)
     if req.stream:
         streams = await add_requests(ctx, request_id, prompts, params, source,
-                                     add_special_tokens=req.add_special_tokens)
+                                     add_special_tokens=req.add_special_tokens,
+                                     priority=req.priority)
         return StreamingResponse(sse_guard(builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
         streams = await add_requests(ctx, request_id, prompts, params, source,
-                                     add_special_tokens=req.add_special_tokens)
+                                     add_special_tokens=req.add_special_tokens,
+                                     priority=req.priority)
         return JSONResponse(builder.response(await collect_final(streams)))
 
     return await cancel_on_disconnect(raw_request, work)

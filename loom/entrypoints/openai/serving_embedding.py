@@ -38,6 +38,7 @@ class EmbeddingRequest(OpenAIBaseModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last N tokens
+    priority: int = 0  # vLLM's: --scheduling-policy priority's rank (lower first)
 
 
 def _inputs(ctx: ServerContext, req: EmbeddingRequest) -> list[str | list[int]]:
@@ -71,7 +72,8 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
         raise bad_request(str(e), e.param) from None
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, new_id("embd"), inputs, params)
+        streams = await add_requests(ctx, new_id("embd"), inputs, params,
+                                     priority=req.priority)
         outputs = await collect_final(streams)
         data = []
         for i, out in enumerate(outputs):
