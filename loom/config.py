@@ -27,6 +27,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # Dims of each head RoPE rotates (partial rotary: Phi-4-mini's 0.75 of them); 0: all
+    rotary_dim: int = 0
+    nope_layers: tuple[int, ...] = ()  # layers without rotary positions (SmolLM3's every 4th)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -52,6 +55,11 @@ class ModelConfig:
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
 
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones, as Hugging Face's partial rotary)."""
+        return self.rotary_dim or self.head_dim
+
     def __post_init__(self) -> None:
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -68,6 +76,13 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ConfigError(f"model config: nope_layers {self.nope_layers} outside the "
+                              f"{self.num_hidden_layers} layers")
+        if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim
+                                    and self.rotary_dim % 2 == 0):
+            raise ConfigError(f"model config: rotary_dim must be even and in 1..head_dim "
+                              f"({self.head_dim}), got {self.rotary_dim}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"model config: unsupported hidden_act {self.hidden_act!r}; "
                               f"supported: {', '.join(HIDDEN_ACTS)}")

@@ -15,7 +15,7 @@ TINY = dict(
 def _configs() -> dict[str, object]:
     from transformers import (
         Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-        Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+        Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
 
     return {
@@ -57,11 +57,27 @@ def _configs() -> dict[str, object]:
             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
                           "long_factor": [2.0 + i for i in range(8)]},
         ),
+        # Phi-4-mini's shape: RoPE on 12 of each head's 16 dims (LongRoPE's factors for those)
+        "phi3-partial": Phi3Config(
+            **TINY, original_max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+            partial_rotary_factor=0.75,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                          "long_factor": [2.0 + i for i in range(6)]},
+        ),
+        # YaRN past an original context of 16 positions (the prompts and replies run to ~60)
+        "qwen3-yarn": Qwen3Config(
+            **TINY, head_dim=32, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16},
+        ),
+        # SmolLM3: its 4th layer without RoPE (NoPE)
+        "smollm3": SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
     }
 
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
-         "qwen3-moe", "qwen2-moe", "mixtral", "phi3"]
+         "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

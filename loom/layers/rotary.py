@@ -26,44 +26,93 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any],
+                   max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen's and DeepSeek's long contexts; transformers' `_compute_yarn_parameters`):
+    frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by `factor`), those that turn more than beta_fast times kept, a linear
+    ramp between; cos/sin scaled by the attention factor (0.1 ln(factor) + 1 by default)."""
+    orig = int(scaling.get("original_max_position_embeddings") or max_position)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency kept as it is (extrapolated)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attn)
+
+
 def rope_freqs(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
-    start: int = 0, stop: int | None = None,
+    start: int = 0, stop: int | None = None, rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """(freqs [stop - start, head_dim // 2]: positions start..stop-1's rotation angles (default
     all max_position), attention scaling applied to cos/sin) for the checkpoint's rope
-    scaling. A row depends on its position alone: a table filled in pieces is the same."""
+    scaling. A row depends on its position alone: a table filled in pieces is the same.
+    `rotary_dim` < head_dim (partial rotary): the frequencies of a head of rotary_dim dims,
+    then zeros (angle 0: the other dims pass unrotated; RotaryEmbedding's table leaves them
+    unscaled too)."""
+    dim = head_dim if rotary_dim is None else rotary_dim
+    freqs, attn = _rotary_freqs(dim, theta, scaling, max_position, start, stop)
+    if dim < head_dim:
+        freqs = torch.cat([freqs, freqs.new_zeros(freqs.shape[0], (head_dim - dim) // 2)], 1)
+    return freqs, attn
+
+
+def _rotary_freqs(
+    dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
+    start: int, stop: int | None,
+) -> tuple[torch.Tensor, float]:
     t = torch.arange(start, max_position if stop is None else stop, dtype=torch.float32)
-    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / base
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return torch.outer(t, inv_freq), 1.0
     assert scaling is not None
+    attn = 1.0
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "freq_factors":  # GGUF rope_freqs tensor (Llama 3.1 written by llama.cpp)
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq, attn = _yarn_inv_freq(inv_freq, dim, theta, scaling, max_position)
     elif rope_type in ("longrope", "su"):
         return _longrope_freqs(t, base, scaling, max_position)
     else:
         raise ConfigError(f"unsupported rope scaling type {rope_type!r} "
-                          "(supported: linear, llama3, longrope/su)")
-    return torch.outer(t, inv_freq), 1.0
+                          "(supported: linear, llama3, yarn, longrope/su)")
+    return torch.outer(t, inv_freq), attn
 
 
 def _longrope_freqs(
     t: torch.Tensor, base: torch.Tensor, scaling: dict[str, Any], max_position: int
 ) -> tuple[torch.Tensor, float]:
-    """Phi-3's LongRoPE ("su"): per-frequency divisors of `base` (theta ** (2i / head_dim)),
-    `short_factor` for positions below original_max_position_embeddings and `long_factor` from
-    there on (vLLM's table; Hugging Face re-rotates a whole sequence with the long factors once
-    it outgrows the original length), and cos/sin scaled by the attention factor."""
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"rope scaling {scaling.get('rope_type')!r} with partial_rotary_factor "
-                          f"{scaling['partial_rotary_factor']} is not supported")
+    """Phi-3's LongRoPE ("su"): per-frequency divisors of `base` (theta ** (2i / dim), dim the
+    rotated dims), `short_factor` for positions below original_max_position_embeddings and
+    `long_factor` from there on (vLLM's table; Hugging Face re-rotates a whole sequence with the
+    long factors once it outgrows the original length), and cos/sin scaled by the attention
+    factor."""
     orig = int(scaling["original_max_position_embeddings"])
     factor = float(scaling.get("factor") or max_position / orig)
     attn = scaling.get("attention_factor")
@@ -71,6 +120,9 @@ def _longrope_freqs(
         attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base)
                    for k in ("short_factor", "long_factor"))
+    if short.shape != base.shape or long.shape != base.shape:
+        raise ConfigError(f"longrope factors of {short.numel()} and {long.numel()} values for "
+                          f"{base.numel()} rotary frequencies")
     freqs = torch.where((t < orig)[:, None], torch.outer(t, short), torch.outer(t, long))
     return freqs, float(attn)
 
@@ -80,10 +132,16 @@ FIRST_ROWS = 4096  # positions of a CPU table filled at load (RotaryEmbedding.bu
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        # Partial rotary (rotary_dim < head_dim): the table rotates pairs (i, i + head_dim / 2)
+        # for i < rotary_dim / 2 and leaves the others as they are; the checkpoint's q/k rows
+        # are reordered at load so that Hugging Face's pairs (i, i + rotary_dim / 2) land there
+        # (loom.models.llama.partial_rotary_order). 0: no dim rotates (SmolLM3's NoPE layers).
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.max_position = max_position
         self.theta = theta
         self.scaling = scaling
@@ -111,8 +169,12 @@ class RotaryEmbedding(nn.Module):
         if stop <= start:
             return
         freqs, attn_scale = rope_freqs(self.head_dim, self.theta, self.scaling,
-                                       self.max_position, start, stop)  # [rows, head_dim // 2]
-        cos, sin = freqs.cos() * attn_scale, freqs.sin() * attn_scale
+                                       self.max_position, start, stop,
+                                       self.rotary_dim)  # [rows, head_dim // 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        rotated = self.rotary_dim // 2  # the pairs past it pass as they are: cos 1, sin 0
+        cos[:, :rotated] *= attn_scale
+        sin[:, :rotated] *= attn_scale
         self.cos_sin_cache[start:stop] = torch.cat([cos, cos, -sin, sin], dim=-1).to(
             self.cos_sin_cache.device)
         self.filled = stop

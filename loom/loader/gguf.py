@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,10 +32,11 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
-_PERMUTED_QK = {"llama"}
+_PERMUTED_QK = {"llama", "smollm3"}  # written by the converter's LlamaModel
 _GEMMAS = {"gemma2", "gemma3"}
 
 _LAYER_NAMES = {
@@ -119,6 +122,12 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
 
     names = {t.name for t in reader.tensors}
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary_dim = int(field(reader, f"{arch}.rope.dimension_count") or head_dim)
+    if rotary_dim < head_dim and arch in _PERMUTED_QK:  # (llama.cpp's GPT-J pairs over n_rot)
+        raise ConfigError(f"{path}: a partial rotary ({rotary_dim} of {head_dim} dims) in a "
+                          f"{arch!r} GGUF is not supported")
+    rotary_dim = 0 if rotary_dim >= head_dim else rotary_dim
     vocab = field(reader, f"{arch}.vocab_size") or reader.count("tokenizer.ggml.tokens")
     scaling = _rope_scaling(reader, arch)
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
@@ -136,7 +145,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -148,6 +158,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         pooling=_pooling(reader, arch, path),
+        # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
+        nope_layers=tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" else (),
         **extra,
     )
 
@@ -234,6 +246,16 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    if kind == "yarn":  # llama.cpp's ramp and mscale are transformers' (attn_factor on top)
+        factor = float(field(reader, f"{arch}.rope.scaling.factor"))
+        attn = field(reader, f"{arch}.rope.scaling.attn_factor")
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings":
+                    int(field(reader, f"{arch}.rope.scaling.original_context_length")),
+                "beta_fast": field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
+                "beta_slow": field(reader, f"{arch}.rope.scaling.yarn_beta_slow"),
+                "attention_factor": None if attn is None else
+                float(attn) * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)}
     raise ConfigError(f"unsupported GGUF rope scaling {kind!r}")
 
 

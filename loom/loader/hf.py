@@ -30,6 +30,36 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling
 
 
+def _rotary_dim(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int) -> int:
+    """The dims RoPE rotates: head_dim times `partial_rotary_factor` (top level, as Phi-4-mini
+    writes it, or inside rope_parameters / rope_scaling), as transformers rounds it; 0: all."""
+    factor = cfg.get("partial_rotary_factor")
+    for params in (cfg.get("rope_parameters"), cfg.get("rope_scaling"), scaling):
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+            params = params["full_attention"]
+        if factor is None and isinstance(params, dict):
+            factor = params.get("partial_rotary_factor")
+    if factor is None or float(factor) == 1.0:
+        return 0
+    return int(head_dim * float(factor))
+
+
+def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3: the layers without RoPE (`no_rope_layers`: 1 where a layer rotates; default
+    every `no_rope_layer_interval`-th, 4, has none), and with `use_sliding_window` the windows of
+    the layers its `layer_types` mark sliding."""
+    n = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    fields: dict[str, Any] = {"nope_layers": tuple(i for i in range(n) if not flags[i])}
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        fields.update(sliding_window=int(cfg["sliding_window"]),
+                      layer_types=tuple(cfg["layer_types"]))
+    return fields
+
+
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -133,7 +163,11 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     arch = archs[0]
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         theta, scaling = _rope(cfg)
+        rotary_dim = _rotary_dim(cfg, scaling, head_dim)
+        if scaling is not None:
+            scaling.pop("partial_rotary_factor", None)  # (rotary_dim says it)
         sliding = cfg.get("sliding_window") if arch in _SLIDING else None
         if scaling is not None and "original_max_position_embeddings" in cfg:
             scaling.setdefault("original_max_position_embeddings",
@@ -152,7 +186,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -166,6 +201,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             eos_token_ids=eos,
             pooling=_pooling(folder),
         )
+        if arch == "SmolLM3ForCausalLM":
+            fields.update(_smollm3_fields(cfg))
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
         if arch in _MOES:

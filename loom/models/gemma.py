@@ -46,7 +46,8 @@ class GemmaModel(LlamaModel):
         self.rotary_local = self.rotary_emb
         if config.rope_local_theta is not None:
             self.rotary_local = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.rope_local_theta, None
+                config.head_dim, config.max_position_embeddings, config.rope_local_theta, None,
+                config.rope_dim,
             )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

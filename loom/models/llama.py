@@ -18,7 +18,7 @@ from torch import nn
 
 from loom.attention.forward_context import get_forward_context
 from loom.attention.layer import Attention
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig
 from loom.kernels import cpu_ops
 from loom.layers.activation import act_and_mul, activation_of
 from loom.layers.embedding import VocabEmbedding
@@ -108,6 +108,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        if layer in config.nope_layers:  # LlamaModel's second table: no rotation at all
+            self.rope_index = 1
         self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -178,8 +180,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            config.rope_dim,
         )
+        # SmolLM3's NoPE layers: a table of cos 1, sin 0 (the same rotation code, no rotation)
+        self.rotary_none = (RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                            config.rope_theta, None, 0)
+                            if config.nope_layers else None)
         self.stack: q8_decoder.Q8Decoder | bool | None = None  # the one-call C stack, if any
 
     def c_stack(self) -> q8_decoder.Q8Decoder | None:
@@ -230,8 +237,10 @@ class LlamaModel(nn.Module):
         return tuple(made[id(r)] for r in self.rotaries())
 
     def rotaries(self) -> tuple[RotaryEmbedding, ...]:
-        """The rotary tables, indexed by the layers' `rope_index`."""
-        return (self.rotary_emb,)
+        """The rotary tables, indexed by the layers' `rope_index`: (RoPE, none where the model
+        has NoPE layers)."""
+        return (self.rotary_emb,) if self.rotary_none is None else (self.rotary_emb,
+                                                                    self.rotary_none)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -305,4 +314,45 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        if self.config.rope_dim < self.config.head_dim:
+            weights = _partial_rotary_rows(weights, self.config)
         load_packed_weights(self, weights, self.packed_modules, skip=skip)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's dims in the order Loom rotates a partial rotary: Hugging Face rotates pairs (i,
+    i + r / 2) of the first r = rotary_dim dims and passes the rest; Loom's table rotates pairs
+    (i, i + head_dim / 2), the first r / 2 of them, and passes the others (angle 0). Reordered
+    as [rotated first halves, passed first half, rotated second halves, passed second half],
+    each HF pair lands on one of Loom's; q and k rows both reordered keep every q . k."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    d = torch.arange(head_dim)
+    return torch.cat([d[:r], d[2 * r: 2 * r + rest], d[r: 2 * r], d[2 * r + rest:]])
+
+
+def _partial_rotary_rows(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's q and k rows (weights, biases, fused qkv's q and k parts; per-head q/k
+    norms' weights) in partial_rotary_order, head by head."""
+    D = config.head_dim
+    order = partial_rotary_order(D, config.rope_dim)
+    q_rows, kv_rows = config.num_attention_heads * D, config.num_key_value_heads * D
+
+    def heads(rows: int) -> torch.Tensor:  # the order over `rows` rows of whole heads
+        return (torch.arange(0, rows, D)[:, None] + order).reshape(-1)
+
+    q_order, kv_order = heads(q_rows), heads(kv_rows)
+    fused = torch.cat([q_order, q_rows + kv_order, torch.arange(q_rows + kv_rows,
+                                                                q_rows + 2 * kv_rows)])
+    for name, w in weights:
+        module, _, field = name.rpartition(".")
+        kind = module.rpartition(".")[2]
+        index = {"q_proj": q_order, "k_proj": kv_order, "qkv_proj": fused,
+                 "q_norm": order, "k_norm": order}.get(kind)
+        if index is not None and field not in ("weight", "bias"):
+            raise ConfigError(f"partial rotary embeddings with {name!r} (a GPTQ / AWQ layout) "
+                              "are not supported")
+        if index is not None:
+            w = (w.map_rows(lambda a, i=index: a[i]) if hasattr(w, "map_rows")
+                 else w.index_select(0, index))
+        yield name, w

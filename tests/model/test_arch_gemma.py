@@ -47,10 +47,10 @@ def _edit_config(folder, **changes) -> None:
     ({"architectures": ["GemmaNextForCausalLM"]}, "GemmaNextForCausalLM"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, "relu"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6,
+    ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6,
                                              "factor": 4.0},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     "yarn"),
+     "dynamic"),
 ])
 def test_unsupported_features_are_refused_at_load(tmp_path, changes, message) -> None:
     folder = make_tiny_model("gemma3", tmp_path / "hf")

@@ -7,6 +7,7 @@ difference in how Loom reads them fails here; the converter's own Q8_0 runs on L
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,12 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
     if not CONVERTER.exists():
         pytest.skip(f"no llama.cpp converter at {CONVERTER} (make install-test unpacks it)")
-    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES[name])
+    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES.get(name, {}))
     Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
+    if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
+        config = folder / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()),
+                                      "tokenizer_class": "GPT2Tokenizer"}))
     out = tmp_path / f"{name}-{outtype}.gguf"
     run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", outtype,
                           "--outfile", str(out)], capture_output=True, text=True, timeout=300)
@@ -51,6 +56,27 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
     assert loaded.config.architecture == hf.config.architectures[0]
     assert any(isinstance(m, SparseMoeBlock) for m in loaded.model.modules())
+    prompts, logits, seqs = _mixed_batch(loaded, loaded.config.vocab_size)
+    match_transformers(hf, prompts, logits, seqs, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "expect"), [
+    ("phi3-partial", {"rotary_dim": 12, "architecture": "Phi3ForCausalLM"}),
+    ("qwen3-yarn", {"rotary_dim": 0, "architecture": "Qwen3ForCausalLM"}),
+    ("smollm3", {"nope_layers": (3,), "architecture": "SmolLM3ForCausalLM"}),
+])
+def test_converted_rope_variants_match_transformers(tmp_path, name, expect) -> None:
+    """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
+    rope.scaling keys) and SmolLM3's NoPE layers (llama.cpp's every 4th) read from the
+    converter's files give transformers' logits."""
+    require_cpu_kernels()
+    path, folder = convert(name, tmp_path, "f32")
+    hf = transformers_model(folder)
+    loaded = load_model(resolve_model(str(path)), "float32", batch_invariant=True)
+    assert {k: getattr(loaded.config, k) for k in expect} == expect
+    if name == "qwen3-yarn":
+        assert loaded.config.rope_scaling["rope_type"] == "yarn"
     prompts, logits, seqs = _mixed_batch(loaded, loaded.config.vocab_size)
     match_transformers(hf, prompts, logits, seqs, 1e-4)
 

@@ -40,3 +40,39 @@ def test_small_tables_are_filled_at_once() -> None:
     rotary.build_cache(torch.device("cpu"))
     assert rotary.filled == 100
     assert torch.equal(rotary.cos_sin_cache, _whole(rotary))
+
+
+YARNS = [
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's suggested
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707},  # DeepSeek's shape
+    {"factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
+     "attention_factor": 1.25},
+]
+
+
+@pytest.mark.parametrize("params", YARNS, ids=["qwen", "mscale", "untruncated"])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.75])
+def test_yarn_and_partial_rotary_are_transformers_frequencies(params, rotary_fraction) -> None:
+    """YaRN's frequencies and attention factor equal transformers' own computation (for a
+    partial rotary too: its frequencies, then angle 0 for the dims that pass)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, theta = 128, 1000000.0
+    config = Qwen3Config(head_dim=head_dim, max_position_embeddings=131072, rope_parameters={
+        "rope_type": "yarn", "rope_theta": theta, "partial_rotary_factor": rotary_fraction,
+        **params})
+    inv_freq, attn = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    rotary_dim = int(head_dim * rotary_fraction)
+    freqs, scale = rope_freqs(head_dim, theta, {"rope_type": "yarn", **params}, 131072, 0, 3,
+                              rotary_dim)
+    want = torch.outer(torch.arange(3, dtype=torch.float32), inv_freq.float())
+    torch.testing.assert_close(freqs[:, : rotary_dim // 2], want, rtol=1e-6, atol=0)
+    assert (freqs[:, rotary_dim // 2:] == 0).all() and scale == pytest.approx(attn, rel=1e-6)
+    # the table: the passed pairs are identity rows (cos 1, sin 0) whatever the scaling
+    rotary = RotaryEmbedding(head_dim, 64, theta, {"rope_type": "yarn", **params}, rotary_dim)
+    rotary.build_cache(torch.device("cpu"))
+    row = rotary.cos_sin_cache[5].view(4, head_dim // 2)
+    assert (row[:2, rotary_dim // 2:] == 1).all() and (row[2:, rotary_dim // 2:] == 0).all()
+    torch.testing.assert_close(row[0, : rotary_dim // 2], (5 * inv_freq).cos() * attn)

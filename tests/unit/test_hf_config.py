@@ -1,0 +1,53 @@
+"""Reading config.json: where checkpoints put the RoPE fields (Phi-4-mini's partial rotary at
+the top level, transformers 5's rope_parameters, older rope_scaling)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loom.config import ConfigError
+from loom.loader.hf import model_config_from_hf
+
+PHI4_MINI = {  # microsoft/Phi-4-mini-instruct's config.json, the fields Loom reads
+    "architectures": ["Phi3ForCausalLM"], "vocab_size": 200064, "hidden_size": 3072,
+    "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "sliding_window": 262144,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48, "short_factor": [1.0] * 48},
+}
+
+
+def _read(tmp_path: Path, config: dict) -> object:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return model_config_from_hf(tmp_path)
+
+
+def test_phi4_mini_rotates_three_quarters_of_each_head(tmp_path) -> None:
+    config = _read(tmp_path, PHI4_MINI)
+    assert (config.head_dim, config.rotary_dim, config.rope_dim) == (128, 96, 96)
+    assert "partial_rotary_factor" not in config.rope_scaling
+    assert config.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "top"])
+def test_partial_rotary_and_yarn_wherever_written(tmp_path, where) -> None:
+    base = {k: v for k, v in PHI4_MINI.items()
+            if k not in ("rope_scaling", "partial_rotary_factor", "rope_theta")}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    if where == "top":
+        base.update(partial_rotary_factor=0.5, rope_theta=1e6, rope_scaling=yarn)
+    else:
+        base["rope_parameters"] = {"rope_theta": 1e6, "partial_rotary_factor": 0.5, **yarn}
+    config = _read(tmp_path, base)
+    assert config.rotary_dim == 64 and config.rope_theta == 1e6
+    assert config.rope_scaling == yarn
+
+
+def test_full_rotary_and_bad_fractions(tmp_path) -> None:
+    assert _read(tmp_path, {**PHI4_MINI, "partial_rotary_factor": 1.0}).rotary_dim == 0
+    with pytest.raises(ConfigError, match="rotary_dim must be even"):
+        _read(tmp_path, {**PHI4_MINI, "partial_rotary_factor": 0.2})  # 25 of 128 dims
