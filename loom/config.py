@@ -45,6 +45,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
     attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
+    # Granite's multipliers: embeddings x embedding_multiplier, each attention / MLP output x
+    # residual_multiplier before its residual add, attention scores x attention_multiplier
+    # (None: head_dim ** -0.5), logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Mixture of experts (0 experts: a dense MLP in every layer).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -54,6 +61,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
+
+    @property
+    def residual_norm_eps(self) -> float:
+        """The eps of the norms on the residual stream once Granite's residual multiplier m is
+        folded in (loom.models.llama.LlamaModel): the model carries h / m instead of h, and
+        RMSNorm(h; eps) = RMSNorm(h / m; eps / m^2) exactly."""
+        return self.rms_norm_eps / self.residual_multiplier**2
 
     @property
     def rope_dim(self) -> int:
@@ -76,6 +90,12 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model config: {name} must be positive, got "
+                                  f"{getattr(self, name)!r}")
+        if self.residual_multiplier != 1.0 and self.qk_norm:  # (residual_norm_eps's folding)
+            raise ConfigError("model config: residual_multiplier with q/k norms is not supported")
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ConfigError(f"model config: nope_layers {self.nope_layers} outside the "
                               f"{self.num_hidden_layers} layers")

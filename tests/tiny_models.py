@@ -14,7 +14,8 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+        Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+        MixtralConfig, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
 
@@ -73,11 +74,16 @@ def _configs() -> dict[str, object]:
         # SmolLM3: its 4th layer without RoPE (NoPE)
         "smollm3": SmolLM3Config(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True,
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        # Granite's multipliers, far from 1 so that each one shows
+        "granite": GraniteConfig(**TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                 attention_multiplier=0.0625, logits_scaling=8.0,
+                                 tie_word_embeddings=True),
     }
 
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
-         "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3"]
+         "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
+         "granite"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

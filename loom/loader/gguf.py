@@ -33,10 +33,11 @@ _ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
-_PERMUTED_QK = {"llama", "smollm3"}  # written by the converter's LlamaModel
+_PERMUTED_QK = {"llama", "smollm3", "granite"}  # written by the converter's LlamaModel
 _GEMMAS = {"gemma2", "gemma3"}
 
 _LAYER_NAMES = {
@@ -158,6 +159,11 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         pooling=_pooling(reader, arch, path),
+        # Granite's multipliers (llama.cpp's names)
+        embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
+        residual_multiplier=float(field(reader, f"{arch}.residual_scale") or 1.0),
+        attention_multiplier=field(reader, f"{arch}.attention.scale"),
+        logits_scaling=float(field(reader, f"{arch}.logit_scale") or 1.0),
         # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
         nope_layers=tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" else (),
         **extra,

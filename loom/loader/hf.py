@@ -203,6 +203,13 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         )
         if arch == "SmolLM3ForCausalLM":
             fields.update(_smollm3_fields(cfg))
+        if arch == "GraniteForCausalLM":
+            fields.update(
+                embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(cfg.get("attention_multiplier",
+                                                   fields["head_dim"] ** -0.5)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
         if arch in _MOES:

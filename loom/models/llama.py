@@ -46,9 +46,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         scalar = config.query_pre_attn_scalar
+        scale = config.attention_multiplier if scalar is None else scalar**-0.5
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer),
-            scale=None if scalar is None else scalar**-0.5, softcap=config.attn_logit_softcapping,
+            scale=scale, softcap=config.attn_logit_softcapping,
         )
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,8 @@ class LlamaDecoderLayer(nn.Module):
             self.rope_index = 1
         self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps)
 
     def forward(
         self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
@@ -178,7 +179,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.residual_norm_eps)
+        # Granite's multipliers, folded: the residual stream carries h / residual_multiplier
+        # (so each branch's output adds as it is, with residual_norm_eps the norms see the same
+        # values) from embeddings scaled by embedding_multiplier / residual_multiplier; the
+        # logits' divisor is folded into the final norm's weight at load (load_weights).
+        if config.embedding_multiplier != 1.0 or config.residual_multiplier != 1.0:
+            self.embed_scale = config.embedding_multiplier / config.residual_multiplier
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
             config.rope_dim,
@@ -226,7 +233,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [num_tokens] -> the first layer's input [num_tokens, hidden]."""
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale == 1.0 else x * self.embed_scale
 
     def ropes(self, positions: torch.Tensor, fused: bool) -> tuple[Rope, ...]:
         """The step's rotations, indexed by the layers' `rope_index`."""
@@ -316,7 +324,17 @@ class LlamaForCausalLM(nn.Module):
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         if self.config.rope_dim < self.config.head_dim:
             weights = _partial_rotary_rows(weights, self.config)
+        if self.config.logits_scaling != 1.0:
+            weights = _final_norm_scaled(weights, 1.0 / self.config.logits_scaling)
         load_packed_weights(self, weights, self.packed_modules, skip=skip)
+
+
+def _final_norm_scaled(weights: Iterable[tuple[str, torch.Tensor]], factor: float
+                       ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The final norm's weight times `factor`: logits / logits_scaling (Granite) without a
+    step of its own (the head is linear in it; the tied embeddings stay as they are)."""
+    for name, w in weights:
+        yield name, (w * factor if name == "model.norm.weight" else w)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

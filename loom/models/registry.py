@@ -19,6 +19,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up come fused in the checkpoint
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # NoPE layers (ModelConfig.nope_layers)
+    "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers (ModelConfig), folded
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,

@@ -65,11 +65,13 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("phi3-partial", {"rotary_dim": 12, "architecture": "Phi3ForCausalLM"}),
     ("qwen3-yarn", {"rotary_dim": 0, "architecture": "Qwen3ForCausalLM"}),
     ("smollm3", {"nope_layers": (3,), "architecture": "SmolLM3ForCausalLM"}),
+    ("granite", {"residual_multiplier": pytest.approx(0.22), "logits_scaling": 8.0,
+                 "architecture": "GraniteForCausalLM"}),
 ])
-def test_converted_rope_variants_match_transformers(tmp_path, name, expect) -> None:
+def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
-    rope.scaling keys) and SmolLM3's NoPE layers (llama.cpp's every 4th) read from the
-    converter's files give transformers' logits."""
+    rope.scaling keys), SmolLM3's NoPE layers (llama.cpp's every 4th) and Granite's multipliers
+    (its *_scale keys) read from the converter's files give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
