@@ -29,6 +29,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     # Dims of each head RoPE rotates (partial rotary: Phi-4-mini's 0.75 of them); 0: all
     rotary_dim: int = 0
+    # The checkpoint rotates pairs (2i, 2i + 1) (GLM's), not (i, i + rotary_dim / 2)
+    rotary_interleaved: bool = False
     nope_layers: tuple[int, ...] = ()  # layers without rotary positions (SmolLM3's every 4th)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False

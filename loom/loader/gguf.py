@@ -34,6 +34,7 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
@@ -71,6 +72,12 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# GLM-4's: gate and up fused (as Phi-3's), the norms of attention's and the MLP's outputs
+_GLM4_LAYER_NAMES = {
+    **_PHI3_LAYER_NAMES,
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -97,8 +104,8 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS
-             else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES)
+    names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
+             else _GLM4_LAYER_NAMES if arch == "glm4" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -159,6 +166,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         pooling=_pooling(reader, arch, path),
+        rotary_interleaved=arch == "glm4",  # llama.cpp's GPT-J pairs over rope.dimension_count
         # Granite's multipliers (llama.cpp's names)
         embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_multiplier=float(field(reader, f"{arch}.residual_scale") or 1.0),

@@ -30,16 +30,19 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling
 
 
-def _rotary_dim(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int) -> int:
+def _rotary_dim(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int,
+                default: float = 1.0) -> int:
     """The dims RoPE rotates: head_dim times `partial_rotary_factor` (top level, as Phi-4-mini
-    writes it, or inside rope_parameters / rope_scaling), as transformers rounds it; 0: all."""
+    writes it, or inside rope_parameters / rope_scaling; else `default`, the config class's:
+    GLM's 0.5), as transformers rounds it; 0: all."""
     factor = cfg.get("partial_rotary_factor")
     for params in (cfg.get("rope_parameters"), cfg.get("rope_scaling"), scaling):
         if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
             params = params["full_attention"]
         if factor is None and isinstance(params, dict):
             factor = params.get("partial_rotary_factor")
-    if factor is None or float(factor) == 1.0:
+    factor = default if factor is None else factor
+    if float(factor) == 1.0:
         return 0
     return int(head_dim * float(factor))
 
@@ -67,6 +70,7 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 
 
 _GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")  # interleaved partial rotary, attention bias
 # sliding_window as the config gives it (Gemma: its sliding layers'; the others: every layer's)
 _SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", *_GEMMAS)
 # Qwen's sliding window applies to some layers only: refused
@@ -163,9 +167,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     arch = archs[0]
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        glm = arch in _GLMS
+        head_dim = int(cfg.get("head_dim") or (128 if glm else hidden // heads))
         theta, scaling = _rope(cfg)
-        rotary_dim = _rotary_dim(cfg, scaling, head_dim)
+        rotary_dim = _rotary_dim(cfg, scaling, head_dim, 0.5 if glm else 1.0)
         if scaling is not None:
             scaling.pop("partial_rotary_factor", None)  # (rotary_dim says it)
         sliding = cfg.get("sliding_window") if arch in _SLIDING else None
@@ -193,7 +198,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", glm)),
+            rotary_interleaved=glm,
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             hidden_act=cfg.get("hidden_act", "silu"),

@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        if self.config.rope_dim < self.config.head_dim:
+        if self.config.rope_dim < self.config.head_dim or self.config.rotary_interleaved:
             weights = _partial_rotary_rows(weights, self.config)
         if self.config.logits_scaling != 1.0:
             weights = _final_norm_scaled(weights, 1.0 / self.config.logits_scaling)
@@ -337,23 +337,26 @@ def _final_norm_scaled(weights: Iterable[tuple[str, torch.Tensor]], factor: floa
         yield name, (w * factor if name == "model.norm.weight" else w)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """A head's dims in the order Loom rotates a partial rotary: Hugging Face rotates pairs (i,
-    i + r / 2) of the first r = rotary_dim dims and passes the rest; Loom's table rotates pairs
-    (i, i + head_dim / 2), the first r / 2 of them, and passes the others (angle 0). Reordered
-    as [rotated first halves, passed first half, rotated second halves, passed second half],
-    each HF pair lands on one of Loom's; q and k rows both reordered keep every q . k."""
+def partial_rotary_order(head_dim: int, rotary_dim: int,
+                         interleaved: bool = False) -> torch.Tensor:
+    """A head's dims in the order Loom rotates them: Hugging Face rotates pairs (i, i + r / 2)
+    of the first r = rotary_dim dims (`interleaved`, GLM's: pairs (2i, 2i + 1)) and passes the
+    rest; Loom's table rotates pairs (i, i + head_dim / 2), the first r / 2 of them, and passes
+    the others (angle 0). Reordered as [rotated firsts, passed first half, rotated seconds,
+    passed second half], each HF pair lands on one of Loom's; q and k rows both reordered keep
+    every q . k."""
     r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
     d = torch.arange(head_dim)
-    return torch.cat([d[:r], d[2 * r: 2 * r + rest], d[r: 2 * r], d[2 * r + rest:]])
+    firsts, seconds = (d[0:2 * r:2], d[1:2 * r:2]) if interleaved else (d[:r], d[r:2 * r])
+    return torch.cat([firsts, d[2 * r: 2 * r + rest], seconds, d[2 * r + rest:]])
 
 
 def _partial_rotary_rows(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
                          ) -> Iterable[tuple[str, torch.Tensor]]:
     """The checkpoint's q and k rows (weights, biases, fused qkv's q and k parts; per-head q/k
-    norms' weights) in partial_rotary_order, head by head."""
+    norms' weights) in partial_rotary_order, head by head (a partial or interleaved rotary)."""
     D = config.head_dim
-    order = partial_rotary_order(D, config.rope_dim)
+    order = partial_rotary_order(D, config.rope_dim, config.rotary_interleaved)
     q_rows, kv_rows = config.num_attention_heads * D, config.num_key_value_heads * D
 
     def heads(rows: int) -> torch.Tensor:  # the order over `rows` rows of whole heads

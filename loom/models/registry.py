@@ -6,6 +6,7 @@ from torch import nn
 
 from loom.config import ConfigError, ModelConfig
 from loom.models.gemma import GemmaForCausalLM
+from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 
@@ -20,6 +21,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up come fused in the checkpoint
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # NoPE layers (ModelConfig.nope_layers)
     "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers (ModelConfig), folded
+    "GlmForCausalLM": LlamaForCausalLM,  # interleaved partial rotary
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,

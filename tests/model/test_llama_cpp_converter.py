@@ -40,6 +40,9 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()),
                                       "tokenizer_class": "GPT2Tokenizer"}))
+    if name == "glm4":  # the converter names GLM's <|user|> turn token: SmolLM2's <filename>
+        tokenizer = folder / "tokenizer.json"
+        tokenizer.write_text(tokenizer.read_text().replace("<filename>", "<|user|>"))
     out = tmp_path / f"{name}-{outtype}.gguf"
     run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", outtype,
                           "--outfile", str(out)], capture_output=True, text=True, timeout=300)
@@ -67,11 +70,14 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("smollm3", {"nope_layers": (3,), "architecture": "SmolLM3ForCausalLM"}),
     ("granite", {"residual_multiplier": pytest.approx(0.22), "logits_scaling": 8.0,
                  "architecture": "GraniteForCausalLM"}),
+    ("glm4", {"rotary_dim": 8, "rotary_interleaved": True, "attention_bias": True,
+              "architecture": "Glm4ForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
-    rope.scaling keys), SmolLM3's NoPE layers (llama.cpp's every 4th) and Granite's multipliers
-    (its *_scale keys) read from the converter's files give transformers' logits."""
+    rope.scaling keys), SmolLM3's NoPE layers (llama.cpp's every 4th), Granite's multipliers
+    (its *_scale keys) and GLM-4 (interleaved partial rotary, its output norms) read from the
+    converter's files give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
