@@ -84,7 +84,7 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
         self.thread_ids.add(threading.get_ident())
         if prompt == []:
             raise InvalidRequestError("the prompt is empty", param="prompt")
