@@ -14,8 +14,8 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig, LlamaConfig,
-        MistralConfig,
+        Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
+        LlamaConfig, MistralConfig,
         MixtralConfig, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
@@ -82,12 +82,15 @@ def _configs() -> dict[str, object]:
         # GLM: RoPE on half of each head's dims, interleaved pairs; GLM-4's sandwich norms
         "glm4": Glm4Config(**TINY, head_dim=16, pad_token_id=0, eos_token_id=2),
         "glm": GlmConfig(**TINY, head_dim=16, pad_token_id=0, eos_token_id=2),
+        # ERNIE 4.5: GLM's interleaved pairs over the whole head
+        "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2),
     }
 
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm"]
+         "granite", "glm4", "glm", "ernie4_5"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -145,6 +145,12 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     if field(reader, f"{arch}.expert_count"):
         extra.update(_moe_fields(reader, arch, path))
     architecture = extra.pop("architecture", _ARCHITECTURES[arch])
+    if arch == "granite":  # its multipliers (llama.cpp's names)
+        extra.update(
+            embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
+            residual_multiplier=float(field(reader, f"{arch}.residual_scale") or 1.0),
+            attention_multiplier=field(reader, f"{arch}.attention.scale"),
+            logits_scaling=float(field(reader, f"{arch}.logit_scale") or 1.0))
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(vocab),
@@ -167,11 +173,6 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         pooling=_pooling(reader, arch, path),
         rotary_interleaved=arch == "glm4",  # llama.cpp's GPT-J pairs over rope.dimension_count
-        # Granite's multipliers (llama.cpp's names)
-        embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
-        residual_multiplier=float(field(reader, f"{arch}.residual_scale") or 1.0),
-        attention_multiplier=field(reader, f"{arch}.attention.scale"),
-        logits_scaling=float(field(reader, f"{arch}.logit_scale") or 1.0),
         # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
         nope_layers=tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" else (),
         **extra,

@@ -168,7 +168,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         glm = arch in _GLMS
-        head_dim = int(cfg.get("head_dim") or (128 if glm else hidden // heads))
+        interleaved = glm or arch == "Ernie4_5ForCausalLM"  # (2i, 2i + 1) pairs
+        if arch == "Ernie4_5ForCausalLM" and cfg.get("use_bias"):
+            raise ConfigError(f"{path}: Ernie4_5ForCausalLM with use_bias=true is not supported")
+        head_dim = int(cfg.get("head_dim") or (128 if interleaved else hidden // heads))
         theta, scaling = _rope(cfg)
         rotary_dim = _rotary_dim(cfg, scaling, head_dim, 0.5 if glm else 1.0)
         if scaling is not None:
@@ -197,9 +200,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             arch == "Ernie4_5ForCausalLM")),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", glm)),
-            rotary_interleaved=glm,
+            rotary_interleaved=interleaved,
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             hidden_act=cfg.get("hidden_act", "silu"),

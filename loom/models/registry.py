@@ -23,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": LlamaForCausalLM,  # its multipliers (ModelConfig), folded
     "GlmForCausalLM": LlamaForCausalLM,  # interleaved partial rotary
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,  # interleaved rotary pairs over the whole head
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,

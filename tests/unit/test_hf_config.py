@@ -51,3 +51,19 @@ def test_full_rotary_and_bad_fractions(tmp_path) -> None:
     assert _read(tmp_path, {**PHI4_MINI, "partial_rotary_factor": 1.0}).rotary_dim == 0
     with pytest.raises(ConfigError, match="rotary_dim must be even"):
         _read(tmp_path, {**PHI4_MINI, "partial_rotary_factor": 0.2})  # 25 of 128 dims
+
+
+def test_glm_and_ernie_defaults_are_their_config_classes(tmp_path) -> None:
+    """Fields a GLM or ERNIE 4.5 config.json may leave out take transformers' class defaults
+    (partial rotary 0.5, attention bias, head_dim 128; ERNIE's tied embeddings), and ERNIE's
+    biases on every linear are refused by name."""
+    base = {"vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1024,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    glm = _read(tmp_path, {**base, "architectures": ["Glm4ForCausalLM"]})
+    assert (glm.head_dim, glm.rotary_dim, glm.rotary_interleaved, glm.attention_bias) == (
+        128, 64, True, True)
+    ernie = _read(tmp_path, {**base, "architectures": ["Ernie4_5ForCausalLM"]})
+    assert (ernie.head_dim, ernie.rotary_dim, ernie.rotary_interleaved,
+            ernie.tie_word_embeddings) == (128, 0, True, True)
+    with pytest.raises(ConfigError, match="use_bias"):
+        _read(tmp_path, {**base, "architectures": ["Ernie4_5ForCausalLM"], "use_bias": True})
