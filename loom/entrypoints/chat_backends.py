@@ -140,6 +140,7 @@ class RemoteBackend:
                 **{k: v for k, v in settings.items() if v is not None}}
         self.stats = stats = AnswerStats()
         timer = _Timer()
+        thinking = False  # inside a reasoning_content block: shown as the model wrote it
         try:
             with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -162,7 +163,14 @@ class RemoteBackend:
                             "cached_tokens")
                     for choice in event.get("choices") or []:
                         stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
-                        delta = (choice.get("delta") or {}).get("content")
+                        parts = choice.get("delta") or {}
+                        thought, answer = parts.get("reasoning_content"), parts.get("content")
+                        delta = ""  # a split-off thinking block (--reasoning-parser) rejoined
+                        if thought:
+                            delta, thinking = ("" if thinking else "<think>") + thought, True
+                        if answer:
+                            delta += ("</think>\n\n" if thinking else "") + answer
+                            thinking = False
                         if delta:
                             timer.token()
                             stats.completion_tokens += 1  # the usage event, last, has the count

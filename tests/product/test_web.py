@@ -25,7 +25,8 @@ WAIT_S = 120
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess([*ENGINE_ARGS, "--max-num-seqs", "8"]).start()
+    srv = ServerProcess([*ENGINE_ARGS, "--max-num-seqs", "8",
+                         "--reasoning-parser", "deepseek_r1"]).start()
     yield srv
     srv.stop()
 
@@ -125,6 +126,52 @@ def test_chat_streams_stops_and_keeps_the_conversation(browser, server, tmp_path
     assert _assistant(d)[0].find_element("css selector", ".body").text == first_text
     assert _assistant(d)[1].find_element("css selector", ".body").text == partial
     assert "stopped" in _assistant(d)[1].find_element("css selector", ".msg-stats").text
+
+
+def test_thinking_shows_in_a_block_above_the_answer(browser, server) -> None:
+    """A reply that opens with a thinking block (made so by a regex the test adds to the page's
+    request body): the page shows its reasoning_content in a "Thinking" block, escaped, and the
+    answer below it; the thinking is not sent back as part of the conversation."""
+    d = browser
+    d.get(f"{server.url}/")
+    d.execute_script("localStorage.clear()")
+    d.refresh()
+    _wait(d, lambda d: _by_id(d, "model-label").text == "smollm2", message="model not listed")
+    d.execute_script(
+        "const plain = requestBody; window.bodies = [];"
+        "requestBody = (c) => { const b = { ...plain(c), temperature: 0, max_tokens: 48,"
+        "  structured_outputs: { regex: arguments[0] } }; window.bodies.push(b); return b; };",
+        "<think>[a-z <]{8,24}</think>\n[A-Z][a-z ]{3,20}\\.")
+    _send(d, "Is the sky blue?")
+    _wait(d, lambda d: len(_assistant(d)) == 1 and "tokens" in _assistant(d)[0].find_element(
+        "css selector", ".msg-stats").text, message="no finished answer")
+    body = _assistant(d)[0].find_element("css selector", ".body")
+    thinking = body.find_elements("css selector", "details.thinking")
+    assert len(thinking) == 1 and thinking[0].text.startswith("Thinking")
+    assert d.execute_script("return arguments[0].querySelector('div').textContent",
+                            thinking[0]).strip()
+    assert not body.find_elements("css selector", "details.thinking script, details.thinking b")
+    answer = d.execute_script("return [...arguments[0].childNodes].filter(n => n.tagName !== "
+                              "'DETAILS').map(n => n.textContent).join('')", body)
+    assert answer.strip()[0].isupper() and answer.strip().endswith(".") and "think" not in answer
+    _send(d, "And the grass?")
+    _wait(d, lambda d: d.execute_script("return window.bodies.length") == 2)
+    sent = d.execute_script("return window.bodies[1].messages")
+    assert all("think" not in (m.get("content") or "") for m in sent), sent
+
+
+def test_terminal_chat_shows_split_thinking_as_the_model_wrote_it(server) -> None:
+    """`loom chat --url` against a server that splits thinking off: the streamed answer is the
+    model's own text again, thinking block and all."""
+    from loom.entrypoints.chat_backends import RemoteBackend
+
+    settings = {"temperature": 0, "max_tokens": 48, "structured_outputs": {
+        "regex": "<think>[a-z ]{8,24}</think>\n\n[A-Z][a-z ]{3,20}\\."}}
+    text = "".join(RemoteBackend(server.url).stream(
+        [{"role": "user", "content": "Is the sky blue?"}], settings, lambda: False))
+    thought, _, answer = text.partition("</think>\n\n")
+    assert thought.startswith("<think>") and len(thought) > len("<think>") + 7
+    assert answer and answer[0].isupper() and answer.endswith("."), text
 
 
 def test_markdown_is_escaped(browser, server) -> None:

@@ -1,6 +1,7 @@
 """A second server with an API key (from LOOM_API_KEY), two running sequences and a waiting
-queue of one, scheduled by priority: 401s, 429, a better-ranked request preempting a running
-one, and, last because it ends the server, graceful shutdown on SIGTERM."""
+queue of one, scheduled by priority, splitting thinking blocks off (--reasoning-parser
+deepseek_r1): 401s, 429, a better-ranked request preempting a running one, reasoning_content,
+and, last because it ends the server, graceful shutdown on SIGTERM."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def admin_server() -> ServerProcess:
         # Room for a request that outlasts the grace period at any speed (_long).
         [*ENGINE_ARGS, "--max-model-len", "4096", "--max-num-seqs", "2",
          "--max-waiting-requests", "1", "--scheduling-policy", "priority",
+         "--reasoning-parser", "deepseek_r1",
          "--timeout-graceful-shutdown", str(GRACE_S), "--served-model-name", "loom-test"],
         env={"LOOM_API_KEY": KEY},
     )
@@ -145,6 +147,31 @@ def test_a_better_priority_preempts_a_running_request(admin_server: ServerProces
     assert finish == "length" and alive == 2 and all(more)
     assert admin_server.metrics()["loom:num_preemptions_total"] >= before + 1
     admin_server.wait_idle()  # both dropped streams were aborted
+
+
+def test_thinking_block_is_reasoning_content(admin_server: ServerProcess) -> None:
+    """A reply made (by a regex) to open with a <think> block: its text is the message's
+    reasoning_content and the rest its content, the same streamed (delta.reasoning_content)
+    as whole; a reply without one keeps all its text as content."""
+    client = openai.OpenAI(base_url=f"{admin_server.url}/v1", api_key=KEY, max_retries=0)
+    pattern = "<think>[a-z ]{8,24}</think>\n[A-Z][a-z ]{3,20}\\."
+    kwargs: dict[str, Any] = dict(
+        model="loom-test", messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=48, temperature=0, extra_body={"structured_outputs": {"regex": pattern}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    reasoning = whole.message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert whole.message.content and whole.message.content[0].isupper()
+    assert whole.message.content.endswith(".") and "think>" not in whole.message.content
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["content"] += delta.content or ""
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": reasoning, "content": whole.message.content}
+    plain = client.chat.completions.create(**{**kwargs, "extra_body": {}}).choices[0].message
+    assert plain.model_extra["reasoning_content"] is None and plain.content
 
 
 def test_graceful_shutdown(admin_server: ServerProcess) -> None:

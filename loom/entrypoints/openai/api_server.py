@@ -268,6 +268,7 @@ def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
         engine=async_engine, tokenizer=engine.tokenizer, model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,
         log_requests=not args.disable_log_requests, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         max_token_chars=engine.tokenizer.max_token_chars,
     )
     app = build_app(ctx, metrics, args.api_key, args.max_request_body_bytes)

@@ -10,6 +10,7 @@ from loom.engine.arg_utils import (
     LOG_LEVELS, SERVER, flag, non_negative_float, non_negative_int, positive_int,
 )
 from loom.tools.parsers import PARSERS
+from loom.tools.reasoning import MODES as REASONING_MODES
 
 DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
@@ -26,6 +27,12 @@ class ServerArgs:
     tool_call_parser: str = flag(
         "auto", "how tool calls appear in the model's output; auto: from the chat template "
                 "(hermes when the template knows no tools)", SERVER, choices=("auto", *PARSERS))
+    reasoning_parser: str = flag(
+        "auto", "a thinking model's `<think> ... </think>` block goes to the message's "
+                "`reasoning_content` (streamed as delta.reasoning_content), the rest to "
+                "`content`; auto: where the chat template knows such blocks; deepseek_r1 / "
+                "qwen3 (vLLM's names): always; none: left in content", SERVER,
+        choices=REASONING_MODES)
     max_waiting_requests: int | None = flag(
         None, "answer 429 (with Retry-After) when this many requests already wait to be "
               "scheduled (default: two full batches: --max-num-seqs, or as many 256-token "

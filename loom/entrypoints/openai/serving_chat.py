@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         ChatTemplateOptions,
     )
     from loom.tools.parsers import ToolCallView, ToolParser
+    from loom.tools.reasoning import ReasoningParser
 
 
 def render_messages(
@@ -186,7 +187,8 @@ async def _create(
                               add_special_tokens=False)
         params = params.clone(prediction=ids)
     request_id = new_id("chatcmpl")
-    builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser)
+    reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids)
+    builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser, reasoning)
     if req.stream:
         streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
                                      priority=req.priority)
@@ -207,7 +209,7 @@ class _Builder:
 
     def __init__(
         self, ctx: ServerContext, req: ChatCompletionRequest, request_id: str, created: int,
-        n: int, parser: ToolParser | None = None,
+        n: int, parser: ToolParser | None = None, reasoning: ReasoningParser | None = None,
     ) -> None:
         self.ctx = ctx
         self.req = req
@@ -215,6 +217,7 @@ class _Builder:
         self.created = created
         self.n = n
         self.parser = parser
+        self.reasoning = reasoning  # None: a thinking block stays in the content
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.token_name(token_id, self.req.return_tokens_as_token_ids)
@@ -236,9 +239,14 @@ class _Builder:
         """The whole (non-streamed) chat completion."""
         choices = []
         for o in final.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            text = o.text
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                split = self.reasoning.split(text, final=True)
+                text = message["content"] = split.content
+                message["reasoning_content"] = split.reasoning or None
             finish_reason = o.finish_reason
-            view = (_final_view(self.parser, o.text, finish_reason) if self.parser is not None
+            view = (_final_view(self.parser, text, finish_reason) if self.parser is not None
                     else None)
             if view is not None and view.calls:
                 message["content"] = view.content or None
@@ -275,6 +283,7 @@ class _Builder:
                                     "logprobs": None, "finish_reason": None}]))
         done: dict[int, CompletionOutput] = {}  # choice index -> its output, once finished
         tool_streams = {i: _ToolStream(self.parser) for i in range(self.n)} if self.parser else {}
+        sent = {i: ["", ""] for i in range(self.n)}  # reasoning, content streamed so far
         prompt_tokens = 0
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
@@ -284,12 +293,24 @@ class _Builder:
                 logprobs = self._logprobs(o.delta_token_ids, o.delta_logprobs)
                 has_logprobs = logprobs is not None and bool(logprobs["content"])
                 finish_reason = o.finish_reason
+                text, thought = o.text, ""
+                if self.reasoning is not None:  # the parts' growth since the last chunk
+                    split = self.reasoning.split(text, o.finished)
+                    text, done_r = split.content, sent[o.index]
+                    thought = split.reasoning[len(done_r[0]):]
+                    done_r[0] = split.reasoning
                 if self.parser is not None:
-                    delta = tool_streams[o.index].delta(o.text, o.finished, finish_reason)
+                    delta = tool_streams[o.index].delta(text, o.finished, finish_reason)
                     if o.finished and tool_streams[o.index].num_calls:
                         finish_reason = _tool_finish_reason(finish_reason)
+                elif self.reasoning is not None:
+                    grown = text[len(sent[o.index][1]):]
+                    sent[o.index][1] = text
+                    delta = {"content": grown} if grown else {}
                 else:
                     delta = {"content": o.delta_text} if o.delta_text else {}
+                if thought:
+                    delta = {"reasoning_content": thought, **delta}
                 if not (delta or o.finished or has_logprobs):
                     continue
                 choice = {"index": o.index, "delta": delta, "logprobs": logprobs,

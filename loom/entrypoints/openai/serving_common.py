@@ -22,6 +22,7 @@ from loom.engine.llm_engine import InvalidRequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.params import StructuredOutputsParams
 from loom.tools.parsers import ToolParser, parser_for_template
+from loom.tools.reasoning import ReasoningParser, opens_thinking, parser_enabled
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import AsyncEngine, RequestStream
@@ -50,6 +51,7 @@ class ServerContext:
     shutting_down: bool = False
     decoded_tokens: dict[int, str] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # a name in loom.tools.parsers.PARSERS, or "auto"
+    reasoning_parser: str = "auto"  # loom.tools.reasoning.MODES
     # The most characters of text one token stands for (the longest token); text longer than
     # max_model_len such tokens cannot fit and is refused without tokenizing it. 0: no bound.
     max_token_chars: int = 0
@@ -83,6 +85,14 @@ class ServerContext:
 
     def tool_parser(self, template: str | None) -> ToolParser:
         return parser_for_template(template, self.tool_call_parser)
+
+    def reasoning(self, template: str | None, prompt_ids: list[int]) -> ReasoningParser | None:
+        """The reasoning parser of a chat reply to `prompt_ids` (None: thinking stays in
+        content), told whether the prompt opened a thinking block itself."""
+        if not parser_enabled(self.reasoning_parser, template):
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        return ReasoningParser(opens_thinking(tail))
 
     def check_model(self, model: str | None) -> None:
         """None means the served model; any other name is a 404."""

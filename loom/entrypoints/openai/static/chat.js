@@ -79,12 +79,28 @@ function renderSidebar() {
   }
 }
 
+// An answer's Markdown (escaped inside), under its thinking (reasoning_content, from a model that
+// thinks before it answers) as plain text in a collapsed block, open while nothing else came.
+function renderAssistant(body, m) {
+  body.innerHTML = LoomMarkdown.render(m.content);
+  if (!m.reasoning) return;
+  const details = document.createElement("details");
+  details.className = "thinking";
+  details.open = !m.content;
+  const summary = document.createElement("summary");
+  summary.textContent = "Thinking";
+  const text = document.createElement("div");
+  text.textContent = m.reasoning;
+  details.append(summary, text);
+  body.prepend(details);
+}
+
 function messageNode(m) {
   const div = document.createElement("div");
   div.className = `msg ${m.role}`;
   const body = document.createElement("div");
   body.className = "body";
-  if (m.role === "assistant") body.innerHTML = LoomMarkdown.render(m.content);  // escaped inside
+  if (m.role === "assistant") renderAssistant(body, m);
   else body.textContent = m.content;
   div.append(body);
   if (m.role === "assistant") {
@@ -223,13 +239,14 @@ async function send(text) {
       if (ev.usage) usage = ev.usage;
       const choice = ev.choices?.[0];
       if (!choice) return;
-      const delta = choice.delta?.content || "";
-      if (delta) {
+      const delta = choice.delta?.content || "", thought = choice.delta?.reasoning_content || "";
+      if (delta || thought) {
         tLast = performance.now();
         if (tFirst === null) tFirst = tLast;
         chunks++;
         answer.content += delta;
-        body.innerHTML = LoomMarkdown.render(answer.content);
+        if (thought) answer.reasoning = (answer.reasoning || "") + thought;
+        renderAssistant(body, answer);
         $("messages").scrollTop = $("messages").scrollHeight;
       }
       if (choice.finish_reason) finish = choice.finish_reason;
