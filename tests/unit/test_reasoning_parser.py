@@ -41,3 +41,21 @@ def test_prompts_that_open_a_block_and_templates_that_know_one() -> None:
     qwen3 = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
     assert parser_enabled("auto", qwen3) and not parser_enabled("auto", "{{ messages }}")
     assert not parser_enabled("none", qwen3) and parser_enabled("deepseek_r1", None)
+
+
+def test_server_context_starts_in_thinking_only_when_unconstrained() -> None:
+    """A prompt that ends inside <think> starts the reply as reasoning, unless a grammar
+    (structured output, forced tool calls) chose the reply's first tokens."""
+    from loom.entrypoints.openai.serving_common import ServerContext
+    from loom.loader.resolve import resolve_model
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(None))
+    ctx = ServerContext(engine=None, tokenizer=tok, model_name="m", max_model_len=64,
+                        reasoning_parser="deepseek_r1")
+    opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert ctx.reasoning(None, opened).started
+    assert not ctx.reasoning(None, opened, constrained=True).started
+    assert not ctx.reasoning(None, tok.encode("<|im_start|>assistant\n")).started
+    assert ServerContext(engine=None, tokenizer=tok, model_name="m", max_model_len=64,
+                         reasoning_parser="auto").reasoning("{{ x }}", opened) is None

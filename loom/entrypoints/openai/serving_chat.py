@@ -187,7 +187,8 @@ async def _create(
                               add_special_tokens=False)
         params = params.clone(prediction=ids)
     request_id = new_id("chatcmpl")
-    reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids)
+    reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids,
+                              params.structured_outputs is not None)
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser, reasoning)
     if req.stream:
         streams = await add_requests(ctx, request_id, [prompt_ids], params, source,

@@ -86,13 +86,16 @@ class ServerContext:
     def tool_parser(self, template: str | None) -> ToolParser:
         return parser_for_template(template, self.tool_call_parser)
 
-    def reasoning(self, template: str | None, prompt_ids: list[int]) -> ReasoningParser | None:
+    def reasoning(self, template: str | None, prompt_ids: list[int],
+                  constrained: bool = False) -> ReasoningParser | None:
         """The reasoning parser of a chat reply to `prompt_ids` (None: thinking stays in
-        content), told whether the prompt opened a thinking block itself."""
+        content), told whether the prompt opened a thinking block itself. A `constrained`
+        reply (structured output, forced tool calls) is what its grammar allowed from its
+        first token: it has reasoning only if it writes a <think> block itself."""
         if not parser_enabled(self.reasoning_parser, template):
             return None
         tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-        return ReasoningParser(opens_thinking(tail))
+        return ReasoningParser(opens_thinking(tail) and not constrained)
 
     def check_model(self, model: str | None) -> None:
         """None means the served model; any other name is a 404."""
