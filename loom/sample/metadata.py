@@ -7,6 +7,7 @@ at all. Anything optional is `None` when no row in the batch uses it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -20,29 +21,24 @@ if TYPE_CHECKING:
 
 
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Raise `SamplingParamsError` if `logit_bias` or `stop_token_ids` name a token >= vocab_size.
+    """Raise `SamplingParamsError` if `logit_bias`, `stop_token_ids`, `allowed_token_ids` or
+    `bad_words_token_ids` name a token >= vocab_size.
 
     `SamplingParams` cannot check this itself (it knows no vocabulary); the engine should call
     this when a request arrives so a bad id is rejected before it reaches a batch.
     """
-    for tok in params.logit_bias or ():
-        if tok >= vocab_size:
-            raise SamplingParamsError(
-                "logit_bias", f"logit_bias token id {tok} is out of range (vocab_size {vocab_size})"
-            )
-    for tok in params.stop_token_ids:
-        if tok >= vocab_size:
-            raise SamplingParamsError(
-                "stop_token_ids",
-                f"stop_token_ids token id {tok} is out of range (vocab_size {vocab_size})",
-            )
-    lists = [("allowed_token_ids", params.allowed_token_ids or [])]
-    lists += [("bad_words_token_ids", word) for word in params.bad_words_token_ids or ()]
-    for name, ids in lists:  # max(): C speed over a list as long as the vocabulary
-        top = max(ids, default=-1)
-        if top >= vocab_size:
-            raise SamplingParamsError(
-                name, f"{name} token id {top} is out of range (vocab_size {vocab_size})")
+    _check_ids("logit_bias", params.logit_bias or (), vocab_size)
+    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    _check_ids("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
+    for word in params.bad_words_token_ids or ():
+        _check_ids("bad_words_token_ids", word, vocab_size)
+
+
+def _check_ids(name: str, ids: Iterable[int], vocab_size: int) -> None:
+    top = max(ids, default=-1)  # max(): C speed over a list as long as the vocabulary
+    if top >= vocab_size:
+        raise SamplingParamsError(
+            name, f"{name} token id {top} is out of range (vocab_size {vocab_size})")
 
 
 def _allowed_ids(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -50,7 +46,7 @@ def _allowed_ids(params: SamplingParams, vocab_size: int, device: torch.device) 
     the whole vocabulary (or more, repeated) would otherwise cost every step ~20 ms."""
     cached = params.__dict__.get("_allowed_ids")
     if cached is None or cached.device != device:
-        check_token_ids_in_vocab(params, vocab_size)
+        _check_ids("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
         ids = sorted(set(params.allowed_token_ids or ()))
         cached = params.__dict__["_allowed_ids"] = torch.tensor(ids, dtype=torch.long,
                                                                 device=device)
@@ -239,12 +235,12 @@ def _sparse_fields(
     ban_tokens: list[int] = []
     for i, p in enumerate(params):
         if p.logit_bias:
-            check_token_ids_in_vocab(p, vocab_size)
+            _check_ids("logit_bias", p.logit_bias, vocab_size)
             bias_rows.extend([i] * len(p.logit_bias))
             bias_tokens.extend(p.logit_bias.keys())
             bias_values.extend(p.logit_bias.values())
         if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-            check_token_ids_in_vocab(p, vocab_size)
+            _check_ids("stop_token_ids", p.stop_token_ids, vocab_size)
             banned = sorted(set(eos_token_ids).union(p.stop_token_ids))
             ban_rows.extend([i] * len(banned))
             ban_tokens.extend(banned)
