@@ -79,6 +79,15 @@ def _rank(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
+def _insert_by_rank(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Into a queue kept in _rank order, after its equals (searched from the back, where
+    arrivals usually land)."""
+    i = len(queue)
+    while i and _rank(queue[i - 1]) > _rank(request):
+        i -= 1
+    queue.insert(i, request)
+
+
 @dataclass(slots=True)
 class _Step:
     """What one schedule() call has decided so far."""
@@ -149,13 +158,10 @@ class Scheduler:
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at the back (`front`: a preempted request, at the front), or
         under the priority policy in (priority, arrival) order, after its equals."""
-        if not self.by_priority:
+        if self.by_priority:
+            _insert_by_rank(self.waiting, request)
+        else:
             self.waiting.appendleft(request) if front else self.waiting.append(request)
-            return
-        i = len(self.waiting)
-        while i and _rank(self.waiting[i - 1]) > _rank(request):
-            i -= 1
-        self.waiting.insert(i, request)
 
     def _resolve_max_tokens(self, request: Request) -> None:
         """Reject requests too long for max_model_len or the whole cache; with max_tokens None,
@@ -365,10 +371,10 @@ class Scheduler:
     def _run(self, request: Request) -> None:
         """Into `running`: at the end, or under the priority policy in (priority, arrival)
         order (so that the last running request is always the one to preempt)."""
-        i = len(self.running)
-        while self.by_priority and i and _rank(self.running[i - 1]) > _rank(request):
-            i -= 1
-        self.running.insert(i, request)
+        if self.by_priority:
+            _insert_by_rank(self.running, request)
+        else:
+            self.running.append(request)
 
     def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
         """A step's time, from the engine: of a decode-only step (every scheduled request one

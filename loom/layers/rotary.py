@@ -26,6 +26,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention scaling for a context `factor` times the original (transformers' and
+    llama.cpp's 0.1 m ln(factor) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any],
                    max_position: int) -> tuple[torch.Tensor, float]:
     """YaRN (Qwen's and DeepSeek's long contexts; transformers' `_compute_yarn_parameters`):
@@ -36,13 +42,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict
     factor = scaling.get("factor")
     factor = float(factor) if factor is not None else max_position / orig
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attn = scaling.get("attention_factor")
     if attn is None:
         m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attn = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                else yarn_mscale(factor))
     beta_fast = float(scaling.get("beta_fast") or 32)
     beta_slow = float(scaling.get("beta_slow") or 1)
 

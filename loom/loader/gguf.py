@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import re
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from loom.config import ConfigError, ModelConfig, interleaved_layer_types
+from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.loader.release import drop_pages
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
@@ -269,8 +269,7 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
                     int(field(reader, f"{arch}.rope.scaling.original_context_length")),
                 "beta_fast": field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
                 "beta_slow": field(reader, f"{arch}.rope.scaling.yarn_beta_slow"),
-                "attention_factor": None if attn is None else
-                float(attn) * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)}
+                "attention_factor": None if attn is None else float(attn) * yarn_mscale(factor)}
     raise ConfigError(f"unsupported GGUF rope scaling {kind!r}")
 
 

@@ -30,13 +30,12 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling
 
 
-def _rotary_dim(cfg: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int,
-                default: float = 1.0) -> int:
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, default: float = 1.0) -> int:
     """The dims RoPE rotates: head_dim times `partial_rotary_factor` (top level, as Phi-4-mini
     writes it, or inside rope_parameters / rope_scaling; else `default`, the config class's:
     GLM's 0.5), as transformers rounds it; 0: all."""
     factor = cfg.get("partial_rotary_factor")
-    for params in (cfg.get("rope_parameters"), cfg.get("rope_scaling"), scaling):
+    for params in (cfg.get("rope_parameters"), cfg.get("rope_scaling")):
         if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
             params = params["full_attention"]
         if factor is None and isinstance(params, dict):
@@ -173,7 +172,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             raise ConfigError(f"{path}: Ernie4_5ForCausalLM with use_bias=true is not supported")
         head_dim = int(cfg.get("head_dim") or (128 if interleaved else hidden // heads))
         theta, scaling = _rope(cfg)
-        rotary_dim = _rotary_dim(cfg, scaling, head_dim, 0.5 if glm else 1.0)
+        rotary_dim = _rotary_dim(cfg, head_dim, 0.5 if glm else 1.0)
         if scaling is not None:
             scaling.pop("partial_rotary_factor", None)  # (rotary_dim says it)
         sliding = cfg.get("sliding_window") if arch in _SLIDING else None

@@ -180,12 +180,12 @@ class LlamaModel(nn.Module):
             self.layer_cls(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.residual_norm_eps)
-        # Granite's multipliers, folded: the residual stream carries h / residual_multiplier
-        # (so each branch's output adds as it is, with residual_norm_eps the norms see the same
-        # values) from embeddings scaled by embedding_multiplier / residual_multiplier; the
-        # logits' divisor is folded into the final norm's weight at load (load_weights).
-        if config.embedding_multiplier != 1.0 or config.residual_multiplier != 1.0:
-            self.embed_scale = config.embedding_multiplier / config.residual_multiplier
+        # Granite's multipliers, folded (1 elsewhere): the residual stream carries h /
+        # residual_multiplier (so each branch's output adds as it is, with residual_norm_eps
+        # the norms see the same values) from embeddings scaled by embedding_multiplier /
+        # residual_multiplier; the logits' divisor is folded into the final norm's weight at
+        # load (load_weights).
+        self.embed_scale = config.embedding_multiplier / config.residual_multiplier
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
             config.rope_dim,

@@ -39,6 +39,7 @@ from loom.entrypoints.openai.protocol import NamedToolChoice
 from loom.structured.params import StructuredOutputsParams
 from loom.tokenizer.tokenizer import ChatTemplateError, template_kwargs
 from loom.tools.chat import prepare_conversation
+from loom.tools.reasoning import ReasoningParser, ReasoningSplit
 
 if TYPE_CHECKING:
     from loom.core.sched_output import Logprobs
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
         ChatTemplateOptions,
     )
     from loom.tools.parsers import ToolCallView, ToolParser
-    from loom.tools.reasoning import ReasoningParser
 
 
 def render_messages(
@@ -284,7 +284,7 @@ class _Builder:
                                     "logprobs": None, "finish_reason": None}]))
         done: dict[int, CompletionOutput] = {}  # choice index -> its output, once finished
         tool_streams = {i: _ToolStream(self.parser) for i in range(self.n)} if self.parser else {}
-        sent = {i: ["", ""] for i in range(self.n)}  # reasoning, content streamed so far
+        sent = {i: ReasoningSplit("", "") for i in range(self.n)}  # streamed so far
         prompt_tokens = 0
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
@@ -294,22 +294,18 @@ class _Builder:
                 logprobs = self._logprobs(o.delta_token_ids, o.delta_logprobs)
                 has_logprobs = logprobs is not None and bool(logprobs["content"])
                 finish_reason = o.finish_reason
-                text, thought = o.text, ""
+                text, thought, grown = o.text, "", o.delta_text
                 if self.reasoning is not None:  # the parts' growth since the last chunk
                     split = self.reasoning.split(text, o.finished)
-                    text, done_r = split.content, sent[o.index]
-                    thought = split.reasoning[len(done_r[0]):]
-                    done_r[0] = split.reasoning
+                    before, sent[o.index] = sent[o.index], split
+                    text, thought = split.content, split.reasoning[len(before.reasoning):]
+                    grown = text[len(before.content):]
                 if self.parser is not None:
                     delta = tool_streams[o.index].delta(text, o.finished, finish_reason)
                     if o.finished and tool_streams[o.index].num_calls:
                         finish_reason = _tool_finish_reason(finish_reason)
-                elif self.reasoning is not None:
-                    grown = text[len(sent[o.index][1]):]
-                    sent[o.index][1] = text
-                    delta = {"content": grown} if grown else {}
                 else:
-                    delta = {"content": o.delta_text} if o.delta_text else {}
+                    delta = {"content": grown} if grown else {}
                 if thought:
                     delta = {"reasoning_content": thought, **delta}
                 if not (delta or o.finished or has_logprobs):

@@ -137,6 +137,7 @@ class _Builder:
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         as_id = self.req.return_tokens_as_token_ids
+        n = 1 + (self.req.logprobs or 0)  # (prompt entries may hold vLLM's prompt_logprobs)
         for token_id, lp in entries:
             text = self.ctx.token_text(token_id)
             name = self.ctx.token_name(token_id, as_id)
@@ -148,7 +149,6 @@ class _Builder:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(logprob_value(lp.logprobs[0]))
-            n = 1 + (self.req.logprobs or 0)  # (prompt entries may hold vLLM's prompt_logprobs)
             top = {self.ctx.token_name(t, as_id): logprob_value(v)
                    for t, v in zip(lp.token_ids[1:n], lp.logprobs[1:n])}
             top.setdefault(name, logprob_value(lp.logprobs[0]))
