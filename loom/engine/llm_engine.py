@@ -473,7 +473,12 @@ class LLMEngine:
         if out.prediction_tokens is not None:
             o.accepted_prediction_tokens, o.rejected_prediction_tokens = out.prediction_tokens
         finish, stop_reason = out.finish_reason, out.stop_reason
-        stop_str = child.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+        # The token that stopped the request (EOS, a stop_token_ids entry) adds no text unless
+        # include_stop_str_in_output (vLLM's rule; visible with skip_special_tokens=False)
+        text_ids = out.new_token_ids
+        if text_ids and self._stopped_by_token(parent.params, finish, stop_reason, text_ids[-1]):
+            text_ids = text_ids[:-1]
+        stop_str = child.detokenizer.update(text_ids) if text_ids else None
         # A step of several tokens (accepted drafts, steps ahead) may have ended by its last
         # token's rule (max_tokens, a stop token) after a stop string completed at an earlier
         # one: the string came first, as one token a step would have found it.
@@ -488,6 +493,16 @@ class LLMEngine:
             parent.num_finished += 1
         parent.touched.add(out.req_id)
         return parent_id
+
+    def _stopped_by_token(self, params: SamplingParams, finish: object, stop_reason: object,
+                          last: int) -> bool:
+        """Whether `last` ended the request as a stop token whose text stays out."""
+        if finish != FinishReason.STOP or params.include_stop_str_in_output:
+            return False
+        if isinstance(stop_reason, int):  # a stop_token_ids entry (check_stop's stop_reason)
+            return True
+        # EOS (a completed structured output also stops with no reason, on its last real token)
+        return stop_reason is None and not params.ignore_eos and last in self.eos_token_ids
 
     def _emit(self, parent_id: str) -> RequestOutput:
         parent = self.parents[parent_id]

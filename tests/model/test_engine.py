@@ -199,6 +199,30 @@ def test_stop_string_before_the_last_rule_of_a_step_ahead(make_llm) -> None:
 
 
 @pytest.mark.slow
+def test_the_stop_tokens_text_stays_out_of_the_output(make_llm) -> None:
+    """vLLM's rule: the token that stopped a request (EOS, a stop_token_ids entry) adds no text
+    unless include_stop_str_in_output; its id stays in token_ids. Seen with skip_special_tokens
+    off (the tool parsers keep special markers so): the text ended in `<|im_end|>`."""
+    llm = make_llm(None)
+    eos = llm.get_tokenizer().encode("<|im_end|>", add_special_tokens=False)
+    prompt = [[{"role": "user", "content": "Say hi"}]]
+    plain = SamplingParams(temperature=0.0, max_tokens=40, skip_special_tokens=False)
+    cases = [plain, plain.clone(include_stop_str_in_output=True)]
+    free = llm.chat(prompt, cases[0], use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "stop" and list(free.token_ids[-1:]) == eos
+    second = free.token_ids[1]  # a plain token as the stop token
+    cases += [plain.clone(stop_token_ids=[second]),
+              plain.clone(stop_token_ids=[second], include_stop_str_in_output=True)]
+    outs = [o.outputs[0] for o in llm.chat(prompt * 4, cases, use_tqdm=False)]
+    tok = llm.get_tokenizer()
+    assert outs[0].text == tok.decode(free.token_ids[:-1], skip_special_tokens=False)
+    assert outs[1].text == outs[0].text + "<|im_end|>"
+    assert list(outs[2].token_ids) == list(free.token_ids[:2]) and outs[2].stop_reason == second
+    assert outs[2].text == tok.decode(free.token_ids[:1], skip_special_tokens=False)
+    assert outs[3].text == tok.decode(free.token_ids[:2], skip_special_tokens=False)
+
+
+@pytest.mark.slow
 def test_repeated_greedy_request_same_with_the_prefix_cache(make_llm) -> None:
     """Loom's default kernels (not batch-invariant: a step of up to 8 rows runs the decode
     kernels, of more the batch kernels, other bits): a greedy request repeated is answered
