@@ -89,7 +89,8 @@ class LLM:
         `tools` (OpenAI function definitions) reach the model as the server passes them: through
         the template when it knows tools, else as a Hermes-style system prompt. Messages may hold
         assistant `tool_calls` and `role: "tool"` results. Parse replies with
-        `loom.tools.parsers.parser_for_template(llm.engine.tokenizer.chat_template)`.
+        `loom.tools.parsers.parser_for_template(llm.engine.tokenizer.chat_template)` (where its
+        `MARKERS` are special tokens, as Mistral's, decode with skip_special_tokens=False).
         """
         options = template_kwargs(add_generation_prompt, continue_final_message,
                                   chat_template_kwargs)

@@ -121,6 +121,10 @@ class LLGuidanceBackend:
                                    f"{matcher.error or 'a token was rejected'}")
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
+        text = self._constraint_text(params)
+        return text if params.thinking is None else _after_thinking(text, params.thinking)
+
+    def _constraint_text(self, params: StructuredOutputsParams) -> str:
         llg = self._llg.LLMatcher
         kind = params.kind
         try:
@@ -141,6 +145,24 @@ class LLGuidanceBackend:
             return self._llg.grammar_from("grammar", params.grammar)
         except (ValueError, TypeError, RecursionError) as e:
             raise GrammarError(f"invalid {kind}: {_first_lines(str(e))}") from None
+
+
+# A thinking block's text: the shortest that ends in the closing tag (lazy), then blanks.
+_THINKING = 'think[lazy]: /(?s:.*)<\\/think>/\nblank: /[ \\t\\r\\n]*/\n'
+
+
+def _after_thinking(grammar: str, mode: str) -> str:
+    """A compiled constraint's grammar (llguidance's JSON) behind a `<think> ... </think>`
+    block: the block's text is free, the constraint holds from the answer's first non-blank.
+    "open": the reply starts inside the block; "optional": it may start with one."""
+    # (llguidance gives JSON schemas and regexes as its JSON, Lark and GBNF as Lark text)
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {
+        "grammars": [{"lark_grammar": grammar}]}
+    answer = top["grammars"][0]
+    answer["name"] = name = answer.get("name") or "answer"
+    block = "think" if mode == "open" else '("<think>" think)?'
+    outer = {"name": "reply", "lark_grammar": f"start: {block} blank @{name}\n{_THINKING}"}
+    return json.dumps({**top, "grammars": [outer, *top["grammars"]]})
 
 
 # Tokens a new grammar is run for before it is accepted (see LLGuidanceBackend._probe).

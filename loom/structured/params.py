@@ -35,6 +35,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     any_whitespace: bool = False
     additional_properties: bool = False
+    # Set by the server, not by clients: a thinking model's reply holds its `<think>` block
+    # before the constrained answer: "open" (the prompt opened the block: free text up to
+    # `</think>` comes first) or "optional" (such a block may come first).
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -60,6 +64,9 @@ class StructuredOutputsParams:
             ):
                 raise SamplingParamsError("structured_outputs",
                                           "choice must be a non-empty list of non-empty strings")
+        if self.thinking not in (None, "open", "optional"):
+            raise SamplingParamsError("structured_outputs",
+                                      f"thinking must be 'open' or 'optional', not {self.thinking!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -81,7 +88,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise SamplingParamsError("structured_outputs",
                                       "must be a StructuredOutputsParams or a dict of its fields")
-        unknown = set(value) - {f.name for f in fields(cls)}
+        unknown = set(value) - {f.name for f in fields(cls)} | ({"thinking"} & set(value))
         if unknown:
             raise SamplingParamsError("structured_outputs",
                                       f"unknown structured_outputs field(s): {sorted(unknown)}")

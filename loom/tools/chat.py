@@ -4,7 +4,9 @@ A template that knows tools (it reads the `tools` variable, as Qwen2.5/Qwen3, Ll
 Hermes templates do) gets the OpenAI tools and messages as they are, with each call's arguments
 as a dict (the Hugging Face convention). A template that does not (SmolLM2's, plain ChatML) gets
 what Qwen2.5's template would have written: the tools in the system message, past calls as
-`<tool_call>` blocks, tool results as `<tool_response>` blocks in a user turn.
+`<tool_call>` blocks, tool results as `<tool_response>` blocks in a user turn. Where the parser
+is of another format (a template that writes its calls but lists no tools, as DeepSeek-R1's),
+the system message shows that format and past calls are written in it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loom.tools.parsers import ToolParser
 
-_TOOLS_PROMPT = """# Tools
+_TOOLS_HEADER = """# Tools
 
 You may call one or more functions to assist with the user query.
 
@@ -25,11 +27,25 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
+"""
+_TOOLS_PROMPT = _TOOLS_HEADER + """For each function call, return a json object with function \
+name and arguments within <tool_call></tool_call> XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+# The same for a parser of another format (a template that writes that format's calls but
+# does not list the tools, as DeepSeek-R1's): its own rendering of a call as the example.
+_FORMAT_PROMPT = _TOOLS_HEADER + """To call a function, reply with the call in this format:
+{example}"""
+
+
+def tools_prompt(tools: list[dict[str, Any]], parser: ToolParser) -> str:
+    """The system prompt's tools section for a template that does not render them."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if parser.name == "hermes":
+        return _TOOLS_PROMPT.format(tools=listed)
+    example = parser.render_call("<function-name>", {"<argument-name>": "<value>"})
+    return _FORMAT_PROMPT.format(tools=listed, example=example)
 
 
 def template_supports_tools(template: str | None) -> bool:
@@ -53,8 +69,7 @@ def prepare_conversation(
     native = template_supports_tools(template)
     out: list[dict[str, Any]] = []
     if tools and not native:
-        prompt = _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False)
-                                                      for t in tools))
+        prompt = tools_prompt(tools, parser)
         if messages and messages[0]["role"] == "system":
             first = dict(messages[0])
             first["content"] = f"{first['content']}\n\n{prompt}"

@@ -36,8 +36,16 @@ class ReasoningSplit:
 
 
 class ReasoningParser:
-    def __init__(self, started: bool = False) -> None:
+    def __init__(self, started: bool = False, closed: bool = False) -> None:
         self.started = started  # the prompt left a <think> block open
+        self.closed = closed  # the prompt ends past a closed block (thinking turned off)
+
+    @property
+    def constraint_mode(self) -> str | None:
+        """How a constrained reply's grammar lets it think first (StructuredOutputsParams.
+        thinking): inside the block the prompt opened, a block of its own, or not at all
+        where the prompt closed one (Qwen3's enable_thinking=False)."""
+        return "open" if self.started else None if self.closed else "optional"
 
     def split(self, text: str, final: bool) -> ReasoningSplit:
         body = text
@@ -60,6 +68,12 @@ class ReasoningParser:
 def opens_thinking(prompt_tail: str) -> bool:
     """Whether a rendered prompt ends inside a `<think>` block (the template opened it)."""
     return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+
+
+def closes_thinking(prompt_tail: str) -> bool:
+    """Whether a rendered prompt's last thinking tag closes a block (an empty one written by
+    the template, as Qwen3's with enable_thinking=False)."""
+    return prompt_tail.rfind(END) > prompt_tail.rfind(START)
 
 
 def parser_enabled(mode: str, template: str | None) -> bool:

@@ -6,6 +6,7 @@ and, last because it ends the server, graceful shutdown on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
 import time
@@ -150,27 +151,40 @@ def test_a_better_priority_preempts_a_running_request(admin_server: ServerProces
 
 
 def test_thinking_block_is_reasoning_content(admin_server: ServerProcess) -> None:
-    """A reply made (by a regex) to open with a <think> block: its text is the message's
-    reasoning_content and the rest its content, the same streamed (delta.reasoning_content)
-    as whole; a reply without one keeps all its text as content."""
+    """A reply inside the thinking block its prompt opened (an assistant prefill `<think>`) is
+    all reasoning_content while the block is open, the same streamed (delta.reasoning_content)
+    as whole; constrained, it may think first (free text up to `</think>`, here forced by a
+    bias) and its answer alone matches the constraint; a reply without a block keeps all its
+    text as content."""
     client = openai.OpenAI(base_url=f"{admin_server.url}/v1", api_key=KEY, max_retries=0)
-    pattern = "<think>[a-z ]{8,24}</think>\n[A-Z][a-z ]{3,20}\\."
+    opened = [{"role": "user", "content": "Is the sky blue?"},
+              {"role": "assistant", "content": "<think>"}]
     kwargs: dict[str, Any] = dict(
-        model="loom-test", messages=[{"role": "user", "content": "Is the sky blue?"}],
-        max_tokens=48, temperature=0, extra_body={"structured_outputs": {"regex": pattern}})
+        model="loom-test", messages=opened, max_tokens=24, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
     whole = client.chat.completions.create(**kwargs).choices[0]
     reasoning = whole.message.model_extra["reasoning_content"]
-    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
-    assert whole.message.content and whole.message.content[0].isupper()
-    assert whole.message.content.endswith(".") and "think>" not in whole.message.content
+    assert whole.finish_reason == "length" and reasoning and not whole.message.content
     parts = {"reasoning_content": "", "content": ""}
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         if chunk.choices:
             delta = chunk.choices[0].delta
             parts["content"] += delta.content or ""
             parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
-    assert parts == {"reasoning_content": reasoning, "content": whole.message.content}
-    plain = client.chat.completions.create(**{**kwargs, "extra_body": {}}).choices[0].message
+    assert parts == {"reasoning_content": reasoning, "content": ""}
+    # the block closes at once (the closing tag's tokens biased), then the constrained answer
+    close = httpx.post(f"{admin_server.url}/tokenize", headers=AUTH,
+                       json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    pattern = "[A-Z][a-z ]{3,20}\\."
+    constrained = client.chat.completions.create(**{**kwargs, "max_tokens": 48, "logprobs": True,
+        "logit_bias": {str(t): 100 for t in close}, "extra_body": {
+            **kwargs["extra_body"], "structured_outputs": {"regex": pattern}}}).choices[0]
+    tokens = [t.token for t in constrained.logprobs.content]
+    assert "".join(tokens).startswith("</think>")  # the grammar let it close the block first
+    assert re.fullmatch(pattern, constrained.message.content)
+    assert constrained.finish_reason == "stop"
+    plain = client.chat.completions.create(
+        model="loom-test", messages=opened[:1], max_tokens=24, temperature=0).choices[0].message
     assert plain.model_extra["reasoning_content"] is None and plain.content
 
 

@@ -205,6 +205,10 @@ def test_params_validation() -> None:
             StructuredOutputsParams(json=schema)
     with pytest.raises(SamplingParamsError, match="unknown"):
         SamplingParams(structured_outputs={"regexp": "a"})
+    with pytest.raises(SamplingParamsError, match="unknown"):  # the server's, not a client's
+        SamplingParams(structured_outputs={"regex": "a", "thinking": "open"})
+    with pytest.raises(SamplingParamsError, match="thinking"):
+        StructuredOutputsParams(regex="a", thinking="always")
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs.kind == "regex"
 
 
@@ -214,6 +218,33 @@ def test_compile_is_cached(make_llm, noise_model) -> None:
     first = llm.engine.structured.compile(params)
     again = llm.engine.structured.compile(StructuredOutputsParams(json=dict(SCHEMAS[0])))
     assert first is again
+
+
+@pytest.mark.parametrize("constraint, answer", [
+    ({"json": SCHEMAS[0]}, '{"name": "Ada", "age": 36}'), ({"json_object": True}, '{"a": 1}'),
+    ({"regex": "[0-9]+"}, "42"), ({"choice": ["yes", "no"]}, "no"),
+    ({"grammar": 'start: "x" N\nN: /[0-9]+/'}, "x12"), ({"grammar": 'root ::= "x" [0-9]+'}, "x12"),
+])
+def test_a_thinking_block_before_the_constraint(make_llm, noise_model, constraint,
+                                                answer) -> None:
+    """StructuredOutputsParams.thinking (set by the server for thinking models): "optional"
+    takes the answer alone or after a whole <think> block, "open" (the prompt opened the
+    block) free text up to </think> before it; never an answer that breaks the constraint,
+    nor text the constraint does not allow outside a block."""
+    manager = make_llm(noise_model).engine.structured
+    tok = manager._tokenizer
+
+    def accepts(mode: str | None, text: str) -> bool:
+        m = manager.compile(StructuredOutputsParams(**constraint, thinking=mode)).matcher()
+        ok = all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and m.is_accepting()
+
+    block = "<think>Maybe {x}, maybe <b>not</b>.</think>\n\n"
+    texts = [answer, block + answer, block[len("<think>"):] + answer, block + "nope!",
+             "Sure: " + answer]
+    assert [accepts(None, t) for t in texts] == [True, False, False, False, False]
+    assert [accepts("optional", t) for t in texts] == [True, True, False, False, False]
+    assert [accepts("open", t) for t in texts] == [False, True, True, False, False]
 
 
 TOOLS = [

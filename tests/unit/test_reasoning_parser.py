@@ -43,9 +43,11 @@ def test_prompts_that_open_a_block_and_templates_that_know_one() -> None:
     assert not parser_enabled("none", qwen3) and parser_enabled("deepseek_r1", None)
 
 
-def test_server_context_starts_in_thinking_only_when_unconstrained() -> None:
-    """A prompt that ends inside <think> starts the reply as reasoning, unless a grammar
-    (structured output, forced tool calls) chose the reply's first tokens."""
+def test_server_context_reads_the_prompts_thinking_state() -> None:
+    """A prompt that ends inside <think> starts the reply as reasoning, and a constraint
+    (structured output, forced tool calls) holds after the block ("open"); with no block the
+    reply may open one first ("optional"); past a closed block (thinking turned off) the
+    constraint holds from the first token."""
     from loom.entrypoints.openai.serving_common import ServerContext
     from loom.loader.resolve import resolve_model
     from loom.tokenizer.tokenizer import Tokenizer
@@ -54,8 +56,9 @@ def test_server_context_starts_in_thinking_only_when_unconstrained() -> None:
     ctx = ServerContext(engine=None, tokenizer=tok, model_name="m", max_model_len=64,
                         reasoning_parser="deepseek_r1")
     opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
-    assert ctx.reasoning(None, opened).started
-    assert not ctx.reasoning(None, opened, constrained=True).started
-    assert not ctx.reasoning(None, tok.encode("<|im_start|>assistant\n")).started
+    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    states = [ctx.reasoning(None, ids) for ids in (opened, tok.encode("assistant\n"), closed)]
+    assert [(r.started, r.constraint_mode) for r in states] == [
+        (True, "open"), (False, "optional"), (False, None)]
     assert ServerContext(engine=None, tokenizer=tok, model_name="m", max_model_len=64,
                          reasoning_parser="auto").reasoning("{{ x }}", opened) is None

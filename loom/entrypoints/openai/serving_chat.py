@@ -7,8 +7,8 @@ of {token, logprob, bytes, top_logprobs}.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +123,7 @@ def _tool_setup(
         return None, None, None
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     parser = ctx.tool_parser(ctx.tokenizer.chat_template)
+    parser.tools = tools
     if choice in (None, "auto"):
         return tools, parser, None
     if isinstance(choice, NamedToolChoice):
@@ -141,7 +142,7 @@ def _tool_setup(
         if params is not None and params.get("type", "object") != "object":
             raise bad_request(f"the parameters of {tool['function']['name']!r} must be a JSON "
                               "schema of type object", "tools")
-    grammar = parser.grammar(chosen, parallel)
+    grammar = parser.grammar(chosen, parallel, ctx.special_id)
     return tools, parser, StructuredOutputsParams(grammar=grammar)
 
 
@@ -175,6 +176,9 @@ async def _create(
     source = constraint_source(req)
     if constraint is not None:
         params, source = params.clone(structured_outputs=constraint), "tools"
+    if parser is not None and any(ctx.special_id(m) is not None for m in parser.MARKERS):
+        # the format's markers are special tokens: kept in the text, for the parser to see
+        params = params.clone(skip_special_tokens=False)
     ctx.check_capacity(params.n)  # before the (slow) templating
     # Short text without tools is templated on the loop (cheaper than a thread: offload.py).
     size = sum(_num_chars(m) for m in req.messages) if not tools else INLINE_TEXT_CHARS + 1
@@ -187,8 +191,13 @@ async def _create(
                               add_special_tokens=False)
         params = params.clone(prediction=ids)
     request_id = new_id("chatcmpl")
-    reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids,
-                              params.structured_outputs is not None)
+    reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids)
+    so = params.structured_outputs
+    if reasoning is not None and so is not None and reasoning.constraint_mode is not None:
+        # a thinking model thinks first: its constraint (structured output, forced tool
+        # calls) holds from the answer on, as vLLM's reasoning-aware structured outputs
+        params = params.clone(structured_outputs=dataclasses.replace(
+            StructuredOutputsParams.coerce(so), thinking=reasoning.constraint_mode))
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser, reasoning)
     if req.stream:
         streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
@@ -252,7 +261,7 @@ class _Builder:
             if view is not None and view.calls:
                 message["content"] = view.content or None
                 message["tool_calls"] = [
-                    {"id": new_tool_call_id(), "type": "function",
+                    {"id": self.parser.call_id(), "type": "function",
                      "function": {"name": c.name, "arguments": c.arguments}}
                     for c in view.calls
                 ]
@@ -323,10 +332,6 @@ class _Builder:
             yield sse(usage_chunk)
 
 
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def _final_view(parser: ToolParser, text: str, finish_reason: str | None) -> ToolCallView:
     """A finished reply's view. One cut short by max_tokens inside a call keeps the calls read
     so far (the last with the arguments written so far: what streaming sent, and what OpenAI
@@ -373,7 +378,7 @@ class _ToolStream:
         tool_deltas = []
         for i, call in enumerate(view.calls):
             if i >= len(self.calls):
-                tool_deltas.append({"index": i, "id": new_tool_call_id(), "type": "function",
+                tool_deltas.append({"index": i, "id": self.parser.call_id(), "type": "function",
                                     "function": {"name": call.name,
                                                  "arguments": call.arguments}})
                 self.calls.append((call.name, call.arguments))

@@ -22,7 +22,12 @@ from loom.engine.llm_engine import InvalidRequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError
 from loom.structured.params import StructuredOutputsParams
 from loom.tools.parsers import ToolParser, parser_for_template
-from loom.tools.reasoning import ReasoningParser, opens_thinking, parser_enabled
+from loom.tools.reasoning import (
+    ReasoningParser,
+    closes_thinking,
+    opens_thinking,
+    parser_enabled,
+)
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import AsyncEngine, RequestStream
@@ -50,6 +55,7 @@ class ServerContext:
     log_requests: bool = True
     shutting_down: bool = False
     decoded_tokens: dict[int, str] = field(default_factory=dict)
+    special_ids: dict[str, int | None] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # a name in loom.tools.parsers.PARSERS, or "auto"
     reasoning_parser: str = "auto"  # loom.tools.reasoning.MODES
     # The most characters of text one token stands for (the longest token); text longer than
@@ -86,16 +92,22 @@ class ServerContext:
     def tool_parser(self, template: str | None) -> ToolParser:
         return parser_for_template(template, self.tool_call_parser)
 
-    def reasoning(self, template: str | None, prompt_ids: list[int],
-                  constrained: bool = False) -> ReasoningParser | None:
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token whose text is `text` (a tool-call marker), None if
+        the tokenizer holds it as no such token (cached)."""
+        if text not in self.special_ids:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self.special_ids[text] = ids[0] if len(ids) == 1 and self.tokenizer.decode(
+                ids, skip_special_tokens=True) == "" else None
+        return self.special_ids[text]
+
+    def reasoning(self, template: str | None, prompt_ids: list[int]) -> ReasoningParser | None:
         """The reasoning parser of a chat reply to `prompt_ids` (None: thinking stays in
-        content), told whether the prompt opened a thinking block itself. A `constrained`
-        reply (structured output, forced tool calls) is what its grammar allowed from its
-        first token: it has reasoning only if it writes a <think> block itself."""
+        content), told whether the prompt opened a thinking block itself or closed one."""
         if not parser_enabled(self.reasoning_parser, template):
             return None
         tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-        return ReasoningParser(opens_thinking(tail) and not constrained)
+        return ReasoningParser(opens_thinking(tail), closes_thinking(tail))
 
     def check_model(self, model: str | None) -> None:
         """None means the served model; any other name is a 404."""
