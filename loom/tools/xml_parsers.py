@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loom.tools.parsers import (
+from loom.tools.calls import (
     MAX_PARALLEL_CALLS,
     ParsedCall,
     SpecialId,
