@@ -36,6 +36,7 @@ from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from loom.entrypoints.openai.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -43,6 +44,7 @@ from loom.entrypoints.openai.serving_chat import create_chat_completion, render_
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
 from loom.entrypoints.openai.serving_embedding import EmbeddingRequest, embeddings_route
+from loom.entrypoints.openai.serving_responses import create_response
 from loom.entrypoints.openai.startup import startup_line
 
 if TYPE_CHECKING:
@@ -105,6 +107,25 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     """OpenAI chat completions; see serving_chat.py."""
     body = await parse_body(request, ChatCompletionRequest)
     return await create_chat_completion(_ctx(request), body, request)
+
+
+@router.post("/v1/responses", response_model=None, openapi_extra=openapi_body(ResponsesRequest))
+async def responses(request: Request) -> JSONResponse | StreamingResponse:
+    """OpenAI's Responses API; see serving_responses.py."""
+    body = await parse_body(request, ResponsesRequest)
+    return await create_response(_ctx(request), body, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> JSONResponse:
+    """A stored response (POST /v1/responses without `store: false`)."""
+    return JSONResponse(_ctx(request).responses.get(response_id)[0])
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    _ctx(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 router.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"], response_model=None,

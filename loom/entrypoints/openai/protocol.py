@@ -255,6 +255,122 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own on top of the template's
 
 
+# ---- /v1/responses (OpenAI's Responses API; serving_responses.py) ----------------------------
+
+class ResponsesText(OpenAIBaseModel):
+    """A content part of an input message: the user's text, or an earlier reply's."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier reply's (Loom writes none)
+
+
+class ResponsesMessage(OpenAIBaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ResponsesText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponsesFunctionCall(OpenAIBaseModel):
+    """An earlier reply's call, sent back with its result."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _bounded_depth(cls, value: str) -> str:
+        return ToolCallFunction._bounded_depth(value)
+
+
+class ResponsesFunctionCallOutput(OpenAIBaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponsesReasoning(OpenAIBaseModel):
+    """An earlier reply's reasoning, sent back by clients that keep the whole output: accepted
+    and left out of the prompt (chat templates drop past turns' thinking too)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessage, Tag("message")]
+    | Annotated[ResponsesFunctionCall, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponsesReasoning, Tag("reasoning")],
+    Discriminator(lambda v: v.get("type", "message") if isinstance(v, dict)
+                  else getattr(v, "type", "message")),
+]
+
+
+class ResponsesFunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesTextOptions(OpenAIBaseModel):
+    format: ResponsesFormat | None = None
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses: OpenAI's Responses API, without its built-in tools, background
+    runs, reasoning options or logprobs (each a 400)."""
+
+    model: str | None = None
+    input: str | _fail_fast(ResponsesInputItem)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesFunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    text: ResponsesTextOptions | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+
+
 class TokenizeRequest(ChatTemplateOptions):
     """POST /tokenize: a text prompt, or chat messages rendered with the chat template."""
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from loom.core.sched_output import Logprobs
     from loom.engine.async_engine import RequestStream
     from loom.engine.outputs import CompletionOutput, RequestOutput
+    from loom.sampling_params import SamplingParams
     from loom.entrypoints.openai.protocol import (
         ChatCompletionRequest,
         ChatMessage,
@@ -160,9 +161,27 @@ async def create_chat_completion(
         raise
 
 
-async def _create(
-    ctx: ServerContext, req: ChatCompletionRequest, raw_request: Request
-) -> JSONResponse | StreamingResponse:
+@dataclasses.dataclass
+class PreparedChat:
+    """A validated chat request ready for the engine: its prompt, sampling parameters (output
+    constraint included, `source` the field that set it) and the builder of its answers."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    source: str
+    builder: _Builder
+    priority: int = 0
+
+    async def add(self, ctx: ServerContext) -> list[RequestStream]:
+        return await add_requests(ctx, self.request_id, [self.prompt_ids], self.params,
+                                  self.source, priority=self.priority)
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
+                       request_id: str) -> PreparedChat:
+    """Check the request, render its conversation and build its sampling parameters (also
+    /v1/responses' path: serving_responses.py)."""
     ctx.check_model(req.model)
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
@@ -190,7 +209,6 @@ async def _create(
         ids = await run_sized(len(text), INLINE_TEXT_CHARS, ctx.tokenizer.encode, text,
                               add_special_tokens=False)
         params = params.clone(prediction=ids)
-    request_id = new_id("chatcmpl")
     reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids)
     so = params.structured_outputs
     if reasoning is not None and so is not None and reasoning.constraint_mode is not None:
@@ -199,17 +217,21 @@ async def _create(
         params = params.clone(structured_outputs=dataclasses.replace(
             StructuredOutputsParams.coerce(so), thinking=reasoning.constraint_mode))
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser, reasoning)
+    return PreparedChat(request_id, prompt_ids, params, source, builder, req.priority)
+
+
+async def _create(
+    ctx: ServerContext, req: ChatCompletionRequest, raw_request: Request
+) -> JSONResponse | StreamingResponse:
+    chat = await prepare_chat(ctx, req, new_id("chatcmpl"))
     if req.stream:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
-                                     priority=req.priority)
-        return StreamingResponse(sse_guard(builder.stream(streams)),
+        streams = await chat.add(ctx)
+        return StreamingResponse(sse_guard(chat.builder.stream(streams)),
                                  media_type="text/event-stream")
 
     async def work() -> JSONResponse:
-        streams = await add_requests(ctx, request_id, [prompt_ids], params, source,
-                                     priority=req.priority)
-        (final,) = await collect_final(streams)
-        return JSONResponse(builder.response(final))
+        (final,) = await collect_final(await chat.add(ctx))
+        return JSONResponse(chat.builder.response(final))
 
     return await cancel_on_disconnect(raw_request, work)
 
@@ -228,6 +250,7 @@ class _Builder:
         self.n = n
         self.parser = parser
         self.reasoning = reasoning  # None: a thinking block stays in the content
+        self.last_output: RequestOutput | None = None  # the newest `chunks` read
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.token_name(token_id, self.req.return_tokens_as_token_ids)
@@ -288,14 +311,20 @@ class _Builder:
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """SSE events: role chunks, content deltas, finish chunks, then usage if asked."""
+        async for chunk in self.chunks(streams):
+            yield sse(chunk)
+
+    async def chunks(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks (`stream`'s events before encoding)."""
         for i in range(self.n):
-            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
         done: dict[int, CompletionOutput] = {}  # choice index -> its output, once finished
         tool_streams = {i: _ToolStream(self.parser) for i in range(self.n)} if self.parser else {}
         sent = {i: ReasoningSplit("", "") for i in range(self.n)}  # streamed so far
         prompt_tokens = 0
         async for _, out in merge_streams(streams):
+            self.last_output = out
             prompt_tokens = len(out.prompt_token_ids)
             for o in out.outputs:
                 if o.index in done:
@@ -321,7 +350,7 @@ class _Builder:
                     continue
                 choice = {"index": o.index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason, "stop_reason": o.stop_reason}
-                yield sse(self._chunk([choice]))
+                yield self._chunk([choice])
                 if o.finished:
                     done[o.index] = o
         if include_usage(self.req):
@@ -329,7 +358,7 @@ class _Builder:
             usage_chunk["usage"] = usage(prompt_tokens,
                                          sum(len(o.token_ids) for o in done.values()),
                                          done.values())
-            yield sse(usage_chunk)
+            yield usage_chunk
 
 
 def _final_view(parser: ToolParser, text: str, finish_reason: str | None) -> ToolCallView:

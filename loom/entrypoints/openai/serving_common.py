@@ -8,7 +8,9 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +46,42 @@ T = TypeVar("T")
 MIN_LOGPROB = -9999.0
 
 
+RESPONSES_KEPT = 256  # /v1/responses kept for previous_response_id and GET
+
+
+class ResponseStore:
+    """The newest /v1/responses answers, each with the conversation it ends (serving_responses:
+    previous_response_id continues it); thread-safe, bounded."""
+
+    def __init__(self, size: int = RESPONSES_KEPT) -> None:
+        self.size = size
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._items[response["id"]] = (response, conversation)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(response, conversation); a 404 naming `param` if it is not kept."""
+        with self._lock:
+            item = self._items.get(response_id)
+        if item is None:
+            raise APIError(404, f"no response with id {response_id!r} is kept (the newest "
+                                f"{self.size} stored ones are)", param, "not_found")
+        return item
+
+    def delete(self, response_id: str) -> None:
+        with self._lock:
+            found = self._items.pop(response_id, None)
+        if found is None:
+            raise APIError(404, f"no response with id {response_id!r} is kept", None,
+                           "not_found")
+
+
 @dataclass
 class ServerContext:
     """What every handler needs; lives on `app.state.loom`."""
@@ -56,6 +94,7 @@ class ServerContext:
     shutting_down: bool = False
     decoded_tokens: dict[int, str] = field(default_factory=dict)
     special_ids: dict[str, int | None] = field(default_factory=dict)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     tool_call_parser: str = "auto"  # a name in loom.tools.parsers.PARSERS, or "auto"
     reasoning_parser: str = "auto"  # loom.tools.reasoning.MODES
     # The most characters of text one token stands for (the longest token); text longer than
