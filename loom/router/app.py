@@ -5,14 +5,17 @@ tokenize, version) go to the least loaded one. A request is retried on another r
 its replica cannot be reached, answers 503, or fails before the router has sent the client
 anything: a whole non-streamed answer, or a stream's first bytes. A stream cut after that
 ends with an error event in OpenAI's envelope. Errors of the router itself use the same
-envelope.
+envelope. A /v1/responses answer's id is remembered with its replica, whose in-memory store
+holds it: a continuation (`previous_response_id`), GET and DELETE of it go there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -45,6 +48,13 @@ def error(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+# /v1/responses ids the router remembers (the replica that answered each), newest kept: a
+# continuation (previous_response_id), GET or DELETE must reach the replica that stored it.
+RESPONSES_ROUTED = 4096
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp-[0-9a-f]+)"')
+_SCAN_BYTES = 64 * 1024  # a stream's first bytes searched for its response id
+
+
 class _Retry(Exception):
     """This attempt failed before anything reached the client; try another replica."""
 
@@ -58,6 +68,46 @@ class Router:
         self.least_load = LeastLoad()
         self.metrics = RouterMetrics(self.pool)
         self.client: httpx.AsyncClient | None = None
+        self.responses: OrderedDict[str, str] = OrderedDict()  # response id -> backend url
+
+    def remember(self, response_id: str, backend: Backend) -> None:
+        self.responses[response_id] = backend.url
+        self.responses.move_to_end(response_id)
+        while len(self.responses) > RESPONSES_ROUTED:
+            self.responses.popitem(last=False)
+
+    def _scan(self, backend: Backend, data: bytes) -> bool:
+        """Remember the response id in a /v1/responses answer's bytes; whether one was."""
+        found = _RESPONSE_ID.search(data)
+        if found is not None:
+            self.remember(found.group(1).decode(), backend)
+        return found is not None
+
+    async def proxy_to_owner(self, request: Request, method: str, response_id: str,
+                             body: bytes = b"") -> Response:
+        """A request about a stored response, sent to the replica that answered it (its
+        store is that replica's); 404 for an id this router did not route."""
+        url = self.responses.get(response_id)
+        if url is None:
+            return error(404, f"no response with id {response_id!r} was answered through this "
+                              f"router (it remembers the newest {RESPONSES_ROUTED})",
+                         "previous_response_id" if method == "POST" else None, "not_found")
+        backend = next((b for b in self.pool.healthy() if b.url == url), None)
+        if backend is None:
+            return error(503, f"the replica holding response {response_id!r} ({url}) is not "
+                              "healthy", code="no_healthy_backend")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+        stream = False
+        if body:
+            try:
+                stream = json.loads(body).get("stream") is True
+            except (ValueError, AttributeError):
+                stream = False
+        try:
+            return await self._attempt(backend, method, request.url.path, headers, body, stream)
+        except _Retry as e:
+            return error(503, f"the replica holding response {response_id!r} failed: {e}",
+                         code="no_healthy_backend")
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
@@ -123,9 +173,12 @@ class Router:
                     raise _Retry("answered 503")
                 back = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
                 back["x-loom-backend"] = backend.url
+                responses = path == "/v1/responses" and method == "POST"
                 if not stream or resp.status_code != 200:
                     content = await resp.aread()
                     self.metrics.requests.labels(backend.url, str(resp.status_code)).inc()
+                    if responses and resp.status_code == 200:
+                        self._scan(backend, content[:_SCAN_BYTES])
                     return Response(content, resp.status_code, headers=back)
                 chunks = resp.aiter_raw()
                 first = await anext(chunks, b"")
@@ -138,17 +191,24 @@ class Router:
                 raise
             self.metrics.requests.labels(backend.url, "200").inc()
             handed_over = True
-            return StreamingResponse(self._relay(backend, resp, first, chunks), 200,
+            return StreamingResponse(self._relay(backend, resp, first, chunks, responses), 200,
                                      headers=back)
         finally:
             if not handed_over:
                 backend.in_flight -= 1
 
     async def _relay(self, backend: Backend, resp: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                     chunks: AsyncIterator[bytes], scan: bool = False) -> AsyncIterator[bytes]:
+        """`scan`: a /v1/responses stream, whose first event names its id."""
+        seen = first
         try:
+            if scan and self._scan(backend, seen):
+                scan = False
             yield first
             async for chunk in chunks:
+                if scan:  # (the id may straddle chunks)
+                    seen = (seen + chunk)[-_SCAN_BYTES:]
+                    scan = not self._scan(backend, seen) and len(seen) < _SCAN_BYTES
                 yield chunk
         except httpx.TransportError as e:
             backend.mark_down(f"{type(e).__name__}: {e}")
@@ -222,6 +282,22 @@ def build_app(args: RouterArgs) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await generate(request, "input")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        got = await _json_body(request, "input")
+        if isinstance(got, Response):
+            return got
+        body, parsed = got
+        previous = parsed.get("previous_response_id")
+        if isinstance(previous, str):  # the conversation is stored on one replica
+            return await router.proxy_to_owner(request, "POST", previous, body)
+        return await router.proxy(request, "POST", body, parsed)
+
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await router.proxy_to_owner(request, request.method, response_id)
 
     @app.post("/tokenize")
     @app.post("/detokenize")

@@ -145,6 +145,32 @@ def test_router_errors_are_openai_errors(replicas) -> None:
     assert _metric(nobody, "loom_router:requests_total") == 1
 
 
+def test_responses_continue_on_the_replica_that_stored_them(replicas) -> None:
+    """/v1/responses through the router: each continuation (previous_response_id, streamed or
+    not), GET and DELETE reaches the replica whose store holds the response, whichever the
+    policy would pick; an id it never routed is a 404."""
+    router = _router([r.url for r in replicas], "--policy", "round_robin")
+    client = router.client()
+    model = client.models.list().data[0].id
+    previous = None
+    for turn in range(6):  # round robin alternates replicas: each turn has to follow the id
+        kwargs = dict(model=model, input=f"Turn {turn}", max_output_tokens=4, temperature=0,
+                      previous_response_id=previous)
+        if turn % 2:
+            events = list(client.responses.create(stream=True, **kwargs))
+            response = events[-1].response
+        else:
+            response = client.responses.create(**kwargs)
+        assert response.status in ("completed", "incomplete")
+        previous = response.id
+    assert client.responses.retrieve(previous).id == previous
+    client.responses.delete(previous)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(previous)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="hi", previous_response_id="resp-0")
+
+
 def test_serve_data_parallel_starts_replicas_behind_the_router() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
