@@ -279,6 +279,10 @@ def build_app(args: RouterArgs) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "messages")
 
+    @app.post("/v1/messages")  # Anthropic's Messages API
+    async def messages(request: Request) -> Response:
+        return await generate(request, "messages")
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await generate(request, "input")
@@ -301,6 +305,7 @@ def build_app(args: RouterArgs) -> FastAPI:
 
     @app.post("/tokenize")
     @app.post("/detokenize")
+    @app.post("/v1/messages/count_tokens")
     async def tokenize(request: Request) -> Response:
         return await router.proxy(request, "POST", await request.body())
 

@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import signal
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 from openai import OpenAI
@@ -169,6 +170,10 @@ def test_responses_continue_on_the_replica_that_stored_them(replicas) -> None:
         client.responses.retrieve(previous)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=model, input="hi", previous_response_id="resp-0")
+    claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Hi"}]
+    assert claude.messages.create(model=model, max_tokens=4, messages=ask).usage.output_tokens
+    assert claude.messages.count_tokens(model=model, messages=ask).input_tokens > 0
 
 
 def test_serve_data_parallel_starts_replicas_behind_the_router() -> None:

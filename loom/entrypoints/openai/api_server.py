@@ -36,6 +36,8 @@ from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    MessagesCountRequest,
+    MessagesRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -44,6 +46,7 @@ from loom.entrypoints.openai.serving_chat import create_chat_completion, render_
 from loom.entrypoints.openai.serving_common import ServerContext
 from loom.entrypoints.openai.serving_completion import create_completion
 from loom.entrypoints.openai.serving_embedding import EmbeddingRequest, embeddings_route
+from loom.entrypoints.openai.serving_messages import count_tokens, create_message
 from loom.entrypoints.openai.serving_responses import create_response
 from loom.entrypoints.openai.startup import startup_line
 
@@ -128,6 +131,17 @@ async def delete_response(request: Request, response_id: str) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
+@router.post("/v1/messages", response_model=None, openapi_extra=openapi_body(MessagesRequest))
+async def messages(request: Request) -> JSONResponse | StreamingResponse:
+    """Anthropic's Messages API; see serving_messages.py."""
+    return await create_message(_ctx(request), request)
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=openapi_body(MessagesCountRequest))
+async def messages_count_tokens(request: Request) -> JSONResponse:
+    return await count_tokens(_ctx(request), request)
+
+
 router.add_api_route("/v1/embeddings", embeddings_route, methods=["POST"], response_model=None,
                      openapi_extra=openapi_body(EmbeddingRequest))  # see serving_embedding.py
 
@@ -166,20 +180,25 @@ async def detokenize(request: Request) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (constant-time); OPEN_PATHS are free."""
+    """401 unless `Authorization: Bearer <key>` matches, or Anthropic's `x-api-key: <key>`
+    (constant-time); OPEN_PATHS are free."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if given is not None and hmac.compare_digest(given, self.expected):
+        key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        if (given is not None and hmac.compare_digest(given, self.expected)) or (
+                key is not None and hmac.compare_digest(key, self.key)):
             await self.app(scope, receive, send)
             return
+        given = given if given is not None else key
         message = ("missing API key: send the header 'Authorization: Bearer <key>'"
                    if given is None else "invalid API key")
         await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)

@@ -20,8 +20,8 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         formatter_class=HelpFormatter,
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, "
-                    "/detokenize, /health, "
+                    "/v1/chat/completions, /v1/responses, /v1/messages (Anthropic's), "
+                    "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health, "
                     "/version and /metrics (Prometheus); a chat page at / and a live engine "
                     "view at /dashboard. SIGTERM or SIGINT stops accepting "
                     "connections, lets running requests finish within the grace period, "

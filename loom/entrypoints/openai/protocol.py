@@ -314,13 +314,17 @@ class ResponsesReasoning(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+def _item_kind(value: Any) -> str:
+    return (value.get("type", "message") if isinstance(value, dict)
+            else getattr(value, "type", "message"))
+
+
 ResponsesInputItem = Annotated[
     Annotated[ResponsesMessage, Tag("message")]
     | Annotated[ResponsesFunctionCall, Tag("function_call")]
     | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")]
     | Annotated[ResponsesReasoning, Tag("reasoning")],
-    Discriminator(lambda v: v.get("type", "message") if isinstance(v, dict)
-                  else getattr(v, "type", "message")),
+    Discriminator(_item_kind),
 ]
 
 
@@ -369,6 +373,129 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     truncation: Literal["disabled"] | None = None
+
+
+# ---- /v1/messages (Anthropic's Messages API; serving_messages.py) ------------------------------
+
+class CacheControl(OpenAIBaseModel):
+    """Anthropic's prompt-caching mark: accepted, and kept as Loom keeps every prefix (its
+    prefix cache reuses what any earlier request computed)."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class MessagesText(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class MessagesToolUse(OpenAIBaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class MessagesToolResult(OpenAIBaseModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[MessagesText] = ""
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
+class MessagesThinking(OpenAIBaseModel):
+    """An earlier reply's thinking, sent back: left out of the prompt, as templates drop past
+    turns' thinking."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+def _block_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "thinking" if kind == "redacted_thinking" else kind
+
+
+MessagesBlock = Annotated[
+    Annotated[MessagesText, Tag("text")] | Annotated[MessagesToolUse, Tag("tool_use")]
+    | Annotated[MessagesToolResult, Tag("tool_result")]
+    | Annotated[MessagesThinking, Tag("thinking")],
+    Discriminator(_block_kind),
+]
+
+
+class MessagesMessage(OpenAIBaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[MessagesBlock]
+
+
+class MessagesTool(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesToolChoice(OpenAIBaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesMetadata(OpenAIBaseModel):
+    user_id: str | None = None
+
+
+class MessagesFormat(OpenAIBaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class MessagesOutputConfig(OpenAIBaseModel):
+    """Anthropic's structured outputs (`format`); `effort` is not implemented (a 400)."""
+
+    format: MessagesFormat | None = None
+
+
+class MessagesRequest(OpenAIBaseModel):
+    """POST /v1/messages: Anthropic's Messages API, without images, documents, server tools,
+    citations, effort or thinking budgets (each a 400)."""
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[MessagesMessage] = Field(min_length=1)
+    system: str | list[MessagesText] | None = None
+    stop_sequences: list[_StopText] | None = Field(default=None, max_length=MAX_STOP)
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[MessagesTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: MessagesToolChoice | None = None
+    metadata: MessagesMetadata | None = None
+    output_config: MessagesOutputConfig | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesCountRequest(OpenAIBaseModel):
+    """POST /v1/messages/count_tokens: the prompt a MessagesRequest would have."""
+
+    model: str | None = None
+    messages: list[MessagesMessage] = Field(min_length=1)
+    system: str | list[MessagesText] | None = None
+    tools: list[MessagesTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: MessagesToolChoice | None = None
 
 
 class TokenizeRequest(ChatTemplateOptions):
