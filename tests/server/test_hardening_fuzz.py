@@ -2,8 +2,9 @@
 mixing valid values with hostile ones (integers past 64 bits, NaN and infinities, lone
 surrogates, deep nesting, wrong types, unknown fields), sent to the real server. Every answer
 is below 500 and in the error envelope when it is an error, nothing hangs, and the server gives
-the same greedy completion afterwards as before. Also: /health answers within a second while
-the largest accepted body is tokenized."""
+the same greedy completion afterwards as before; the same for /v1/responses and /v1/messages
+(each in its own error envelope). Also: /health answers within a second while the largest
+accepted body is tokenized."""
 
 from __future__ import annotations
 
@@ -122,6 +123,133 @@ def test_fuzz_no_server_errors(server: ServerProcess) -> None:
     fuzz()
     assert server.alive
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    server.wait_idle(120)
+    assert _reference(server) == before
+
+
+# /v1/responses and /v1/messages (serving_responses.py, serving_messages.py): their own fields
+_tool = st.sampled_from([{"type": "function", "name": "f", "parameters": {"type": "object"}},
+                         {"type": "web_search"}, {"type": "function", "name": "bad name"}])
+_response_item = st.one_of(
+    _message,
+    st.fixed_dictionaries({"role": _field(st.sampled_from(["user", "assistant", "developer"])),
+                           "content": st.lists(st.fixed_dictionaries({
+                               "type": st.sampled_from(["input_text", "output_text",
+                                                        "input_image"]),
+                               "text": _field(_text)}), max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _field(_text),
+                           "name": _field(_text), "arguments": _field(
+                               st.sampled_from(["{}", '{"a": 1}', "{", "[1]"]))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _field(_text),
+                           "output": _field(_text)}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([])}),
+    _junk)
+_responses_fields = {
+    "instructions": _field(_text), "temperature": _field(st.floats(0, 2.2)),
+    "top_p": _field(st.floats(0, 1)), "stream": _field(st.booleans()),
+    "tools": _field(st.lists(_tool, max_size=2)),
+    "tool_choice": _field(st.sampled_from(["auto", "required", "none",
+                                           {"type": "function", "name": "f"},
+                                           {"type": "function", "name": "g"}])),
+    "text": _field(st.sampled_from([{"format": {"type": "json_object"}},
+                                    {"format": {"type": "json_schema", "name": "x",
+                                                "schema": {"type": "object"}}},
+                                    {"format": {"type": "json_schema"}}])),
+    "previous_response_id": _field(_text), "store": _field(st.booleans()),
+    "metadata": _field(st.dictionaries(st.text(max_size=3), _text, max_size=2)),
+    "reasoning": _junk,
+}
+_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _field(_text)}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": _field(_text),
+                           "name": _field(_text), "input": _field(st.just({"a": 1}))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": _field(_text),
+                           "content": _field(_text)}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": _junk}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": _field(_text)}))
+_turn = st.fixed_dictionaries({"role": _field(st.sampled_from(["user", "assistant"])),
+                               "content": _field(st.one_of(_text, st.lists(_block,
+                                                                           max_size=3)))})
+_messages_fields = {
+    "system": _field(_text), "stream": _field(st.booleans()),
+    "stop_sequences": _field(st.lists(_text, max_size=2)),
+    "temperature": _field(st.floats(0, 2.2)), "top_k": _field(st.integers(-2, 50)),
+    "tools": _field(st.lists(st.sampled_from([{"name": "f", "input_schema": {"type": "object"}},
+                                              {"name": "f"}]), max_size=2)),
+    "tool_choice": _field(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "tool"},
+                                           {"type": "tool", "name": "f"}, {"type": "none"}])),
+    "output_config": _field(st.sampled_from([{"format": {"type": "json_schema",
+                                                         "schema": {"type": "object"}}},
+                                             {"effort": "high"}])),
+    "thinking": _junk, "model": _field(st.sampled_from(["smollm2", "claude"])),
+}
+_clean_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                        "content": _text.filter(bool)})
+_CLEAN = st.one_of(  # valid requests of every shape: the paths that answer 200
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries(
+        {"input": st.one_of(_text.filter(bool), st.lists(_clean_message, min_size=1,
+                                                          max_size=2)),
+         "max_output_tokens": st.integers(1, 6), "stream": st.booleans()},
+        optional={"tools": st.just([{"type": "function", "name": "f",
+                                     "parameters": {"type": "object"}}]),
+                  "tool_choice": st.sampled_from(["auto", "required"]),
+                  "text": st.just({"format": {"type": "json_object"}})})),
+    st.tuples(st.just("/v1/messages"), st.fixed_dictionaries(
+        {"messages": st.lists(_clean_message, min_size=1, max_size=2),
+         "max_tokens": st.integers(1, 6), "stream": st.booleans()},
+        optional={"tools": st.just([{"name": "f", "input_schema": {"type": "object"}}]),
+                  "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}]),
+                  "stop_sequences": st.lists(_text, max_size=2)})),
+)
+NEW_APIS = st.one_of(
+    _CLEAN,
+    st.tuples(st.just("/v1/responses"), st.tuples(
+        st.fixed_dictionaries({"input": _field(st.one_of(_text, st.lists(_response_item,
+                                                                          max_size=4))),
+                               "max_output_tokens": st.integers(1, 6)}),
+        st.fixed_dictionaries({}, optional=_responses_fields)).map(lambda t: {**t[1], **t[0]})),
+    st.tuples(st.just("/v1/messages"), st.tuples(
+        st.fixed_dictionaries({"messages": _field(st.lists(_turn, min_size=1, max_size=3)),
+                               "max_tokens": st.integers(1, 6)}),
+        st.fixed_dictionaries({}, optional=_messages_fields)).map(lambda t: {**t[1], **t[0]})),
+)
+
+
+def _check_new(server: ServerProcess, path: str, body: dict[str, Any]) -> None:
+    """As _check, with each API's own error envelope and stream ending."""
+    content = json.dumps(body)
+    with httpx.stream("POST", f"{server.url}{path}", content=content, timeout=120,
+                      headers={"content-type": "application/json"}) as r:
+        text = r.read().decode()
+    assert r.status_code < 500, (path, content[:300], text[:300])
+    anthropic = path == "/v1/messages"
+    if r.status_code >= 400:
+        error = json.loads(text)
+        if anthropic:
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+        else:
+            assert set(error["error"]) == {"message", "type", "param", "code"}, text
+    elif text.startswith("event:"):
+        last = text.rstrip().rsplit("\n", 1)[-1]
+        ends = ("message_stop", "error") if anthropic else (
+            "response.completed", "response.incomplete", "error")
+        assert any(f'"type":"{e}"' in last for e in ends), text[-300:]
+        assert "server_error" not in text and "api_error" not in text, text[-300:]
+
+
+def test_fuzz_responses_and_messages(server: ServerProcess) -> None:
+    """The fuzzer on OpenAI's Responses API and Anthropic's Messages API: no 5xx, each API's
+    own error envelope, streams that end as the API ends them, the server unharmed."""
+    before = _reference(server)
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(NEW_APIS)
+    def fuzz(request: tuple[str, dict[str, Any]]) -> None:
+        _check_new(server, *request)
+
+    fuzz()
+    assert server.alive
     server.wait_idle(120)
     assert _reference(server) == before
 
