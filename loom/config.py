@@ -36,6 +36,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    qk_norm_full: bool = False  # with qk_norm: over all of q's and all of k's heads (OLMo 2)
     sliding_window: int | None = None
     hidden_act: str = "silu"
     bos_token_id: int | None = None

@@ -16,7 +16,7 @@ def _configs() -> dict[str, object]:
     from transformers import (
         Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
         LlamaConfig, MistralConfig,
-        MixtralConfig, Phi3Config,
+        MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
 
@@ -83,6 +83,8 @@ def _configs() -> dict[str, object]:
         "glm4": Glm4Config(**TINY, head_dim=16, pad_token_id=0, eos_token_id=2),
         "glm": GlmConfig(**TINY, head_dim=16, pad_token_id=0, eos_token_id=2),
         # ERNIE 4.5: GLM's interleaved pairs over the whole head
+        # q/k norms over all heads, norms after attention and the MLP, none before
+        "olmo2": Olmo2Config(**TINY, pad_token_id=0, eos_token_id=2),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -90,7 +92,7 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

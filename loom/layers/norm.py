@@ -39,12 +39,32 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+class NoNorm(nn.Module):
+    """A pre-norm a layer does not have (OLMo 2's before attention and the MLP): the residual
+    add alone. The C stack reads it as no norm (a NULL weight)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return residual, residual
+
+
 def qk_norm_(qkv: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, q_norm: RMSNorm,
-             k_norm: RMSNorm) -> None:
+             k_norm: RMSNorm, full: bool = False) -> None:
     """In place on the CPU in fp32 (cpu_ops.usable): every q and k head of qkv [num_tokens,
     (num_heads + 2 kv_heads) head_dim] (contiguous) RMS-normed by q_norm or k_norm, in one C
-    call (norm_act.c, the decoder stack's)."""
+    call (norm_act.c, the decoder stack's); `full`: all of q as one row, all of k as another
+    (OLMo 2's norms over every head at once), in two."""
     assert qkv.is_contiguous() and q_norm.eps == k_norm.eps
-    cpu_kernels().loom_qk_norm_f32(
-        qkv.data_ptr(), qkv.shape[1], qkv.shape[0], num_heads, kv_heads, head_dim,
-        q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps, torch.get_num_threads())
+    lib, threads = cpu_kernels(), torch.get_num_threads()
+    q_size = num_heads * head_dim
+    parts = ((0, 1, 0, q_size), (q_size, 0, 1, kv_heads * head_dim)) if full else (
+        (0, num_heads, kv_heads, head_dim),)
+    for offset, heads, kv, width in parts:
+        lib.loom_qk_norm_f32(qkv.data_ptr() + offset * qkv.element_size(), qkv.shape[1],
+                             qkv.shape[0], heads, kv, width, q_norm.weight.data_ptr(),
+                             k_norm.weight.data_ptr(), q_norm.eps, threads)

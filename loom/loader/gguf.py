@@ -35,6 +35,7 @@ _ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
@@ -78,6 +79,12 @@ _GLM4_LAYER_NAMES = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
 }
+# OLMo 2's: no norms before attention and the MLP, the norms of their outputs
+_OLMO2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -105,7 +112,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
-             else _GLM4_LAYER_NAMES if arch == "glm4" else _LAYER_NAMES)
+             else _GLM4_LAYER_NAMES if arch == "glm4" else _OLMO2_LAYER_NAMES if arch == "olmo2"
+             else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -168,6 +176,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm_full=arch == "olmo2",
         sliding_window=field(reader, f"{arch}.attention.sliding_window"),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),

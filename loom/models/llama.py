@@ -23,7 +23,7 @@ from loom.kernels import cpu_ops
 from loom.layers.activation import act_and_mul, activation_of
 from loom.layers.embedding import VocabEmbedding
 from loom.layers.linear import Linear
-from loom.layers.norm import RMSNorm, qk_norm_
+from loom.layers.norm import NoNorm, RMSNorm, qk_norm_
 from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from loom.models import q8_decoder
 from loom.models.weight_map import load_packed_weights
@@ -42,9 +42,11 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
+        self.qk_norm_full = config.qk_norm_full  # over all heads at once (OLMo 2)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            full = config.qk_norm_full
+            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, config.rms_norm_eps)
         scalar = config.query_pre_attn_scalar
         scale = config.attention_multiplier if scalar is None else scalar**-0.5
         self.attn = Attention(
@@ -58,7 +60,7 @@ class LlamaAttention(nn.Module):
         if rope.fused:
             if self.qk_norm:  # each q and k head normed in place (the C stack's kernel)
                 qk_norm_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm,
-                         self.k_norm)
+                         self.k_norm, self.qk_norm_full)
             # One C call rotates q and k in place and writes k, v to the cache.
             md = get_forward_context().attn_metadata
             cpu_ops.rope_write_kv_(
@@ -71,8 +73,12 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q_heads, k_heads = (num_tokens, self.num_heads, -1), (num_tokens, self.num_kv_heads, -1)
+            if self.qk_norm_full:  # all heads as one row, then split into heads
+                q = self.q_norm(q.contiguous()).view(q_heads)
+                k = self.k_norm(k.contiguous()).view(k_heads)
+            else:
+                q, k = self.q_norm(q.view(q_heads)), self.k_norm(k.view(k_heads))
             qk = torch.cat([q, k], dim=1)
         else:  # q and k heads side by side in qkv: one rotation for both
             qk = qkv[:, : self.q_size + self.kv_size].view(
@@ -158,15 +164,22 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn
         dense = isinstance(self.mlp, LlamaMLP)
         return dict(
-            in_norm=self.input_layernorm, mlp_norm=self._norm(self.mlp_norm_name),
+            in_norm=_weighted(self.input_layernorm),
+            mlp_norm=_weighted(self._norm(self.mlp_norm_name)),
             q_norm=a.q_norm if a.qk_norm else None, k_norm=a.k_norm if a.qk_norm else None,
             attn_out_norm=self._norm(self.attn_out_norm_name),
             mlp_out_norm=self._norm(self.mlp_out_norm_name),
+            qk_norm_full=a.qk_norm_full,
             qkv=a.qkv_proj, o=a.o_proj, attn=a.attn, rope_index=self.rope_index,
             gate_up=self.mlp.gate_up_proj if dense else None,
             down=self.mlp.down_proj if dense else None,
             activation=self.mlp.activation if dense else None,
         )
+
+
+def _weighted(norm: nn.Module | None) -> nn.Module | None:
+    """A norm the C stack runs (None for none, NoNorm's missing pre-norms included)."""
+    return None if norm is None or isinstance(norm, NoNorm) else norm
 
 
 class LlamaModel(nn.Module):

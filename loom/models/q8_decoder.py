@@ -134,7 +134,8 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
         ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
         ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("act", ctypes.c_int32), ("moe", ctypes.POINTER(MoeQ8))]
+        ("act", ctypes.c_int32), ("qk_norm_full", ctypes.c_int32),
+        ("moe", ctypes.POINTER(MoeQ8))]
 
     @classmethod
     def of(cls, parts: dict, rotary: torch.nn.Module) -> LayerQ8:
@@ -149,7 +150,7 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
             *norms, None if bias is None else bias.data_ptr(), table.data_ptr(), table.shape[0],
             *kv_pointers(attn.kv_cache), LinearQ8.of(parts["qkv"]), LinearQ8.of(parts["o"]),
             *dense, attn.sliding_window or 0, attn.scale, attn.softcap or 0.0,
-            ACTIVATIONS.index(parts["activation"]),
+            ACTIVATIONS.index(parts["activation"]), int(parts["qk_norm_full"]),
             None if moe is None else ctypes.pointer(MoeQ8.of(moe)),
         )
 

@@ -9,6 +9,7 @@ from loom.models.gemma import GemmaForCausalLM
 from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
+from loom.models.olmo import Olmo2ForCausalLM
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -24,6 +25,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": LlamaForCausalLM,  # interleaved partial rotary
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,  # interleaved rotary pairs over the whole head
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,

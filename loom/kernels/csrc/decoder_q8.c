@@ -516,7 +516,12 @@ static int run_layers(Step *s, Team *t)
         }
         if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
             return rc;
-        if (nt && L->q_norm)
+        if (nt && L->q_norm && L->qk_norm_full) {  // all of q, then all of k, as one row each
+            loom_qk_norm_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, 1, 0, s->q_n, L->q_norm,
+                             L->k_norm, s->eps, nt);
+            loom_qk_norm_f32(s->buf_qkv + r0 * s->qkv_n + s->q_n, s->qkv_n, n, 0, 1,
+                             s->kv_heads * s->D, L->q_norm, L->k_norm, s->eps, nt);
+        } else if (nt && L->q_norm)
             loom_qk_norm_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, s->num_heads, s->kv_heads,
                              s->D, L->q_norm, L->k_norm, s->eps, nt);
         if (nt)
@@ -718,7 +723,8 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
     if ((rc = check_inputs(&s, embed, head))) return rc;
     if (embed) embed_rows(embed, M, H, s.hidden);
     memcpy(s.buf_h, s.hidden, (size_t)(M * H) * sizeof(float));
-    loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
+    if (s.layers[0].in_norm)  // (none: OLMo 2's layers read the embeddings as they are)
+        loom_add_rms_norm_f32(s.buf_h, NULL, s.layers[0].in_norm, M, H, s.eps, nt);
     const int few = loom_linear_q8_direct_rows;
     int64_t ops = 0;  // the team's work counters: one an op (a linear's: one a part)
     int kq = 0, q8 = 0;  // the layers' kinds

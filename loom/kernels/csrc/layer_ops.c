@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <string.h>
 
 #include "half.h"
 #include "loom.h"
@@ -26,6 +27,10 @@ void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64
             float *rr = residual + t * d;
             for (int64_t i = 0; i < d; i++) rr[i] += xr[i];
             src = rr;
+        }
+        if (!weight) {  // no norm (a layer without one: OLMo 2's): the add alone
+            if (src != xr) memcpy(xr, src, (size_t)d * sizeof(float));
+            continue;
         }
         float ss = 0.0f;
         for (int64_t i = 0; i < d; i++) ss += src[i] * src[i];

@@ -43,8 +43,8 @@ void loom_paged_attention_team(const float *q, int64_t q_tok_stride, const void 
 
 // ---- elementwise layer ops (layer_ops.c) -------------------------------------------------
 
-// x = rms_norm(x + residual) * weight, residual = x + residual (residual NULL: norm alone), in
-// place over n rows of d.
+// x = rms_norm(x + residual) * weight, residual = x + residual (residual NULL: norm alone; weight
+// NULL: no norm, x = x + residual), in place over n rows of d.
 void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64_t n, int64_t d,
                            float eps, int num_threads);
 // out [n, d] = silu(gate) * up of gate_up [n, 2 d].
@@ -313,10 +313,11 @@ typedef struct LoomMoeQ8 {
 //   [q, k heads = q_norm, k_norm (each head)];  rotate q, k by rope_table; write k, v;
 //   a = attention(q; window, scale, softcap) Wo^T;  [a = attn_out_norm(a)];
 //   h = mlp_norm(hidden += a);  m = (act(h Wg^T) * h Wu^T) Wd^T;  [m = mlp_out_norm(m)]
-// and m is the next layer's (or the final norm's) `last output`.
+// and m is the next layer's (or the final norm's) `last output`. A NULL in_norm or mlp_norm
+// is no norm (h = hidden: OLMo 2's layers).
 typedef struct {
-    const float *in_norm, *mlp_norm;            // [H]
-    const float *q_norm, *k_norm;               // [D] each, or both NULL
+    const float *in_norm, *mlp_norm;            // [H] or NULL
+    const float *q_norm, *k_norm;               // [D] each (qk_norm_full: all of q, of k), or NULL
     const float *attn_out_norm, *mlp_out_norm;  // [H] or NULL
     const float *qkv_b;                         // NULL without bias
     const float *rope_table;  // [rope_rows, 2 D]: rows [cos, cos, -sin, sin] (layer_ops.c)
@@ -327,6 +328,7 @@ typedef struct {
     float scale;     // of q.k
     float softcap;   // of the scaled scores (cap * tanh(s / cap)), 0 for none
     int32_t act;     // LOOM_ACT_*
+    int32_t qk_norm_full;  // q_norm over all of q ([num_heads D]), k_norm all of k (OLMo 2)
     const LoomMoeQ8 *moe;  // NULL: the dense MLP (gu, d); else this instead
 } LoomLayerQ8;
 
