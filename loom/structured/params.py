@@ -35,6 +35,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     any_whitespace: bool = False
     additional_properties: bool = False
+    # A thinking model's reply constrained from its first token, its thinking block included
+    # (vLLM's `enable_in_reasoning`, here per request); by default the constraint holds from
+    # the answer on (`thinking`).
+    enable_in_reasoning: bool = False
     # Set by the server, not by clients: a thinking model's reply holds its `<think>` block
     # before the constrained answer: "open" (the prompt opened the block: free text up to
     # `</think>` comes first) or "optional" (such a block may come first).

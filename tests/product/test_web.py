@@ -130,8 +130,9 @@ def test_chat_streams_stops_and_keeps_the_conversation(browser, server, tmp_path
 
 def test_thinking_shows_in_a_block_above_the_answer(browser, server) -> None:
     """A reply that opens with a thinking block (made so by a regex the test adds to the page's
-    request body): the page shows its reasoning_content in a "Thinking" block, escaped, and the
-    answer below it; the thinking is not sent back as part of the conversation."""
+    request body, applied to the thinking too: enable_in_reasoning): the page shows its
+    reasoning_content in a "Thinking" block, escaped, and the answer below it; the thinking is
+    not sent back as part of the conversation."""
     d = browser
     d.get(f"{server.url}/")
     d.execute_script("localStorage.clear()")
@@ -140,7 +141,8 @@ def test_thinking_shows_in_a_block_above_the_answer(browser, server) -> None:
     d.execute_script(
         "const plain = requestBody; window.bodies = [];"
         "requestBody = (c) => { const b = { ...plain(c), temperature: 0, max_tokens: 48,"
-        "  structured_outputs: { regex: arguments[0] } }; window.bodies.push(b); return b; };",
+        "  structured_outputs: { regex: arguments[0], enable_in_reasoning: true } };"
+        "  window.bodies.push(b); return b; };",
         "<think>[a-z <]{8,24}</think>\n[A-Z][a-z ]{3,20}\\.")
     _send(d, "Is the sky blue?")
     _wait(d, lambda d: len(_assistant(d)) == 1 and "tokens" in _assistant(d)[0].find_element(
@@ -166,7 +168,8 @@ def test_terminal_chat_shows_split_thinking_as_the_model_wrote_it(server) -> Non
     from loom.entrypoints.chat_backends import RemoteBackend
 
     settings = {"temperature": 0, "max_tokens": 48, "structured_outputs": {
-        "regex": "<think>[a-z ]{8,24}</think>\n\n[A-Z][a-z ]{3,20}\\."}}
+        "regex": "<think>[a-z ]{8,24}</think>\n\n[A-Z][a-z ]{3,20}\\.",
+        "enable_in_reasoning": True}}  # (a grammar that writes the thinking too)
     text = "".join(RemoteBackend(server.url).stream(
         [{"role": "user", "content": "Is the sky blue?"}], settings, lambda: False))
     thought, _, answer = text.partition("</think>\n\n")

@@ -209,6 +209,8 @@ def test_params_validation() -> None:
         SamplingParams(structured_outputs={"regex": "a", "thinking": "open"})
     with pytest.raises(SamplingParamsError, match="thinking"):
         StructuredOutputsParams(regex="a", thinking="always")
+    assert SamplingParams(structured_outputs={"regex": "a", "enable_in_reasoning": True}
+                          ).structured_outputs.enable_in_reasoning
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs.kind == "regex"
 
 

@@ -99,6 +99,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     grammar: _GrammarText | None = None
     any_whitespace: bool = False
     additional_properties: bool = False
+    enable_in_reasoning: bool = False  # vLLM's server option, per request: constrain thinking too
 
 
 class SamplingRequest(OpenAIBaseModel):

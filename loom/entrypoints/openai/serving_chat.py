@@ -211,11 +211,15 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest,
         params = params.clone(prediction=ids)
     reasoning = ctx.reasoning(ctx.tokenizer.chat_template, prompt_ids)
     so = params.structured_outputs
-    if reasoning is not None and so is not None and reasoning.constraint_mode is not None:
-        # a thinking model thinks first: its constraint (structured output, forced tool
-        # calls) holds from the answer on, as vLLM's reasoning-aware structured outputs
-        params = params.clone(structured_outputs=dataclasses.replace(
-            StructuredOutputsParams.coerce(so), thinking=reasoning.constraint_mode))
+    if reasoning is not None and so is not None:
+        so = StructuredOutputsParams.coerce(so)
+        if so.enable_in_reasoning:  # the grammar, not the model, chose the first tokens
+            reasoning.started = False
+        elif reasoning.constraint_mode is not None:
+            # a thinking model thinks first: its constraint (structured output, forced tool
+            # calls) holds from the answer on, as vLLM's reasoning-aware structured outputs
+            params = params.clone(structured_outputs=dataclasses.replace(
+                so, thinking=reasoning.constraint_mode))
     builder = _Builder(ctx, req, request_id, int(time.time()), params.n, parser, reasoning)
     return PreparedChat(request_id, prompt_ids, params, source, builder, req.priority)
 
