@@ -14,7 +14,7 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
+        Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
         LlamaConfig, MistralConfig,
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
@@ -85,6 +85,9 @@ def _configs() -> dict[str, object]:
         # ERNIE 4.5: GLM's interleaved pairs over the whole head
         # q/k norms over all heads, norms after attention and the MLP, none before
         "olmo2": Olmo2Config(**TINY, pad_token_id=0, eos_token_id=2),
+        # OLMo 2's norms, per-head q/k norms, a sliding layer and a full one without RoPE
+        "exaone4": Exaone4Config(**TINY, sliding_window=8, pad_token_id=0, eos_token_id=2,
+                                 layer_types=["sliding_attention", "full_attention"]),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -92,7 +95,7 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5", "olmo2"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -36,6 +36,7 @@ _ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
@@ -79,7 +80,7 @@ _GLM4_LAYER_NAMES = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
 }
-# OLMo 2's: no norms before attention and the MLP, the norms of their outputs
+# OLMo 2's (and EXAONE 4's): no norms before attention and the MLP, the norms of their outputs
 _OLMO2_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
@@ -112,8 +113,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
-             else _GLM4_LAYER_NAMES if arch == "glm4" else _OLMO2_LAYER_NAMES if arch == "olmo2"
-             else _LAYER_NAMES)
+             else _GLM4_LAYER_NAMES if arch == "glm4"
+             else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4") else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -153,6 +154,15 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     if field(reader, f"{arch}.expert_count"):
         extra.update(_moe_fields(reader, arch, path))
     architecture = extra.pop("architecture", _ARCHITECTURES[arch])
+    # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
+    extra["nope_layers"] = tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" \
+        else ()
+    if arch == "exaone4":  # sliding layers by the file's flags; the full ones without RoPE
+        pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
+        if field(reader, f"{arch}.attention.sliding_window") and isinstance(pattern, list):
+            types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
+            extra.update(layer_types=types, nope_layers=tuple(
+                i for i, t in enumerate(types) if t == "full_attention"))
     if arch == "granite":  # its multipliers (llama.cpp's names)
         extra.update(
             embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
@@ -182,8 +192,6 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         pooling=_pooling(reader, arch, path),
         rotary_interleaved=arch == "glm4",  # llama.cpp's GPT-J pairs over rope.dimension_count
-        # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
-        nope_layers=tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" else (),
         **extra,
     )
 

@@ -62,6 +62,17 @@ def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4: with a sliding window, its `layer_types` (three sliding layers to one full)
+    and no RoPE on the full ones (transformers' "global NoPE"); without one, every layer full
+    and rotated."""
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if not window or not types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(types),
+            "nope_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}
+
+
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -203,7 +214,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
                                              arch == "Ernie4_5ForCausalLM")),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", glm)),
             rotary_interleaved=interleaved,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Exaone4ForCausalLM"),
             qk_norm_full=arch == "Olmo2ForCausalLM",
             sliding_window=sliding,
             hidden_act=cfg.get("hidden_act", "silu"),
@@ -213,6 +224,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         )
         if arch == "SmolLM3ForCausalLM":
             fields.update(_smollm3_fields(cfg))
+        if arch == "Exaone4ForCausalLM":
+            fields.update(_exaone4_fields(cfg))
         if arch == "GraniteForCausalLM":
             fields.update(
                 embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),

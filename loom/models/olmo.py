@@ -1,6 +1,8 @@
 """OLMo 2 (AI2's fully open models, `Olmo2ForCausalLM`; GGUF `olmo2`): a Llama whose layers norm
 attention's output and the MLP's (post_attention_layernorm, post_feedforward_layernorm) instead
-of their inputs, and whose q and k norms span all heads at once (ModelConfig.qk_norm_full)."""
+of their inputs, and whose q and k norms span all heads at once (ModelConfig.qk_norm_full).
+EXAONE 4 (`Exaone4ForCausalLM`, GGUF `exaone4`) runs on the same layer with per-head q/k norms
+and, with a sliding window, full layers without RoPE (its config: loader/hf.py)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,  # interleaved rotary pairs over the whole head
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    # OLMo 2's layer (norms after attention and the MLP) with per-head q/k norms, and with a
+    # sliding window its 3:1 sliding / full layers, the full ones without RoPE
+    "Exaone4ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
