@@ -50,3 +50,27 @@ def test_reasoning_then_text_then_calls() -> None:
     (message,) = _as_messages(whole)
     assert message["content"] == "Let me check."
     assert [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
+
+
+def test_the_response_store_is_bounded_in_number_and_text() -> None:
+    import pytest
+
+    from loom.entrypoints.openai.errors import APIError
+    from loom.entrypoints.openai.serving_common import ResponseStore
+
+    store = ResponseStore(size=3, max_chars=100)
+    for i in range(5):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": str(i)}], 10)
+    with pytest.raises(APIError) as e:  # the oldest past the count
+        store.get("r1", "previous_response_id")
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+    assert store.get("r4")[1] == [{"role": "user", "content": "4"}]
+    store.put({"id": "big"}, [], 95)  # past the text bound: all the older ones go
+    for old in ("r2", "r3", "r4"):
+        with pytest.raises(APIError):
+            store.get(old)
+    store.put({"id": "huge"}, [], 500)  # alone past the bound: kept (the newest always is)
+    assert store.get("huge")[0] == {"id": "huge"}
+    store.delete("huge")
+    with pytest.raises(APIError):
+        store.delete("huge")

@@ -47,22 +47,31 @@ MIN_LOGPROB = -9999.0
 
 
 RESPONSES_KEPT = 256  # /v1/responses kept for previous_response_id and GET
+RESPONSES_KEPT_CHARS = 64 * 2**20  # and at most about this much text in them
 
 
 class ResponseStore:
     """The newest /v1/responses answers, each with the conversation it ends (serving_responses:
-    previous_response_id continues it); thread-safe, bounded."""
+    previous_response_id continues it); thread-safe, bounded in number and in the text each
+    added (so clients storing long conversations cannot grow the server without bound)."""
 
-    def __init__(self, size: int = RESPONSES_KEPT) -> None:
+    def __init__(self, size: int = RESPONSES_KEPT, max_chars: int = RESPONSES_KEPT_CHARS) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self.max_chars = max_chars
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = \
+            OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            chars: int) -> None:
+        """Keep `response`; `chars`: the text it added to the conversation it continues."""
         with self._lock:
-            self._items[response["id"]] = (response, conversation)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[response["id"]] = (response, conversation, chars)
+            self._chars += chars
+            while len(self._items) > 1 and (len(self._items) > self.size
+                                            or self._chars > self.max_chars):
+                self._chars -= self._items.popitem(last=False)[1][2]
 
     def get(self, response_id: str, param: str | None = None
             ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -71,12 +80,14 @@ class ResponseStore:
             item = self._items.get(response_id)
         if item is None:
             raise APIError(404, f"no response with id {response_id!r} is kept (the newest "
-                                f"{self.size} stored ones are)", param, "not_found")
-        return item
+                                f"stored ones are: at most {self.size})", param, "not_found")
+        return item[0], item[1]
 
     def delete(self, response_id: str) -> None:
         with self._lock:
             found = self._items.pop(response_id, None)
+            if found is not None:
+                self._chars -= found[2]
         if found is None:
             raise APIError(404, f"no response with id {response_id!r} is kept", None,
                            "not_found")

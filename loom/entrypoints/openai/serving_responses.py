@@ -203,7 +203,9 @@ class _Response:
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             usage=_usage(prompt_tokens, output_tokens, cached, self.reasoning_tokens(items)))
         if self.req.store is not False:
-            self.ctx.responses.put(self.body, self.history + _as_messages(items))
+            added = _conversation(self.req) + _as_messages(items)
+            self.ctx.responses.put(self.body, self.history + _as_messages(items),
+                                   len(json.dumps(added)))
         return self.body
 
 
