@@ -15,7 +15,7 @@ TINY = dict(
 def _configs() -> dict[str, object]:
     from transformers import (
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
-        LlamaConfig, MistralConfig,
+        LlamaConfig, Ministral3Config, MistralConfig,
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
@@ -85,6 +85,12 @@ def _configs() -> dict[str, object]:
         # ERNIE 4.5: GLM's interleaved pairs over the whole head
         # q/k norms over all heads, norms after attention and the MLP, none before
         "olmo2": Olmo2Config(**TINY, pad_token_id=0, eos_token_id=2),
+        # YaRN with mscale / mscale_all_dim and Llama 4's query scaling past 64 positions (the
+        # context Loom runs it to: the prompts stay below)
+        "ministral3": Ministral3Config(**TINY, pad_token_id=0, eos_token_id=2, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
         # OLMo 2's norms, per-head q/k norms, a sliding layer and a full one without RoPE
         "exaone4": Exaone4Config(**TINY, sliding_window=8, pad_token_id=0, eos_token_id=2,
                                  layer_types=["sliding_attention", "full_attention"]),
@@ -95,7 +101,7 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -13,6 +13,7 @@ import torch
 from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from loom.loader.hf import query_scaled_context
 from loom.loader.release import drop_pages
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
@@ -37,10 +38,12 @@ _ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "mistral3": "Ministral3ForCausalLM",  # (Mistral Small 3.x and Ministral 3's text models)
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
-_PERMUTED_QK = {"llama", "smollm3", "granite"}  # written by the converter's LlamaModel
+# written by the converter's LlamaModel
+_PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
 
 _LAYER_NAMES = {
@@ -182,7 +185,12 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=int(key("context_length", 4096)),
+        # Ministral 3's query scaling past the original context (llama.cpp's temperature scale)
+        max_position_embeddings=query_scaled_context(
+            None if scaling is None else {
+                **scaling, "llama_4_scaling_beta": field(
+                    reader, f"{arch}.attention.temperature_scale")},
+            int(key("context_length", 4096)), str(path)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -281,12 +289,17 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     if kind == "yarn":  # llama.cpp's ramp and mscale are transformers' (attn_factor on top)
         factor = float(field(reader, f"{arch}.rope.scaling.factor"))
         attn = field(reader, f"{arch}.rope.scaling.attn_factor")
+        # the multiplier of the mscale of all dims (Ministral 3's mscale_all_dim): llama.cpp's
+        # factor mscale(1) / mscale(it), transformers' with mscale 1
+        log_mul = field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+        mscale = (yarn_mscale(factor) / yarn_mscale(factor, float(log_mul)) if log_mul
+                  else yarn_mscale(factor))
         return {"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings":
                     int(field(reader, f"{arch}.rope.scaling.original_context_length")),
                 "beta_fast": field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
                 "beta_slow": field(reader, f"{arch}.rope.scaling.yarn_beta_slow"),
-                "attention_factor": None if attn is None else float(attn) * yarn_mscale(factor)}
+                "attention_factor": mscale * (1.0 if attn is None else float(attn))}
     raise ConfigError(f"unsupported GGUF rope scaling {kind!r}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from safetensors import safe_open
 
 from loom.config import ConfigError, ModelConfig, interleaved_layer_types
+
+logger = logging.getLogger(__name__)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -73,6 +76,20 @@ def _exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}
 
 
+def query_scaled_context(scaling: dict[str, Any] | None, max_position: int, source: str) -> int:
+    """The context a model whose queries are scaled past its original context (Llama 4's and
+    Ministral 3's `llama_4_scaling_beta`: q times 1 + beta ln(1 + floor(pos / original))) runs
+    exactly in Loom: up to that original context, where the scale is 1 (the key popped)."""
+    beta = scaling.pop("llama_4_scaling_beta", None) if scaling else None
+    original = scaling.get("original_max_position_embeddings") if scaling else None
+    if not beta or not original or original >= max_position:
+        return max_position
+    logger.warning("%s scales queries past %d positions (llama_4_scaling_beta %s), which Loom "
+                   "does not implement: its context is capped at %d (of %d)", source, original,
+                   beta, original, max_position)
+    return int(original)
+
+
 def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -82,7 +99,8 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 _GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")  # interleaved partial rotary, attention bias
 # sliding_window as the config gives it (Gemma: its sliding layers'; the others: every layer's)
-_SLIDING = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", *_GEMMAS)
+_SLIDING = ("MistralForCausalLM", "Ministral3ForCausalLM", "Phi3ForCausalLM",
+            "MixtralForCausalLM", *_GEMMAS)
 # Qwen's sliding window applies to some layers only: refused
 _QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -209,7 +227,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=query_scaled_context(
+                scaling, int(cfg.get("max_position_embeddings", 4096)), str(path)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              arch == "Ernie4_5ForCausalLM")),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", glm)),

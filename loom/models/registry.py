@@ -15,6 +15,7 @@ from loom.models.olmo import Olmo2ForCausalLM
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Ministral3ForCausalLM": LlamaForCausalLM,  # YaRN; context capped (hf.query_scaled_context)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,

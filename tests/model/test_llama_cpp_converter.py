@@ -75,14 +75,16 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("olmo2", {"qk_norm_full": True, "architecture": "Olmo2ForCausalLM"}),
     ("exaone4", {"nope_layers": (1,), "sliding_window": 8, "qk_norm_full": False,
                  "architecture": "Exaone4ForCausalLM"}),
+    ("ministral3", {"max_position_embeddings": 64, "architecture": "Ministral3ForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
     rope.scaling keys), SmolLM3's NoPE layers (llama.cpp's every 4th), Granite's multipliers
     (its *_scale keys), GLM-4 (interleaved partial rotary, its output norms), OLMo 2 (its
-    norms after attention and the MLP, q/k norms over all heads) and EXAONE 4 (the same norms,
-    sliding layers by the file's flags, the full ones without RoPE) read from the converter's
-    files give transformers' logits."""
+    norms after attention and the MLP, q/k norms over all heads), EXAONE 4 (the same norms,
+    sliding layers by the file's flags, the full ones without RoPE) and Ministral 3 (YaRN with
+    its log multiplier; the context capped where its query scaling starts) read from the
+    converter's files give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
