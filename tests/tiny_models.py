@@ -14,7 +14,7 @@ TINY = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
+        Ernie4_5Config, Exaone4Config, Gemma2Config, GemmaConfig, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
         LlamaConfig, Ministral3Config, MistralConfig,
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
@@ -39,6 +39,7 @@ def _configs() -> dict[str, object]:
             **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"],
         ),
+        "gemma": GemmaConfig(**TINY, head_dim=16),  # Gemma 1
         "gemma2": Gemma2Config(
             **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
             attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
@@ -101,7 +102,7 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -30,6 +30,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -160,6 +161,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
     extra["nope_layers"] = tuple(range(3, int(key("block_count")), 4)) if arch == "smollm3" \
         else ()
+    if arch == "gemma":  # Gemma 1: what llama.cpp fixes rather than stores
+        extra.update(hidden_act="gelu_pytorch_tanh")
     if arch == "exaone4":  # sliding layers by the file's flags; the full ones without RoPE
         pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
         if field(reader, f"{arch}.attention.sliding_window") and isinstance(pattern, list):
@@ -341,7 +344,7 @@ def iter_gguf_tensors(
                  if isinstance(w, (Q8Groups, KBlocks)) else _unpermute(w, heads))
         if name.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores the gate's one row as a vector
-        if arch in _GEMMAS and name.endswith("norm.weight"):
+        if (arch in _GEMMAS or arch == "gemma") and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
         _drop_if_copied(t, w)

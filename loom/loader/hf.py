@@ -254,6 +254,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
                 logits_scaling=float(cfg.get("logits_scaling", 1.0)))
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
+        if arch == "GemmaForCausalLM":  # Gemma 1: Gemma's GELU-tanh and tied embeddings
+            fields.update(hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act")
+                          or "gelu_pytorch_tanh",
+                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
         if arch in _MOES:
             fields.update(_moe_fields(arch, cfg))
         return ModelConfig(**fields)

@@ -1,11 +1,13 @@
-"""Gemma 2 and Gemma 3 (text) decoders on a flattened token batch.
+"""Gemma 2 and Gemma 3 (text) decoders on a flattened token batch, and Gemma 1.
 
 What sets them apart from Llama: four RMSNorms a layer (before and after attention and MLP), each
 scaling by (1 + w); embeddings scaled by sqrt(hidden) in the weight dtype; a GELU-tanh MLP;
 sliding-window layers interleaved with global ones (Gemma 3: each kind with its own RoPE base);
 an attention scale of query_pre_attn_scalar ** -0.5; Gemma 3's q/k norms; Gemma 2's attention
 and final-logit soft-capping. The (1 + w) of every norm is folded into its weight at load, so
-the norms are Loom's plain RMSNorm (and its CPU kernel).
+the norms are Loom's plain RMSNorm (and its CPU kernel). Gemma 1 (`GemmaForCausalLM`, GGUF
+`gemma`) is Llama's layer (two norms, no windows, no caps) with Gemma's (1 + w) norms, scaled
+embeddings and GELU-tanh MLP.
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_fold_norms(weights))
+
+
+class Gemma1Model(GemmaModel):
+    layer_cls = LlamaDecoderLayer
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    model_cls = Gemma1Model
 
 
 def _fold_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

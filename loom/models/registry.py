@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
-from loom.models.gemma import GemmaForCausalLM
+from loom.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
 from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Ministral3ForCausalLM": LlamaForCausalLM,  # YaRN; context capped (hf.query_scaled_context)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GemmaForCausalLM": Gemma1ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up come fused in the checkpoint

@@ -30,12 +30,32 @@ CONVERTER = Path(sys.prefix) / "share" / "llama-cpp-converter" / "convert_hf_to_
 CASES = {"qwen3-moe": {"mlp_only_layers": []}, "mixtral": {}, "qwen2-moe": {}}
 
 
+def _with_sentencepiece(folder: Path) -> Path:
+    """A tiny Gemma checkpoint beside a SentencePiece model trained here (its vocabulary the
+    model's): llama.cpp's Gemma converter reads tokenizer.model."""
+    import sentencepiece as spm
+
+    folder.mkdir(parents=True)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {i * 7}"
+                                 for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"),
+                                   vocab_size=160, model_type="bpe", hard_vocab_limit=False,
+                                   minloglevel=2)
+    vocab = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).vocab_size()
+    corpus.unlink()
+    return make_tiny_model("gemma", folder, vocab_size=vocab)
+
+
 def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
     if not CONVERTER.exists():
         pytest.skip(f"no llama.cpp converter at {CONVERTER} (make install-test unpacks it)")
-    folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES.get(name, {}))
-    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
+    if name == "gemma":  # the converter reads Gemma's SentencePiece model: a tiny one
+        folder = _with_sentencepiece(tmp_path / name)
+    else:
+        folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES.get(name, {}))
+        Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()),
@@ -76,15 +96,17 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("exaone4", {"nope_layers": (1,), "sliding_window": 8, "qk_norm_full": False,
                  "architecture": "Exaone4ForCausalLM"}),
     ("ministral3", {"max_position_embeddings": 64, "architecture": "Ministral3ForCausalLM"}),
+    ("gemma", {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+               "architecture": "GemmaForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
     rope.scaling keys), SmolLM3's NoPE layers (llama.cpp's every 4th), Granite's multipliers
     (its *_scale keys), GLM-4 (interleaved partial rotary, its output norms), OLMo 2 (its
     norms after attention and the MLP, q/k norms over all heads), EXAONE 4 (the same norms,
-    sliding layers by the file's flags, the full ones without RoPE) and Ministral 3 (YaRN with
-    its log multiplier; the context capped where its query scaling starts) read from the
-    converter's files give transformers' logits."""
+    sliding layers by the file's flags, the full ones without RoPE), Ministral 3 (YaRN with
+    its log multiplier; the context capped where its query scaling starts) and Gemma 1 (its
+    stored 1 + w norms) read from the converter's files give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
