@@ -181,6 +181,46 @@ def _pooling(folder: Path) -> str:
     return "last"
 
 
+# Multimodal checkpoints whose text model Loom runs alone: the wrapper -> the text model's
+# architecture by its text_config's model_type (the vision tower and projector are not read)
+_TEXT_OF = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM",
+                                         "ministral3": "Ministral3ForCausalLM"},
+}
+# their weights' prefixes (transformers' older and newer layouts) -> the text model's names
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _text_config(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A multimodal config's text model as a text config of its own: its architecture named,
+    the wrapper's token ids where the text config lacks them, and its head tied to the
+    embeddings where the checkpoint holds no head of its own (the wrapper's and the text
+    config's `tie_word_embeddings` can disagree; the weights are what transformers loads)."""
+    arch = cfg["architectures"][0]
+    text = dict(cfg.get("text_config") or {})
+    kind = text.get("model_type")
+    if kind not in _TEXT_OF[arch]:
+        raise ConfigError(f"{path}: {arch} with a text model of type {kind!r} is not supported "
+                          f"(supported: {', '.join(_TEXT_OF[arch])})")
+    for key in ("eos_token_id", "bos_token_id"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    heads = ("lm_head.", "language_model.lm_head.")
+    text["tie_word_embeddings"] = not any(n.startswith(heads) for n in _stored_names(path.parent))
+    return {**text, "architectures": [_TEXT_OF[arch][kind]]}
+
+
+def _stored_names(folder: Path) -> list[str]:
+    """The tensor names of a folder's safetensors files (their headers alone)."""
+    names: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def model_config_from_hf(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     try:
@@ -192,6 +232,9 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     archs = cfg.get("architectures") or []
     if not archs:
         raise ConfigError(f"{path} names no `architectures`")
+    if archs[0] in _TEXT_OF:  # its text model alone (images are not read)
+        cfg = _text_config(cfg, path)
+        archs = cfg["architectures"]
     arch = archs[0]
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -266,10 +309,21 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors by name; a multimodal checkpoint's text model's under its text
+    model's names, the rest (vision tower, projector) not read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{folder} holds no *.safetensors files")
+    config = folder / "config.json"
+    wrapped = config.is_file() and (json.loads(config.read_text()).get("architectures")
+                                    or [None])[0] in _TEXT_OF
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            for stored in f.keys():
+                name: str | None = stored
+                if wrapped:
+                    name = next((new + stored[len(old):] for old, new in _TEXT_PREFIXES
+                                 if stored.startswith(old)), None)
+                    if name is None:
+                        continue  # the vision tower, the projector
+                yield name, f.get_tensor(stored)
