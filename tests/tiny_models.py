@@ -124,3 +124,19 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) ->
                 p.normal_(0.0, 0.08 if p.dim() > 1 else 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+def smollm2_tokenizer():  # -> transformers' tokenizer
+    """The packaged SmolLM2's tokenizer in transformers (to change, or to save beside a model)."""
+    from loom.loader.resolve import resolve_model
+    from loom.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.from_source(resolve_model(None)).hf
+
+
+def make_tiny_chat_model(name: str, folder: Path, tokenizer=None, **overrides: int) -> Path:
+    """make_tiny_model with a tokenizer saved beside it (SmolLM2's unless given) for an engine
+    to load; `overrides` as make_tiny_model's (vocab_size=len(tokenizer) to use all of it)."""
+    make_tiny_model(name, folder, **overrides)
+    (tokenizer or smollm2_tokenizer()).save_pretrained(folder)
+    return folder

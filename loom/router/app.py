@@ -43,6 +43,11 @@ _DROP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer
 _PASS_BACK = ("content-type", "retry-after", "x-request-id")
 
 
+def _forward_headers(request: Request) -> dict[str, str]:
+    """The client's headers a replica gets (hop-by-hop ones dropped)."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+
+
 def error(status: int, message: str, param: str | None = None,
           code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
@@ -84,9 +89,10 @@ class Router:
         return found is not None
 
     async def proxy_to_owner(self, request: Request, method: str, response_id: str,
-                             body: bytes = b"") -> Response:
+                             body: bytes = b"", stream: bool = False) -> Response:
         """A request about a stored response, sent to the replica that answered it (its
-        store is that replica's); 404 for an id this router did not route."""
+        store is that replica's); 404 for an id this router did not route. `stream`: the
+        body asks for a stream."""
         url = self.responses.get(response_id)
         if url is None:
             return error(404, f"no response with id {response_id!r} was answered through this "
@@ -96,13 +102,7 @@ class Router:
         if backend is None:
             return error(503, f"the replica holding response {response_id!r} ({url}) is not "
                               "healthy", code="no_healthy_backend")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
-        stream = False
-        if body:
-            try:
-                stream = json.loads(body).get("stream") is True
-            except (ValueError, AttributeError):
-                stream = False
+        headers = _forward_headers(request)
         try:
             return await self._attempt(backend, method, request.url.path, headers, body, stream)
         except _Retry as e:
@@ -125,7 +125,7 @@ class Router:
         """Send the request to a replica (retrying as the module says) and relay its answer."""
         t0 = time.perf_counter()
         path = request.url.path
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+        headers = _forward_headers(request)
         stream = parsed is not None and parsed.get("stream") is True
         hashes = (block_hashes(prompt_text(parsed), self.args.block_chars)
                   if parsed is not None else [])
@@ -295,7 +295,8 @@ def build_app(args: RouterArgs) -> FastAPI:
         body, parsed = got
         previous = parsed.get("previous_response_id")
         if isinstance(previous, str):  # the conversation is stored on one replica
-            return await router.proxy_to_owner(request, "POST", previous, body)
+            return await router.proxy_to_owner(request, "POST", previous, body,
+                                               parsed.get("stream") is True)
         return await router.proxy(request, "POST", body, parsed)
 
     @app.get("/v1/responses/{response_id}")

@@ -263,6 +263,19 @@ def _calls_rule(separator: str, parallel: bool, start: str = "", end: str = "") 
     return f"start: {start} call{more} {end}\n"
 
 
+def _call_list_grammar(start: str, tools: list[dict[str, Any]], parallel: bool) -> str:
+    """Lark: `start` (grammar text) and a JSON list of one call object (up to
+    MAX_PARALLEL_CALLS if `parallel`): Granite's and Mistral's older form."""
+    items = compact({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1,
+                     "maxItems": MAX_PARALLEL_CALLS if parallel else 1})
+    return f"start: {start} %json {json.dumps(items)}\n"
+
+
+def _call_list(start: str, name: str, arguments: Any) -> str:
+    """One call written as `start` and a JSON list (_call_list_grammar's form)."""
+    return start + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
+
+
 def params_schema(fn: dict[str, Any]) -> dict[str, Any]:
     """A function's parameter schema, closed to other properties."""
     return no_additional_properties(fn.get("parameters") or {"type": "object", "properties": {}})

@@ -40,6 +40,8 @@ from loom.tools.calls import (
     ToolCallView,
     ToolParser,
     _args_object,
+    _call_list,
+    _call_list_grammar,
     _calls_rule,
     _content_before,
     _Invalid,
@@ -48,7 +50,6 @@ from loom.tools.calls import (
     _skip_ws,
     _take_call,
     _take_list,
-    call_schema,
     compact,
     params_schema,
 )
@@ -136,8 +137,8 @@ class MistralToolParser(ToolParser):
             if final:
                 raise _Invalid
             return None
-        name = t[pos:args]  # (Small 3.2's template writes name[CALL_ID]id[ARGS]{...})
-        name = _name(name[:name.find(self.CALL_ID)] if self.CALL_ID in name else name)
+        # (Small 3.2's template writes name[CALL_ID]id[ARGS]{...})
+        name = _name(t[pos:args].split(self.CALL_ID, 1)[0])
         arguments, end = _args_object(t, _skip_ws(t, args + len(self.ARGS)), final)
         calls.append(ParsedCall(name, arguments))
         return end
@@ -146,17 +147,14 @@ class MistralToolParser(ToolParser):
                 special: SpecialId | None = None) -> str:
         start = _lit(self.START, special)
         if not self.named:
-            items = compact({"type": "array", "items": call_schema(tools, "arguments"),
-                             "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1})
-            return f"start: {start} %json {json.dumps(items)}\n"
+            return _call_list_grammar(start, tools, parallel)
         alts = [f"{start} {json.dumps(t['function']['name'])} {_lit(self.ARGS, special)} "
                 f"%json {json.dumps(compact(params_schema(t['function'])))}" for t in tools]
         return _calls_rule("", parallel) + "call: " + " | ".join(alts) + "\n"
 
     def render_call(self, name: str, arguments: Any) -> str:
         if not self.named:
-            return self.START + json.dumps([{"name": name, "arguments": arguments}],
-                                           ensure_ascii=False)
+            return _call_list(self.START, name, arguments)
         return f"{self.START}{name}{self.ARGS}{json.dumps(arguments, ensure_ascii=False)}"
 
 
@@ -167,28 +165,20 @@ class GraniteToolParser(ToolParser):
     START = "<|tool_call|>"
     MARKERS = (START,)
 
-    def _view(self, text: str, final: bool) -> ToolCallView:
-        view, first = _content_before(text, self.START, final)
-        if first < 0:
-            return view
-        pos = _skip_ws(text, first + len(self.START))
-        if pos < len(text):
-            if text[pos] != "[":
-                raise _Invalid
-            _take_list(text, pos, ("arguments",), final, view.calls)
-        if final and not view.calls:
+    def _read(self, t: str, i: int, final: bool, calls: list[ParsedCall]) -> int | None:
+        pos = _skip_ws(t, i)
+        if pos >= len(t):
+            return None
+        if t[pos] != "[":
             raise _Invalid
-        return view
+        return _take_list(t, pos, ("arguments",), final, calls)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool,
                 special: SpecialId | None = None) -> str:
-        items = compact({"type": "array", "items": call_schema(tools, "arguments"),
-                         "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1})
-        return f"start: {_lit(self.START, special)} %json {json.dumps(items)}\n"
+        return _call_list_grammar(_lit(self.START, special), tools, parallel)
 
     def render_call(self, name: str, arguments: Any) -> str:
-        return self.START + json.dumps([{"name": name, "arguments": arguments}],
-                                       ensure_ascii=False)
+        return _call_list(self.START, name, arguments)
 
 
 class DeepSeekV3ToolParser(ToolParser):

@@ -20,10 +20,10 @@ import json
 from typing import Any
 
 from loom.tools.calls import (
-    MAX_PARALLEL_CALLS,
     ParsedCall,
     SpecialId,
     ToolParser,
+    _calls_rule,
     _hold_back,
     _Invalid,
     _name,
@@ -202,9 +202,8 @@ class XmlToolParser(ToolParser):
                 pairs.append(pair if key in required else f"({pair})?")
             alts.append(f"c{i}")
             rules.append(f"c{i}: {self._call_rule(fn['name'], ' '.join(pairs))}")
-        more = (f" ({json.dumps(self.SEPARATOR)} call){{0,{MAX_PARALLEL_CALLS - 1}}}"
-                if parallel else "")
-        return "\n".join([f"start: call{more}", "call: " + " | ".join(alts), *rules]) + "\n"
+        return (_calls_rule(self.SEPARATOR, parallel) + "call: " + " | ".join(alts) + "\n"
+                + "\n".join(rules) + "\n")
 
 
 class Qwen3CoderToolParser(XmlToolParser):

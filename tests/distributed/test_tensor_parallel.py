@@ -13,7 +13,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.config import ConfigError
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +22,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 8], list(range(40, 75)), [200] * 3 + [1, 2, 3
 
 def _tiny(arch: str, folder, **overrides):
     """A tiny random checkpoint with SmolLM2's tokenizer beside it (the prompts are ids)."""
-    from loom.loader.resolve import resolve_model
-    from loom.tokenizer.tokenizer import Tokenizer
-
-    make_tiny_model(arch, folder, **overrides)
-    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_model(arch, folder, **overrides)
 
 
 def _run(folder, tp: int, pp: int = 1, **kwargs) -> list:

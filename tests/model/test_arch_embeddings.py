@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from loom.engine.llm import LLM
 from loom.sampling_params import SamplingParams
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model, make_tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
            [9, 8, 7], [5, 17, 99, 3, 250, 7, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48, 1, 2]]
@@ -20,12 +20,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50,
 
 def _tiny(name: str, folder):
     """A tiny model with SmolLM2's tokenizer beside it (the engine loads one)."""
-    from loom.loader.resolve import resolve_model
-    from loom.tokenizer.tokenizer import Tokenizer
-
-    folder = make_tiny_model(name, folder)
-    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_model(name, folder)
 
 
 def _reference(folder, pooling: str) -> torch.Tensor:

@@ -18,11 +18,10 @@ from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.moe import SparseMoeBlock
 from loom.quant.int8 import Int8Linear
-from loom.tokenizer.tokenizer import Tokenizer
 from tests.cpu_kernels import require_cpu_kernels
 from tests.model.test_arch_stack import _mixed_batch, match_transformers, transformers_model
 from tests.paged_batch import rel_err
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model, make_tiny_model
 
 CONVERTER = Path(sys.prefix) / "share" / "llama-cpp-converter" / "convert_hf_to_gguf.py"
 # family -> config overrides: SmolLM2's vocabulary (its tokenizer is one the converter knows);
@@ -54,8 +53,8 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     if name == "gemma":  # the converter reads Gemma's SentencePiece model: a tiny one
         folder = _with_sentencepiece(tmp_path / name)
     else:
-        folder = make_tiny_model(name, tmp_path / name, vocab_size=49152, **CASES.get(name, {}))
-        Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
+        folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152,
+                                      **CASES.get(name, {}))
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()),

@@ -24,14 +24,11 @@ REPLICA_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", str(64 * 2**20),
 @functools.lru_cache(maxsize=1)
 def tiny_chat_model() -> str:
     """A random 2-layer Llama over SmolLM2's full vocabulary, its tokenizer and template."""
-    from loom.loader.resolve import resolve_model
-    from loom.tokenizer.tokenizer import Tokenizer
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_chat_model
 
     folder = Path(tempfile.mkdtemp(prefix="loom-router-model-")) / "tiny-chat"
-    make_tiny_model("llama", folder, vocab_size=49152, max_position_embeddings=2048)
-    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
-    return str(folder)
+    return str(make_tiny_chat_model("llama", folder, vocab_size=49152,
+                                    max_position_embeddings=2048))
 
 
 class RouterProcess(ServerProcess):

@@ -16,14 +16,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from loom.loader.resolve import resolve_model
-    from loom.tokenizer.tokenizer import Tokenizer
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_chat_model
 
-    folder = make_tiny_model("qwen3", tmp_path_factory.mktemp("emb") / "qwen3",
-                             vocab_size=49152)  # the tokenizer's
-    Tokenizer.from_source(resolve_model(None)).hf.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_model("qwen3", tmp_path_factory.mktemp("emb") / "qwen3",
+                                vocab_size=49152)  # the tokenizer's
 
 
 @pytest.fixture(scope="module")

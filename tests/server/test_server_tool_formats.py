@@ -30,17 +30,13 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def mistral_like(tmp_path_factory) -> Path:
-    from loom.loader.resolve import resolve_model
-    from loom.tokenizer.tokenizer import Tokenizer
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_chat_model, smollm2_tokenizer
 
-    hf = Tokenizer.from_source(resolve_model(None)).hf
+    hf = smollm2_tokenizer()
     hf.add_special_tokens({"additional_special_tokens": MARKERS})
     hf.chat_template = TEMPLATE.read_text()
-    folder = tmp_path_factory.mktemp("mistral") / "tiny"
-    make_tiny_model("llama", folder, vocab_size=len(hf), max_position_embeddings=2048)
-    hf.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_model("llama", tmp_path_factory.mktemp("mistral") / "tiny", hf,
+                                vocab_size=len(hf), max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")

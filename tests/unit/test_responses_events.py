@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from loom.entrypoints.openai.serving_responses import _as_messages, _Events, _outputs
+from loom.entrypoints.openai.serving_responses import _as_message, _Events, _outputs
 
 
 def _kinds(events: list[str]) -> list[str]:
@@ -47,7 +47,7 @@ def test_reasoning_then_text_then_calls() -> None:
     assert [i["type"] for i in whole] == ["reasoning", "message", "function_call",
                                           "function_call"]
     # the next turn's messages: the reasoning left out, the text and calls kept
-    (message,) = _as_messages(whole)
+    message = _as_message(whole)
     assert message["content"] == "Let me check."
     assert [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
 

@@ -35,7 +35,7 @@ from loom.entrypoints.openai.serving_common import (
     usage,
     vllm_prompt_logprobs,
 )
-from loom.entrypoints.openai.protocol import NamedToolChoice
+from loom.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from loom.structured.params import StructuredOutputsParams
 from loom.tokenizer.tokenizer import ChatTemplateError, template_kwargs
 from loom.tools.chat import prepare_conversation
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from loom.engine.outputs import CompletionOutput, RequestOutput
     from loom.sampling_params import SamplingParams
     from loom.entrypoints.openai.protocol import (
-        ChatCompletionRequest,
         ChatMessage,
         ChatTemplateOptions,
     )
@@ -159,6 +158,16 @@ async def create_chat_completion(
         elif e.param == "max_tokens" and req.max_completion_tokens is not None:
             e.param = "max_completion_tokens"
         raise
+
+
+def chat_request(body: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """The chat completion another API's request stands for (/v1/responses, /v1/messages:
+    fields left None are unset); a 400 naming `param` where it is not one."""
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}, strict=False)
+    except ValueError as e:
+        raise bad_request(f"invalid {param}: {e}", param) from None
 
 
 @dataclasses.dataclass

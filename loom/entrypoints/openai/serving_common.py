@@ -476,6 +476,17 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def typed_sse(kind: str, **fields: Any) -> str:
+    """An event of the Responses and Messages APIs' streams: named `kind`, its data typed so."""
+    return f"event: {kind}\n{sse({'type': kind, **fields})}"
+
+
+def token_counts(final: RequestOutput) -> tuple[int, int, int]:
+    """A finished request's (prompt, output, prefix-cached prompt) tokens."""
+    return (len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs),
+            final.num_cached_tokens)
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 

@@ -39,8 +39,14 @@ from loom.entrypoints.openai.protocol import (
     MessagesToolResult,
     MessagesToolUse,
 )
-from loom.entrypoints.openai.serving_chat import prepare_chat, render_messages
-from loom.entrypoints.openai.serving_common import cancel_on_disconnect, collect_final, new_id
+from loom.entrypoints.openai.serving_chat import chat_request, prepare_chat, render_messages
+from loom.entrypoints.openai.serving_common import (
+    cancel_on_disconnect,
+    collect_final,
+    new_id,
+    token_counts,
+    typed_sse,
+)
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import RequestStream
@@ -132,15 +138,7 @@ def _chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     if fmt is not None:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": fmt.schema_}}
-    return _validated(body)
-
-
-def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None}, strict=False)
-    except ValueError as e:
-        raise bad_request(f"invalid messages: {e}", "messages") from None
+    return chat_request(body, "messages")
 
 
 def _stop_reason(finish_reason: str | None, stop: object) -> tuple[str, str | None]:
@@ -178,8 +176,8 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
-    """Anthropic's usage: input_tokens are the prompt's tokens the prefix cache did not hold
-    (cache_read_input_tokens the rest), as its API splits them."""
+    """Anthropic's usage (from token_counts): input_tokens are the prompt's tokens the prefix
+    cache did not hold (cache_read_input_tokens the rest), as its API splits them."""
     return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
@@ -206,9 +204,7 @@ async def create_message(ctx: ServerContext,
                 "id": chat.request_id, "type": "message", "role": "assistant",
                 "model": ctx.model_name, "content": _blocks(choice["message"]),
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": _usage(len(final.prompt_token_ids),
-                                sum(len(o.token_ids) for o in final.outputs),
-                                final.num_cached_tokens)})
+                "usage": _usage(*token_counts(final))})
 
         return await cancel_on_disconnect(raw_request, work)
     except Exception as e:  # noqa: BLE001 - every error in Anthropic's envelope
@@ -220,18 +216,13 @@ async def count_tokens(ctx: ServerContext, raw_request: Request) -> JSONResponse
     try:
         req = await parse_body(raw_request, MessagesCountRequest)
         ctx.check_model(req.model)
-        chat = _validated({"messages": _conversation(req), **_tools(req)})
+        chat = chat_request({"messages": _conversation(req), **_tools(req)}, "messages")
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()] \
             if chat.tool_choice != "none" else None
         ids = render_messages(ctx, chat.messages, chat, tools or None)
         return JSONResponse({"input_tokens": len(ids)})
     except Exception as e:  # noqa: BLE001
         return anthropic_error(e)
-
-
-def _event(kind: str, **fields: Any) -> str:
-    data = json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n"
 
 
 class _Blocks:
@@ -247,25 +238,25 @@ class _Blocks:
         out = self.close()
         self.index += 1
         self.kind = block["type"]
-        return out + [_event("content_block_start", index=self.index, content_block=block)]
+        return out + [typed_sse("content_block_start", index=self.index, content_block=block)]
 
     def close(self) -> list[str]:
         if self.kind is None:
             return []
         self.kind = None
-        return [_event("content_block_stop", index=self.index)]
+        return [typed_sse("content_block_stop", index=self.index)]
 
     def delta(self, delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
         if delta.get("reasoning_content"):
             if self.kind != "thinking":
                 out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-            out.append(_event("content_block_delta", index=self.index, delta={
+            out.append(typed_sse("content_block_delta", index=self.index, delta={
                 "type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.kind != "text":
                 out += self._start({"type": "text", "text": ""})
-            out.append(_event("content_block_delta", index=self.index,
+            out.append(typed_sse("content_block_delta", index=self.index,
                               delta={"type": "text_delta", "text": delta["content"]}))
         for call in delta.get("tool_calls") or ():
             if call["index"] not in self.calls:
@@ -274,7 +265,7 @@ class _Blocks:
                                     "name": call["function"]["name"], "input": {}})
             args = call["function"].get("arguments")
             if args:
-                out.append(_event("content_block_delta", index=self.index, delta={
+                out.append(typed_sse("content_block_delta", index=self.index, delta={
                     "type": "input_json_delta", "partial_json": args}))
         return out
 
@@ -282,7 +273,7 @@ class _Blocks:
 async def _events(ctx: ServerContext, chat: PreparedChat,
                   streams: list[RequestStream]) -> AsyncIterator[str]:
     prompt_tokens = len(chat.prompt_ids)
-    yield _event("message_start", message={
+    yield typed_sse("message_start", message={
         "id": chat.request_id, "type": "message", "role": "assistant", "model": ctx.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": _usage(prompt_tokens, 0, 0)})
@@ -300,11 +291,10 @@ async def _events(ctx: ServerContext, chat: PreparedChat,
         final = chat.builder.last_output
         assert final is not None and final.finished
         stop_reason, stop_sequence = _stop_reason(finish, stop)
-        usage = _usage(len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs),
-                       final.num_cached_tokens)
-        yield _event("message_delta", delta={"stop_reason": stop_reason,
+        usage = _usage(*token_counts(final))
+        yield typed_sse("message_delta", delta={"stop_reason": stop_reason,
                                              "stop_sequence": stop_sequence}, usage=usage)
-        yield _event("message_stop")
+        yield typed_sse("message_stop")
     except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in-band
         error = json.loads(anthropic_error(e).body)["error"]
-        yield _event("error", error=error)
+        yield typed_sse("error", error=error)

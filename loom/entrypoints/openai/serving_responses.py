@@ -36,13 +36,21 @@ from loom.entrypoints.openai.protocol import (
     ResponsesMessage,
     ResponsesRequest,
 )
-from loom.entrypoints.openai.serving_chat import prepare_chat
-from loom.entrypoints.openai.serving_common import cancel_on_disconnect, collect_final, new_id
+from loom.entrypoints.openai.serving_chat import chat_request, prepare_chat
+from loom.entrypoints.openai.serving_common import (
+    cancel_on_disconnect,
+    collect_final,
+    new_id,
+    token_counts,
+    typed_sse,
+)
 
 if TYPE_CHECKING:
     from loom.engine.async_engine import RequestStream
+    from loom.engine.outputs import RequestOutput
     from loom.entrypoints.openai.serving_chat import PreparedChat
     from loom.entrypoints.openai.serving_common import ServerContext
+
 
 def _conversation(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as chat messages (dicts of ChatMessage's fields)."""
@@ -66,9 +74,9 @@ def _conversation(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completion `req` stands for, after the stored conversation `history`."""
-    messages = history + _conversation(req)
+def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion `req` stands for: its instructions, then `messages` (the stored
+    conversation and the request's input)."""
     if req.instructions is not None:
         messages = [{"role": "system", "content": req.instructions}, *messages]
     if not messages:
@@ -94,11 +102,7 @@ def _chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
             "description": fmt.description}}
     elif fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in body.items() if v is not None}, strict=False)
-    except ValueError as e:
-        raise bad_request(f"invalid input: {e}", "input") from None
+    return chat_request(body, "input")
 
 
 def _echo(req: ResponsesRequest) -> dict[str, Any]:
@@ -153,8 +157,8 @@ def _outputs(message: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def _as_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output items as the chat messages that continue a conversation."""
+def _as_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Output items as the chat message that continues a conversation."""
     message: dict[str, Any] = {"role": "assistant", "content": None}
     for item in items:
         if item["type"] == "message":
@@ -165,11 +169,12 @@ def _as_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "function": {"name": item["name"], "arguments": item["arguments"]}})
     if message["content"] is None and "tool_calls" not in message:
         message["content"] = ""
-    return [message]
+    return message
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int,
            reasoning_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage from token_counts and the reasoning's tokens."""
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
@@ -180,10 +185,10 @@ class _Response:
     """One response's object as it grows, and what the store keeps of it."""
 
     def __init__(self, ctx: ServerContext, req: ResponsesRequest, chat: PreparedChat,
-                 history: list[dict[str, Any]]) -> None:
+                 history: list[dict[str, Any]], turns: list[dict[str, Any]]) -> None:
         self.ctx = ctx
         self.req = req
-        self.history = history + _conversation(req)
+        self.history, self.turns = history, turns  # the stored conversation, this input
         self.body: dict[str, Any] = {
             "id": chat.request_id, "object": "response", "created_at": int(time.time()),
             "model": ctx.model_name, "status": "in_progress", "error": None,
@@ -196,16 +201,16 @@ class _Response:
         return len(self.ctx.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     def finish(self, items: list[dict[str, Any]], finish_reason: str | None,
-               prompt_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
+               final: RequestOutput) -> dict[str, Any]:
+        """The whole response of `final`'s output `items` (stored unless store is false)."""
         cut = finish_reason == "length"
         self.body.update(
             output=items, status="incomplete" if cut else "completed",
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
-            usage=_usage(prompt_tokens, output_tokens, cached, self.reasoning_tokens(items)))
+            usage=_usage(*token_counts(final), self.reasoning_tokens(items)))
         if self.req.store is not False:
-            added = _conversation(self.req) + _as_messages(items)
-            self.ctx.responses.put(self.body, self.history + _as_messages(items),
-                                   len(json.dumps(added)))
+            added = [*self.turns, _as_message(items)]
+            self.ctx.responses.put(self.body, self.history + added, len(json.dumps(added)))
         return self.body
 
 
@@ -215,13 +220,14 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest,
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         history = ctx.responses.get(req.previous_response_id, "previous_response_id")[1]
+    turns = _conversation(req)
     try:
-        chat = await prepare_chat(ctx, _chat_request(req, history), new_id("resp"))
+        chat = await prepare_chat(ctx, _chat_request(req, history + turns), new_id("resp"))
     except APIError as e:  # name the fields as this endpoint calls them
         e.param = {"max_completion_tokens": "max_output_tokens", "messages": "input",
                    "response_format": "text.format"}.get(e.param or "", e.param)
         raise
-    response = _Response(ctx, req, chat, history)
+    response = _Response(ctx, req, chat, history, turns)
     if req.stream:
         streams = await chat.add(ctx)
         return StreamingResponse(_events(response, chat, streams),
@@ -229,21 +235,11 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest,
 
     async def work() -> JSONResponse:
         (final,) = await collect_final(await chat.add(ctx))
-        answer = chat.builder.response(final)
-        choice = answer["choices"][0]
-        body = response.finish(_outputs(choice["message"]), choice["finish_reason"],
-                               len(final.prompt_token_ids),
-                               sum(len(o.token_ids) for o in final.outputs),
-                               final.num_cached_tokens)
-        return JSONResponse(body)
+        choice = chat.builder.response(final)["choices"][0]
+        return JSONResponse(response.finish(_outputs(choice["message"]),
+                                            choice["finish_reason"], final))
 
     return await cancel_on_disconnect(raw_request, work)
-
-
-def _event(kind: str, seq: int, **fields: Any) -> str:
-    data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False,
-                      separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n"
 
 
 class _Events:
@@ -258,7 +254,7 @@ class _Events:
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index
 
     def emit(self, kind: str, **fields: Any) -> str:
-        event = _event(kind, self.seq, **fields)
+        event = typed_sse(kind, sequence_number=self.seq, **fields)
         self.seq += 1
         return event
 
@@ -349,9 +345,7 @@ async def _events(response: _Response, chat: PreparedChat,
             yield event
         final = chat.builder.last_output
         assert final is not None and final.finished
-        body = response.finish(events.items, finish, len(final.prompt_token_ids),
-                               sum(len(o.token_ids) for o in final.outputs),
-                               final.num_cached_tokens)
+        body = response.finish(events.items, finish, final)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield events.emit(kind, response=body)
     except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in-band
