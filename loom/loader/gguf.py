@@ -13,7 +13,7 @@ import torch
 from loom.config import ConfigError, ModelConfig, interleaved_layer_types
 from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from loom.loader.hf import query_scaled_context
+from loom.loader.hf import global_nope, query_scaled_context
 from loom.loader.release import drop_pages
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
@@ -46,6 +46,7 @@ _ARCHITECTURES = {
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
+_ONE_PLUS_W_NORMS = {"gemma", *_GEMMAS}  # llama.cpp stores these norms' 1 + w
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -166,9 +167,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     if arch == "exaone4":  # sliding layers by the file's flags; the full ones without RoPE
         pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
         if field(reader, f"{arch}.attention.sliding_window") and isinstance(pattern, list):
-            types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
-            extra.update(layer_types=types, nope_layers=tuple(
-                i for i, t in enumerate(types) if t == "full_attention"))
+            extra.update(global_nope(_layer_types(pattern)))
     if arch == "granite":  # its multipliers (llama.cpp's names)
         extra.update(
             embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
@@ -190,9 +189,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         rope_scaling=scaling,
         # Ministral 3's query scaling past the original context (llama.cpp's temperature scale)
         max_position_embeddings=query_scaled_context(
-            None if scaling is None else {
-                **scaling, "llama_4_scaling_beta": field(
-                    reader, f"{arch}.attention.temperature_scale")},
+            field(reader, f"{arch}.attention.temperature_scale"), scaling,
             int(key("context_length", 4096)), str(path)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
@@ -219,14 +216,20 @@ def _pooling(reader: GGUFFile, arch: str, path: Path) -> str:
     return _POOLINGS[kind]
 
 
+def _layer_types(pattern: list[bool]) -> tuple[str, ...]:
+    """`attention.sliding_window_pattern`'s flags (one a layer: sliding or not) as
+    layer_types."""
+    return tuple("sliding_attention" if p else "full_attention" for p in pattern)
+
+
 def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     """What llama.cpp fixes for Gemma 2/3 rather than storing: every 2nd (Gemma 2) or 6th
     (Gemma 3) layer global, the rest sliding; the sliding layers' RoPE base 10000 (Gemma 3);
     the attention scale head_dim ** -0.5, (hidden / heads) ** -0.5 for the 27B models."""
     layers = int(field(reader, f"{arch}.block_count"))
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):  # one flag a layer: sliding or not
-        types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
+    if isinstance(pattern, list):
+        types = _layer_types(pattern)
     else:
         types = interleaved_layer_types(layers, int(pattern or (6 if arch == "gemma3" else 2)))
     if field(reader, f"{arch}.attention.sliding_window") is None:
@@ -344,7 +347,7 @@ def iter_gguf_tensors(
                  if isinstance(w, (Q8Groups, KBlocks)) else _unpermute(w, heads))
         if name.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores the gate's one row as a vector
-        if (arch in _GEMMAS or arch == "gemma") and name.endswith("norm.weight"):
+        if arch in _ONE_PLUS_W_NORMS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
         yield name, w
         _drop_if_copied(t, w)

@@ -72,15 +72,20 @@ def _exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     window, types = cfg.get("sliding_window"), cfg.get("layer_types")
     if not window or not types:
         return {}
-    return {"sliding_window": int(window), "layer_types": tuple(types),
+    return {"sliding_window": int(window), **global_nope(tuple(types))}
+
+
+def global_nope(types: tuple[str, ...]) -> dict[str, Any]:
+    """`layer_types` whose full layers attend without RoPE (EXAONE 4's hybrid attention)."""
+    return {"layer_types": types,
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}
 
 
-def query_scaled_context(scaling: dict[str, Any] | None, max_position: int, source: str) -> int:
+def query_scaled_context(beta: float | None, scaling: dict[str, Any] | None,
+                         max_position: int, source: str) -> int:
     """The context a model whose queries are scaled past its original context (Llama 4's and
     Ministral 3's `llama_4_scaling_beta`: q times 1 + beta ln(1 + floor(pos / original))) runs
-    exactly in Loom: up to that original context, where the scale is 1 (the key popped)."""
-    beta = scaling.pop("llama_4_scaling_beta", None) if scaling else None
+    exactly in Loom: up to that original context (its RoPE `scaling`'s), where the scale is 1."""
     original = scaling.get("original_max_position_embeddings") if scaling else None
     if not beta or not original or original >= max_position:
         return max_position
@@ -271,7 +276,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=query_scaled_context(
-                scaling, int(cfg.get("max_position_embeddings", 4096)), str(path)),
+                (scaling or {}).get("llama_4_scaling_beta"), scaling,
+                int(cfg.get("max_position_embeddings", 4096)), str(path)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              arch == "Ernie4_5ForCausalLM")),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", glm)),

@@ -366,8 +366,9 @@ def partial_rotary_order(head_dim: int, rotary_dim: int,
 
 def _partial_rotary_rows(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
                          ) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's q and k rows (weights, biases, fused qkv's q and k parts; per-head q/k
-    norms' weights) in partial_rotary_order, head by head (a partial or interleaved rotary)."""
+    """The checkpoint's q and k rows (weights, biases, fused qkv's q and k parts; q/k norms'
+    weights, a head's or all heads') in partial_rotary_order, head by head (a partial or
+    interleaved rotary)."""
     D = config.head_dim
     order = partial_rotary_order(D, config.rope_dim, config.rotary_interleaved)
     q_rows, kv_rows = config.num_attention_heads * D, config.num_key_value_heads * D
@@ -378,11 +379,13 @@ def _partial_rotary_rows(weights: Iterable[tuple[str, torch.Tensor]], config: Mo
     q_order, kv_order = heads(q_rows), heads(kv_rows)
     fused = torch.cat([q_order, q_rows + kv_order, torch.arange(q_rows + kv_rows,
                                                                 q_rows + 2 * kv_rows)])
+    full = config.qk_norm_full  # (norms over all heads: their rows are q's and k's)
+    orders = {"q_proj": q_order, "k_proj": kv_order, "qkv_proj": fused,
+              "q_norm": q_order if full else order, "k_norm": kv_order if full else order}
     for name, w in weights:
         module, _, field = name.rpartition(".")
         kind = module.rpartition(".")[2]
-        index = {"q_proj": q_order, "k_proj": kv_order, "qkv_proj": fused,
-                 "q_norm": order, "k_norm": order}.get(kind)
+        index = orders.get(kind)
         if index is not None and field not in ("weight", "bias"):
             raise ConfigError(f"partial rotary embeddings with {name!r} (a GPTQ / AWQ layout) "
                               "are not supported")

@@ -11,6 +11,7 @@ from loom.errors import SamplingParamsError
 from loom.structured.schema import MAX_JSON_DEPTH, json_text_depth
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_SERVER_ONLY = {"thinking"}
 
 
 @dataclass
@@ -92,7 +93,8 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise SamplingParamsError("structured_outputs",
                                       "must be a StructuredOutputsParams or a dict of its fields")
-        unknown = set(value) - {f.name for f in fields(cls)} | ({"thinking"} & set(value))
+        # (fields the server sets are no client's to give)
+        unknown = (set(value) - {f.name for f in fields(cls)}) | (set(value) & _SERVER_ONLY)
         if unknown:
             raise SamplingParamsError("structured_outputs",
                                       f"unknown structured_outputs field(s): {sorted(unknown)}")

@@ -76,3 +76,24 @@ def test_yarn_and_partial_rotary_are_transformers_frequencies(params, rotary_fra
     row = rotary.cos_sin_cache[5].view(4, head_dim // 2)
     assert (row[:2, rotary_dim // 2:] == 1).all() and (row[2:, rotary_dim // 2:] == 0).all()
     torch.testing.assert_close(row[0, : rotary_dim // 2], (5 * inv_freq).cos() * attn)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_partial_rotary_reorders_q_norms_as_q_rows(full) -> None:
+    """A partial rotary reorders each head's q rows; a q norm over one head (Qwen3's) takes a
+    head's order, one over all heads (OLMo 2's) the whole q's, so each norm weight stays on
+    the row it scales."""
+    from loom.config import ModelConfig
+    from loom.models.llama import _partial_rotary_rows
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=16,
+                         intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=8, rotary_dim=4, qk_norm=True,
+                         qk_norm_full=full)
+    q = torch.arange(16.0)
+    norm = q.clone() if full else q[:8].clone()
+    out = dict(_partial_rotary_rows([("model.layers.0.self_attn.q_proj.weight", q[:, None]),
+                                     ("model.layers.0.self_attn.q_norm.weight", norm)], config))
+    rows = out["model.layers.0.self_attn.q_proj.weight"][:, 0]
+    assert not torch.equal(rows, q)  # reordered
+    assert torch.equal(out["model.layers.0.self_attn.q_norm.weight"], rows if full else rows[:8])

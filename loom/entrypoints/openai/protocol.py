@@ -73,6 +73,18 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class TextContent(OpenAIBaseModel):
+    """A model whose `content` is text or a list of parts with text (messages, predictions,
+    tool results): `text()` joins them."""
+
+    content: Any
+
+    def text(self) -> Any:  # (str, or None where content may be None)
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
@@ -182,17 +194,13 @@ class ToolCall(OpenAIBaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(TextContent):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
 
-    def text(self) -> str | None:
-        if self.content is None or isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -228,17 +236,13 @@ class ChatTemplateOptions(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class PredictionContent(OpenAIBaseModel):
+class PredictionContent(TextContent):
     """OpenAI's predicted outputs: text the reply is expected to repeat (loom.core.spec_decode
     drafts from it; the reply is what it would be without it)."""
 
     type: Literal["content"]
     content: str | list[TextContentPart]
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
@@ -266,17 +270,13 @@ class ResponsesText(OpenAIBaseModel):
     annotations: list[Any] | None = None  # an earlier reply's (Loom writes none)
 
 
-class ResponsesMessage(OpenAIBaseModel):
+class ResponsesMessage(TextContent):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ResponsesText]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ResponsesFunctionCall(OpenAIBaseModel):
@@ -400,16 +400,13 @@ class MessagesToolUse(OpenAIBaseModel):
     cache_control: CacheControl | None = None
 
 
-class MessagesToolResult(OpenAIBaseModel):
+class MessagesToolResult(TextContent):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[MessagesText] = ""
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content)
 
 
 class MessagesThinking(OpenAIBaseModel):
