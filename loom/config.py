@@ -15,6 +15,33 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next): a causal depthwise
+    convolution over q, k, v, then linear attention whose [key_head_dim, value_head_dim]
+    state per value head is decayed and corrected by each token (loom/layers/gated_delta.py)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # value heads ordered tiled (head j reads key head j % num_key_heads: llama.cpp's
+    # converter's order), not grouped (j // (num_value_heads / num_key_heads): Hugging Face's)
+    tiled_heads: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                     "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: linear attention {name} must be a positive "
+                                  f"integer, got {value!r}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(f"model config: linear_num_value_heads ({self.num_value_heads}) "
+                              f"is not a multiple of linear_num_key_heads ({self.num_key_heads})")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry key, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -64,6 +91,12 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
+    # Hybrid models (Qwen3.5): the layers whose token mixer is linear attention with a state
+    # per request instead of attention over a KV cache, and that mixer's shape.
+    linear_layers: tuple[int, ...] = ()
+    linear_attn: LinearAttnConfig | None = None
+    # attention's output times sigmoid(x W_gate), W_gate's rows beside q's (Qwen3.5)
+    attn_output_gate: bool = False
 
     @property
     def residual_norm_eps(self) -> float:
@@ -71,6 +104,11 @@ class ModelConfig:
         folded in (loom.models.llama.LlamaModel): the model carries h / m instead of h, and
         RMSNorm(h; eps) = RMSNorm(h / m; eps / m^2) exactly."""
         return self.rms_norm_eps / self.residual_multiplier**2
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that attend over a KV cache (all but a hybrid's linear layers)."""
+        return self.num_hidden_layers - len(self.linear_layers)
 
     @property
     def rope_dim(self) -> int:
@@ -122,6 +160,12 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
                               f"must be in 1..num_experts ({self.num_experts})")
+        if self.linear_layers and (self.linear_attn is None or any(
+                not 0 <= i < self.num_hidden_layers for i in self.linear_layers)
+                or len(self.linear_layers) == self.num_hidden_layers):
+            raise ConfigError(f"model config: linear_layers {self.linear_layers} need a shape "
+                              f"and at least one of the {self.num_hidden_layers} layers to "
+                              "attend")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"model config: unsupported pooling {self.pooling!r}; "
                               f"supported: {', '.join(POOLINGS)}")

@@ -28,10 +28,17 @@ class PagedBatch:
         self.computed: dict[str, int] = {}
         # the last step's logits of each request's last row: by forward_logits, by the head
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a hybrid model's linear layers: a state slot a request, as the model runner gives
+        self.hybrid = hasattr(self.model, "recurrent_layers")
+        self.slots: dict[str, int] = {}
+        for layer in self.model.recurrent_layers() if self.hybrid else ():
+            layer.allocate_states(16, device)
 
     def add(self, rid: str, shared_blocks: list[int] = (), num_cached: int = 0) -> None:
+        assert not (self.hybrid and num_cached), "a hybrid model's states are not cached"
         self.blocks[rid] = list(shared_blocks)
         self.computed[rid] = num_cached
+        self.slots[rid] = len(self.slots)
 
     def _ensure_blocks(self, rid: str, num_tokens: int) -> None:
         while len(self.blocks[rid]) * BLOCK < num_tokens:
@@ -50,6 +57,8 @@ class PagedBatch:
             [self.blocks[r] for r in rids], [self.computed[r] for r in rids],
             [len(work[r]) for r in rids], BLOCK, self.device,
         )
+        if self.hybrid:
+            md.state_slots = np.array([self.slots[r] for r in rids], dtype=np.int64)
         ids = torch.tensor([t for r in rids for t in work[r]], device=self.device)
         ends = np.cumsum([len(work[r]) for r in rids])
         for rid in rids:

@@ -19,6 +19,7 @@ def _configs() -> dict[str, object]:
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -95,6 +96,14 @@ def _configs() -> dict[str, object]:
         # OLMo 2's norms, per-head q/k norms, a sliding layer and a full one without RoPE
         "exaone4": Exaone4Config(**TINY, sliding_window=8, pad_token_id=0, eos_token_id=2,
                                  layer_types=["sliding_attention", "full_attention"]),
+        # Qwen3.5: Gated DeltaNet in the first and last layers (two value heads a key head,
+        # key and value heads of different widths), gated attention with a quarter-head
+        # rotary between
+        "qwen3_5": Qwen3_5TextConfig(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=16, pad_token_id=0, eos_token_id=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -102,7 +111,7 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -59,6 +59,9 @@ class AttentionMetadata:
     # Key-range splits of the Triton decode kernel: fixed by a CUDA graph's capture, None =
     # chosen per step (triton_attn.choose_num_splits).
     num_kv_splits: int | None = None
+    # [num_reqs] each request's state slot in a hybrid model's linear layers (the model
+    # runner's; loom/layers/gated_delta.py); None: no persistent states this step.
+    state_slots: np.ndarray | None = None
 
     # Derived on first use, for the torch reference backend (shared by all layers; the C kernels
     # need none of them).
@@ -166,4 +169,5 @@ def next_decode_metadata(md: AttentionMetadata, positions: np.ndarray) -> Attent
         block_size=md.block_size,
         req_idx=req_idx,
         computed=positions,
+        state_slots=md.state_slots,
     )

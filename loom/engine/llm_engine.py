@@ -101,6 +101,10 @@ class LLMEngine:
         if args.kv_cache_dtype == "auto":
             self.kv_dtype = loaded.default_kv_cache_dtype() or self.kv_dtype
         self.tensor_parallel = None  # rank 0 here, the other ranks in worker processes
+        hybrid = bool(loaded.config.linear_layers)  # per-request states (Qwen3.5)
+        if hybrid and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+            raise ConfigError("tensor and pipeline parallelism do not run hybrid models "
+                              "(linear-attention layers) yet")
         if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             from loom.distributed.executor import TensorParallel
 
@@ -129,9 +133,12 @@ class LLMEngine:
         if (device.type == "cuda" and kv_cache_memory is None and self.tensor_parallel is None
                 and args.num_gpu_blocks_override is None):
             kv_cache_memory = self._profile_gpu_memory(args, loaded)
+        if hybrid and args.enable_prefix_caching:
+            logger.info("prefix caching is off: a hybrid model's linear-attention states are "
+                        "not cached with the KV blocks")
         cache_config = CacheConfig(
             block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching and not hybrid,
             kv_cache_memory=kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
@@ -164,7 +171,7 @@ class LLMEngine:
             self.scheduler.ahead_budget_s = AHEAD_BUDGET_S
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
-            self.kv_dtype, device,
+            self.kv_dtype, device, max_num_seqs=args.max_num_seqs,
         )
         if device.type == "cuda" and not args.enforce_eager and self.tensor_parallel is None:
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)

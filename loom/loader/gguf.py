@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from loom.config import ConfigError, ModelConfig, interleaved_layer_types
+from loom.config import ConfigError, LinearAttnConfig, ModelConfig, interleaved_layer_types
 from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.loader.hf import global_nope, query_scaled_context
@@ -42,6 +42,7 @@ _ARCHITECTURES = {
     "mistral3": "Ministral3ForCausalLM",  # (Mistral Small 3.x and Ministral 3's text models)
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
@@ -91,12 +92,28 @@ _OLMO2_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Qwen3.5's: the linear layers' tensors (llama.cpp's ssm_* names); ssm_a holds -exp(A_log)
+# and ssm_dt.bias the decay's bias (_qwen35_tensor)
+_QWEN35_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt",
+    "ssm_a": "linear_attn.A",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")  # (ssm_a: no suffix)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 # llama.cpp's first Mixtral files: one 2-D tensor an expert, blk.N.ffn_gate.E.weight
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
@@ -119,10 +136,12 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
              else _GLM4_LAYER_NAMES if arch == "glm4"
-             else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4") else _LAYER_NAMES)
+             else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
+             else _QWEN35_LAYER_NAMES if arch == "qwen35" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+        suffix = "" if m.group(3) is None else f".{m.group(3)}"
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}{suffix}"
     m = _LEGACY_EXPERT_RE.match(gguf_name)
     if m:
         return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
@@ -143,6 +162,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         return value
 
     names = {t.name for t in reader.tensors}
+    # the multi-token prediction layers converters append (Qwen3.5's nextn): not run
+    layers = int(key("block_count")) - int(field(reader, f"{arch}.nextn_predict_layers") or 0)
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     rotary_dim = int(field(reader, f"{arch}.rope.dimension_count") or head_dim)
@@ -168,6 +189,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
         if field(reader, f"{arch}.attention.sliding_window") and isinstance(pattern, list):
             extra.update(global_nope(_layer_types(pattern)))
+    if arch == "qwen35":
+        extra.update(_qwen35_fields(reader, arch, layers))
     if arch == "granite":  # its multipliers (llama.cpp's names)
         extra.update(
             embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
@@ -179,7 +202,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -192,8 +215,9 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
             field(reader, f"{arch}.attention.temperature_scale"), scaling,
             int(key("context_length", 4096)), str(path)),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        # (any layer's: a hybrid's first layer may have no attention)
+        attention_bias=any(n.endswith(".attn_q.bias") for n in names),
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names),
         qk_norm_full=arch == "olmo2",
         sliding_window=field(reader, f"{arch}.attention.sliding_window"),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
@@ -202,6 +226,40 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         rotary_interleaved=arch == "glm4",  # llama.cpp's GPT-J pairs over rope.dimension_count
         **extra,
     )
+
+
+def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
+    """Qwen3.5's linear layers (the file's recurrent_layers flags, else all but every
+    full_attention_interval-th) and their shape from llama.cpp's ssm keys. The converter
+    stores the value heads of a key head's group tiled (value head j reads key head
+    j % key heads), not grouped as Hugging Face does."""
+    flags = field(reader, f"{arch}.attention.recurrent_layers")
+    if not isinstance(flags, list):
+        interval = int(field(reader, f"{arch}.full_attention_interval") or 4)
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    key_heads = int(field(reader, f"{arch}.ssm.group_count"))
+    value_heads = int(field(reader, f"{arch}.ssm.time_step_rank"))
+    shape = LinearAttnConfig(
+        num_key_heads=key_heads, num_value_heads=value_heads,
+        key_head_dim=int(field(reader, f"{arch}.ssm.state_size")),
+        value_head_dim=int(field(reader, f"{arch}.ssm.inner_size")) // value_heads,
+        conv_kernel=int(field(reader, f"{arch}.ssm.conv_kernel")),
+        tiled_heads=key_heads != value_heads)
+    return dict(linear_layers=tuple(i for i in range(layers) if flags[i]), linear_attn=shape,
+                attn_output_gate=True)
+
+
+def _qwen35_tensor(name: str, w: torch.Tensor | Q8Groups | KBlocks
+                   ) -> tuple[str, torch.Tensor | Q8Groups | KBlocks]:
+    """A Qwen3.5 tensor as Hugging Face stores it: its norms' w where llama.cpp stores 1 + w
+    (all but the linear layers' output norm), A_log from -exp(A_log), the decay's bias."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return name, w - 1
+    if name.endswith(".linear_attn.A"):
+        return name[:-1] + "A_log", torch.log(-w)
+    if name.endswith(".linear_attn.dt.bias"):
+        return name.removesuffix(".dt.bias") + ".dt_bias", w
+    return name, w
 
 
 # llama.cpp's LLAMA_POOLING_TYPE values -> Loom's (none: a generation model; its last token)
@@ -333,6 +391,9 @@ def iter_gguf_tensors(
             yield from zip(names, experts)
             _drop_if_copied(t, experts[0])
             continue
+        m = _BLOCK_RE.match(t.name)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            continue  # a multi-token prediction layer (not run)
         name = hf_name(t.name, arch)
         if name is None:
             raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
@@ -349,6 +410,8 @@ def iter_gguf_tensors(
             w = w[None]  # llama.cpp stores the gate's one row as a vector
         if arch in _ONE_PLUS_W_NORMS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
+        if arch == "qwen35":
+            name, w = _qwen35_tensor(name, w)
         yield name, w
         _drop_if_copied(t, w)
 

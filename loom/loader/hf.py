@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom.config import ConfigError, ModelConfig, interleaved_layer_types
+from loom.config import ConfigError, LinearAttnConfig, ModelConfig, interleaved_layer_types
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,30 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     )
 
 
+def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's linear layers (its `layer_types`, else every layer but each
+    `full_attention_interval`-th), their shape, and the gated attention of the others."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(n)]
+    unknown = set(types) - {"linear_attention", "full_attention"}
+    if unknown or len(types) != n:
+        raise ConfigError(f"layer_types {sorted(unknown) or len(types)} not supported here: "
+                          f"{n} of linear_attention / full_attention expected")
+    shape = LinearAttnConfig(
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                linear_attn=shape, attn_output_gate=True, qk_norm=True)
+
+
+_HYBRIDS = ("Qwen3_5ForCausalLM",)
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
@@ -192,6 +216,7 @@ _TEXT_OF = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM",
                                          "ministral3": "Ministral3ForCausalLM"},
+    "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
 }
 # their weights' prefixes (transformers' older and newer layouts) -> the text model's names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -249,7 +274,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             raise ConfigError(f"{path}: Ernie4_5ForCausalLM with use_bias=true is not supported")
         head_dim = int(cfg.get("head_dim") or (128 if interleaved else hidden // heads))
         theta, scaling = _rope(cfg)
-        rotary_dim = _rotary_dim(cfg, head_dim, 0.5 if glm else 1.0)
+        rotary_dim = _rotary_dim(cfg, head_dim,
+                                 0.5 if glm else 0.25 if arch in _HYBRIDS else 1.0)
         if scaling is not None:
             scaling.pop("partial_rotary_factor", None)  # (rotary_dim says it)
         sliding = cfg.get("sliding_window") if arch in _SLIDING else None
@@ -309,6 +335,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
                           tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
         if arch in _MOES:
             fields.update(_moe_fields(arch, cfg))
+        if arch in _HYBRIDS:
+            fields.update(_hybrid_fields(cfg))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

@@ -55,6 +55,11 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(rope, x))
+
+    def attend(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] -> the heads' outputs [num_tokens, num_heads * head_dim],
+        before the output projection."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if rope.fused:
@@ -69,7 +74,7 @@ class LlamaAttention(nn.Module):
             )
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             out = self.attn(q)  # [num_tokens, num_heads, head_dim]
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return out.reshape(num_tokens, self.q_size)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -87,7 +92,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, *rope.cos_sin())
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -134,12 +139,17 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_norm(x, residual)
-        x = self.self_attn(rope, x)
+        x = self.mix(rope, x)
         if keep is not None:
             x, residual = x[keep], residual[keep]
             if not len(keep):
                 return x, residual
         return self.mlp_block(x, residual)
+
+    def mix(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        """The token mixer on the normed input: attention (a hybrid's linear layers: their
+        linear attention)."""
+        return self.self_attn(rope, x)
 
     def _norm(self, name: str | None) -> RMSNorm | None:
         return None if name is None else getattr(self, name)

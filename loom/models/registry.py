@@ -10,6 +10,7 @@ from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
+from loom.models.qwen3_5 import Qwen3_5ForCausalLM
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -34,6 +35,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    # Gated DeltaNet linear attention in three layers of four, gated attention in the rest
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
 }
 
 

@@ -16,9 +16,13 @@ class WeightLoadError(ValueError):
 
 def _shard_slice(param_name: str, shard: int, model: nn.Module, rows: int) -> slice:
     """Row range of shard `shard` inside a packed parameter of `rows` rows (qkv_proj, or
-    gate_up_proj: two halves, whatever its MLP's width: an expert's, a shared expert's)."""
+    gate_up_proj: two halves, whatever its MLP's width: an expert's, a shared expert's; or
+    the sizes the model's `shard_sizes(param_name)` gives, where it gives some)."""
     config = model.config  # type: ignore[attr-defined]
-    if "qkv_proj" in param_name:
+    sizes = model.shard_sizes(param_name) if hasattr(model, "shard_sizes") else None
+    if sizes is not None:  # a model's own packing (a hybrid's linear-attention input)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    elif "qkv_proj" in param_name:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         starts, sizes = [0, q, q + kv], [q, kv, kv]

@@ -42,7 +42,7 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer: 2 * layers * block_size * kv_heads * row * itemsize."""
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+    per_token = 2 * model_config.num_kv_layers * model_config.num_key_value_heads
     per_token *= row_width(model_config.head_dim, dtype) * dtype.itemsize
     return per_token * block_size
 
@@ -102,7 +102,7 @@ def allocate_kv_caches(
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads,
              row_width(model_config.head_dim, dtype))
     caches = []
-    for _ in range(model_config.num_hidden_layers):
+    for _ in range(model_config.num_kv_layers):
         if device.type == "cpu":
             nbytes = math.prod(shape) * dtype.itemsize
             cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

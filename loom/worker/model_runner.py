@@ -3,6 +3,7 @@ sampling. It turns a plain-data `SchedulerOutput` into a `ModelRunnerOutput`."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its states' slot in a hybrid model's linear layers (-1: none)
 
 
 class ModelRunner:
@@ -56,7 +58,10 @@ class ModelRunner:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int = 256,
     ) -> None:
+        """`max_num_seqs`: the most requests running at once (the scheduler's bound), the
+        state slots a hybrid model's linear layers get."""
         self.model = model
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
@@ -74,12 +79,23 @@ class ModelRunner:
         self.resumed_generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.graphs: DecodeGraphs | None = None  # CUDA only: capture_cuda_graphs
+        # A hybrid model's layers with a state per request, and the free slots (a heap: the
+        # lowest first, so the slots in use stay few and their host pages stay the same).
+        self.state_layers = model.recurrent_layers() if hasattr(model, "recurrent_layers") \
+            else []
+        self.free_slots = list(range(max_num_seqs)) if self.state_layers else []
+        for layer in self.state_layers:
+            layer.allocate_states(max_num_seqs, device)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every
         attention layer runs the Triton kernels; a model whose capture fails stays eager (said
         in the log). Returns whether graphs run."""
         layers = self.model.attention_layers()  # type: ignore[operator]
+        if self.state_layers:
+            logger.warning("CUDA graphs do not run a hybrid model's linear-attention layers; "
+                           "decode steps run eagerly")
+            return False
         if not triton_attn.available():
             logger.warning("CUDA graphs need the Triton attention kernels (pip install triton); "
                            "decode steps run eagerly")
@@ -103,6 +119,8 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             self.pooler.drop(req_id)
             gen = None if state is None else state.generator
+            if state is not None and state.state_slot >= 0:
+                heapq.heappush(self.free_slots, state.state_slot)
             if gen is not None and req_id in so.preempted_req_ids:
                 self.resumed_generators[req_id] = gen
             else:
@@ -133,6 +151,11 @@ class ModelRunner:
         output = list(new.token_ids[new.num_prompt_tokens :])
         SamplingMetadata.build([params], [prompt], [output], [gen], self.eos_token_ids,
                                self.model_config.vocab_size, self.device)
+        slot = -1
+        if self.state_layers:
+            if not self.free_slots:
+                raise RuntimeError("more running requests than max_num_seqs state slots")
+            slot = heapq.heappop(self.free_slots)
         return CachedRequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),
@@ -143,6 +166,7 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             generator=gen,
             output_token_ids=output,
+            state_slot=slot,
         )
 
     @torch.inference_mode()
@@ -173,6 +197,9 @@ class ModelRunner:
             [s.block_ids for s in states], computed, num_sched, self.block_size, self.device,
             self.workspace,
         )
+        if self.state_layers:
+            md.state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64,
+                                         count=len(states))
         ends = np.cumsum(num_sched)
         # A request samples when this step reaches the end of its known tokens.
         sampling = [i for i, (s, c, n) in enumerate(zip(states, computed, num_sched))

@@ -55,8 +55,8 @@ def transformers_model(folder: Path):  # -> transformers' model
 def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor],
                                                dict[str, list[int]]]:
     """a prefills whole while b prefills a first chunk; then a decodes, b finishes, c starts
-    on a's cached first block; then all three decode greedily. Returns (prompts, every
-    computed position's logits, sequences)."""
+    on a's cached first block (a hybrid model's: from the start); then all three decode
+    greedily. Returns (prompts, every computed position's logits, sequences)."""
     g = torch.Generator().manual_seed(1)
     a = torch.randint(0, vocab, (20,), generator=g).tolist()
     b = torch.randint(0, vocab, (11,), generator=g).tolist()
@@ -65,11 +65,12 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
     prompts, seqs = {"a": a, "b": b, "c": c}, {"a": list(a), "b": list(b), "c": list(c)}
     got: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
     out = batch.step({"a": a, "b": b[:5]})
-    batch.add("c", shared_blocks=batch.blocks["a"][:1], num_cached=BLOCK)
+    cached = 0 if batch.hybrid else BLOCK
+    batch.add("c", shared_blocks=batch.blocks["a"][:cached // BLOCK], num_cached=cached)
     seqs["a"].append(int(out["a"][-1].argmax()))
     for r in out:
         got[r].append(out[r])
-    out = batch.step({"a": seqs["a"][-1:], "b": b[5:], "c": c[BLOCK:]})
+    out = batch.step({"a": seqs["a"][-1:], "b": b[5:], "c": c[cached:]})
     for _ in range(STEPS):
         for r in out:
             got[r].append(out[r])
@@ -119,7 +120,9 @@ def match_transformers(ref, prompts: dict[str, list[int]], logits: dict[str, tor
     """_mixed_batch's logits within `tol` relative error of transformers' model `ref` on each
     request's whole sequence, and its greedy tokens transformers' greedy ones."""
     for rid, seq in seqs.items():
-        start = BLOCK if rid == "c" else 0  # c's first block came from the prefix cache
+        # the positions computed: all but the last token's (c's first block may have come
+        # from the prefix cache)
+        start = len(seq) - 1 - logits[rid].shape[0]
         with torch.no_grad():
             want = ref(torch.tensor([seq])).logits[0, start: start + logits[rid].shape[0]]
         assert rel_err(logits[rid], want) < tol, rid

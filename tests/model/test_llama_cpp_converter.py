@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
@@ -46,6 +47,25 @@ def _with_sentencepiece(folder: Path) -> Path:
     return make_tiny_model("gemma", folder, vocab_size=vocab)
 
 
+def _with_mtp(folder: Path) -> None:
+    """Qwen3.5's multi-token prediction head, as its checkpoints hold it beside the model
+    (`mtp.*`: a decoder layer, its input projection and norms; transformers reads none of it):
+    the converter writes it as a layer past the model's, which Loom leaves out."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    hidden = weights["model.norm.weight"].shape[0]
+    g = torch.Generator().manual_seed(5)
+    for name, w in list(weights.items()):
+        if name.startswith("model.layers.1."):  # a full-attention layer's tensors
+            weights["mtp.layers.0." + name.removeprefix("model.layers.1.")] = w.clone()
+    weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{norm}.weight"] = torch.rand(hidden, generator=g)
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
     if not CONVERTER.exists():
@@ -55,6 +75,8 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     else:
         folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152,
                                       **CASES.get(name, {}))
+    if name == "qwen3_5":
+        _with_mtp(folder)
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()),
@@ -97,6 +119,8 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("ministral3", {"max_position_embeddings": 64, "architecture": "Ministral3ForCausalLM"}),
     ("gemma", {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
                "architecture": "GemmaForCausalLM"}),
+    ("qwen3_5", {"linear_layers": (0, 2), "num_hidden_layers": 3, "rotary_dim": 4,
+                 "qk_norm": True, "architecture": "Qwen3_5ForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -104,8 +128,10 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     (its *_scale keys), GLM-4 (interleaved partial rotary, its output norms), OLMo 2 (its
     norms after attention and the MLP, q/k norms over all heads), EXAONE 4 (the same norms,
     sliding layers by the file's flags, the full ones without RoPE), Ministral 3 (YaRN with
-    its log multiplier; the context capped where its query scaling starts) and Gemma 1 (its
-    stored 1 + w norms) read from the converter's files give transformers' logits."""
+    its log multiplier; the context capped where its query scaling starts), Gemma 1 (its
+    stored 1 + w norms) and Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
+    value heads, its multi-token prediction layer left out) read from the converter's files
+    give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)

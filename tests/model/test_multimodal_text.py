@@ -1,5 +1,6 @@
 """Multimodal checkpoints run as their text model (images are not read): a tiny random
-Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration, saved by transformers,
+Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration and
+Qwen3_5ForConditionalGeneration, saved by transformers,
 give transformers' own logits and greedy tokens on text (fp32, Loom's default CPU path); the
 vision tower's and projector's weights are left unread."""
 
@@ -38,6 +39,20 @@ def _wrapped(name: str, folder: Path) -> Path:
         config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
                               mm_tokens_per_image=4)
         model = Gemma3ForConditionalGeneration(config)
+    elif name == "qwen3_5":  # linear-attention and gated-attention layers
+        from transformers.models.qwen3_5 import (
+            Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig,
+            Qwen3_5VisionConfig,
+        )
+
+        text = Qwen3_5TextConfig(**TEXT, layer_types=["linear_attention", "full_attention"],
+                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=8,
+                                 tie_word_embeddings=False)
+        vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64,
+                                     num_heads=2, out_hidden_size=64, patch_size=14)
+        config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+        model = Qwen3_5ForConditionalGeneration(config)
     else:
         text = MistralConfig(**TEXT, tie_word_embeddings=False)
         vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -54,7 +69,8 @@ def _wrapped(name: str, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("name, arch", [("gemma3", "Gemma3ForCausalLM"),
-                                        ("mistral3", "MistralForCausalLM")])
+                                        ("mistral3", "MistralForCausalLM"),
+                                        ("qwen3_5", "Qwen3_5ForCausalLM")])
 def test_the_text_model_of_a_multimodal_checkpoint(tmp_path, name, arch) -> None:
     from transformers import AutoModelForImageTextToText
 

@@ -1,0 +1,233 @@
+"""Gated DeltaNet: the linear-attention token mixer of hybrid models (Qwen3.5, Qwen3-Next).
+
+Each value head keeps a state S [key_head_dim, value_head_dim] per request instead of a KV
+cache. Per token t, with q, k L2-normalised (q also scaled by key_head_dim ** -0.5), a decay
+g_t <= 0 and a write strength beta_t in (0, 1):
+
+    S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+
+(the delta rule: the part of v_t the state already predicts from k_t is not written again).
+Decode rows run that step, batched over requests; a longer run of tokens runs the same
+recurrence a chunk of up to 64 tokens at a time (the WY form of DeltaNet's chunkwise
+algorithm: a triangular solve per chunk, then matrix products against the state), which gives
+the same outputs up to rounding.
+
+q, k and v come through a causal depthwise convolution (width `conv_kernel`, SiLU), whose last
+conv_kernel - 1 inputs are the other per-request state. Both states live in per-layer tensors
+indexed by a slot the model runner gives each running request (AttentionMetadata.state_slots);
+a request's slot is zeroed on its first step (no tokens computed), so a slot needs no clearing
+when it changes hands. The states are fp32, as is the recurrence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.attention.forward_context import get_forward_context
+from loom.config import LinearAttnConfig
+from loom.layers.linear import Linear
+
+CHUNK = 64  # tokens a chunk of the chunkwise form
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA library's, as transformers')."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token for each of R requests: q, k [R, H, dk], v [R, H, dv], g, beta [R, H];
+    state [R, H, dk, dv] updated in place. Returns o [R, H, dv]."""
+    state.mul_(g.exp()[..., None, None])
+    predicted = torch.einsum("rhkv,rhk->rhv", state, k)
+    delta = (v - predicted) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("rhkv,rhk->rhv", state, q)
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """n tokens of one request: q, k [n, H, dk], v [n, H, dv], g, beta [n, H]; state [H, dk,
+    dv] updated in place. Returns o [n, H, dv].
+
+    Within a chunk, with G_i the running sum of g over the chunk and D_ij = exp(G_i - G_j)
+    (i >= j): the writes the recurrence makes are u = T (beta v) - T (beta exp(G) k) S_0, where
+    T = (I + L)^-1 and L_ij = beta_i (k_i . k_j) D_ij below the diagonal; then
+    o = exp(G) q S_0 + (q k^T * D) u and S = exp(G_last) S_0 + (exp(G_last - G) k)^T u."""
+    n = q.shape[0]
+    size = min(CHUNK, n)
+    pad = -n % size
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (q, k, v))  # [H, N, d]
+    g, beta = (F.pad(t.transpose(0, 1), (0, pad)) for t in (g, beta))  # [H, N]
+    heads, chunks = q.shape[0], q.shape[1] // size
+    q, k, v = (t.reshape(heads, chunks, size, -1) for t in (q, k, v))
+    g, beta = g.reshape(heads, chunks, size), beta.reshape(heads, chunks, size)
+    cum = g.cumsum(-1)  # [H, C, size]
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(size, dtype=q.dtype, device=q.device)
+    writes = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
+                                           unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                          unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    last = cum[..., -1].exp()  # [H, C]
+    out = torch.empty_like(v)
+    for c in range(chunks):
+        u = writes[:, c] - reads[:, c] @ state  # [H, size, dv]
+        out[:, c] = q_decayed[:, c] @ state + inner[:, c] @ u
+        state.mul_(last[:, c, None, None]).add_(k_decayed[:, c].transpose(-1, -2) @ u)
+    return out.reshape(heads, chunks * size, -1)[:, :n].transpose(0, 1)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output times SiLU(z) (the weight unshifted, unlike the model's
+    other norms)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * x * F.silu(z.float())
+
+
+class DepthwiseConv(nn.Module):
+    """The causal depthwise convolution's weight [channels, width] (the checkpoint's
+    conv1d.weight [channels, 1, width], squeezed at load)."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, width))
+
+
+class GatedDeltaNet(nn.Module):
+    """The token mixer of a hybrid model's linear layers, on a flattened batch of requests.
+
+    in_proj packs Hugging Face's in_proj_qkv (q, k, v: the convolution's channels), in_proj_z
+    (the output gate), in_proj_b (beta's logits) and in_proj_a (the decay's input)."""
+
+    def __init__(self, hidden_size: int, shape: LinearAttnConfig, eps: float) -> None:
+        super().__init__()
+        self.shape = shape
+        self.key_dim = shape.num_key_heads * shape.key_head_dim
+        self.value_dim = shape.num_value_heads * shape.value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        heads = shape.num_value_heads
+        self.in_proj = Linear(hidden_size, self.conv_dim + self.value_dim + 2 * heads,
+                              bias=False)
+        self.conv1d = DepthwiseConv(self.conv_dim, shape.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.zeros(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.norm = GatedRMSNorm(shape.value_head_dim, eps)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+        # [slots, conv_dim, conv_kernel - 1] and [slots, value heads, key_head_dim,
+        # value_head_dim], fp32; bound by the model runner (allocate_states).
+        self.conv_state = torch.empty(0)
+        self.ssm_state = torch.empty(0)
+
+    def shard_sizes(self) -> list[int]:
+        """in_proj's rows per packed checkpoint tensor (qkv, z, b, a)."""
+        heads = self.shape.num_value_heads
+        return [self.conv_dim, self.value_dim, heads, heads]
+
+    def allocate_states(self, slots: int, device: torch.device) -> int:
+        """Zeroed states for `slots` requests (untouched host pages cost no memory until a
+        slot is first used); returns their bytes."""
+        s = self.shape
+        self.conv_state = torch.zeros(slots, self.conv_dim, s.conv_kernel - 1, device=device)
+        self.ssm_state = torch.zeros(slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+                                     device=device)
+        return (self.conv_state.numel() + self.ssm_state.numel()) * 4
+
+    @staticmethod
+    def state_bytes(shape: LinearAttnConfig) -> int:
+        """One request's states in one layer."""
+        conv = (2 * shape.num_key_heads * shape.key_head_dim
+                + shape.num_value_heads * shape.value_head_dim) * (shape.conv_kernel - 1)
+        return 4 * (conv + shape.num_value_heads * shape.key_head_dim * shape.value_head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
+        tokens (a step without state slots, a memory-profiling one, starts every request from
+        zero and keeps nothing)."""
+        md = get_forward_context().attn_metadata
+        s = self.shape
+        heads, dk, dv = s.num_value_heads, s.key_head_dim, s.value_head_dim
+        proj = self.in_proj(x).float()
+        mixed, z, b, a = proj.split(self.shard_sizes(), dim=-1)
+        starts = md.query_start_loc.cpu().numpy()
+        lens = np.diff(starts)
+        num_reqs = len(lens)
+        slots = md.state_slots
+        if slots is None:  # fresh states, dropped after the step
+            slots = np.arange(num_reqs)
+            conv_state = torch.zeros(num_reqs, self.conv_dim, s.conv_kernel - 1,
+                                     device=x.device)
+            ssm_state = torch.zeros(num_reqs, heads, dk, dv, device=x.device)
+        else:
+            conv_state, ssm_state = self.conv_state, self.ssm_state
+            fresh = slots[md.computed == 0]
+            if len(fresh):
+                index = torch.from_numpy(fresh).to(x.device)
+                conv_state[index] = 0
+                ssm_state[index] = 0
+        weight = self.conv1d.weight.float()
+        mixed = self._convolve(mixed, starts, lens, slots, conv_state, weight)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(-1, s.num_key_heads, dk)) * dk**-0.5
+        k = l2norm(k.reshape(-1, s.num_key_heads, dk))
+        group = heads // s.num_key_heads
+        if group > 1 and s.tiled_heads:  # value head j reads key head j % key heads
+            q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+        elif group > 1:  # value head j reads key head j // group
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        v = v.reshape(-1, heads, dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        out = torch.empty_like(v)
+        one = lens == 1
+        if one.any():  # every one-token request at once
+            rows = torch.from_numpy(starts[:-1][one]).to(x.device)
+            index = torch.from_numpy(slots[one]).to(x.device)
+            state = ssm_state[index]
+            out[rows] = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            ssm_state[index] = state
+        for r in np.flatnonzero(~one):
+            lo, hi, slot = int(starts[r]), int(starts[r + 1]), int(slots[r])
+            state = ssm_state[slot]
+            out[lo:hi] = chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        out = self.norm(out, z.reshape(-1, heads, dv)).to(x.dtype)
+        return self.out_proj(out.reshape(-1, self.value_dim))
+
+    @staticmethod
+    def _convolve(mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray, slots: np.ndarray,
+                  conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution and SiLU of each request's rows of mixed [num_tokens,
+        channels], its past inputs from conv_state (then replaced by its newest ones)."""
+        out = torch.empty_like(mixed)
+        width = weight.shape[1]
+        one = lens == 1
+        if one.any():
+            rows = torch.from_numpy(starts[:-1][one]).to(mixed.device)
+            index = torch.from_numpy(slots[one]).to(mixed.device)
+            window = torch.cat([conv_state[index], mixed[rows, :, None]], dim=-1)  # [R, C, w]
+            out[rows] = F.silu((window * weight).sum(-1))
+            conv_state[index] = window[..., 1:]
+        for r in np.flatnonzero(~one):
+            lo, hi, slot = int(starts[r]), int(starts[r + 1]), int(slots[r])
+            window = torch.cat([conv_state[slot], mixed[lo:hi].T], dim=-1)  # [C, w - 1 + n]
+            conv = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]
+            out[lo:hi] = F.silu(conv).T
+            conv_state[slot] = window[:, window.shape[1] - (width - 1):]
+        return out

@@ -1,0 +1,69 @@
+"""Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside attention): the chunked form
+of the recurrence equals the token-by-token one, and the engine's batches, chunked prefills,
+preemptions, multi-step decodes and reused state slots give transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom import LLM, SamplingParams
+from loom.config import ConfigError
+from loom.layers.gated_delta import chunked, l2norm, recurrent_step
+from tests.tiny_models import make_tiny_chat_model, smollm2_tokenizer
+
+
+def test_chunked_form_equals_the_recurrence() -> None:
+    """150 tokens (three chunks, the last one padded) from a nonzero state: outputs and the
+    final state equal the step-by-step recurrence's."""
+    g = torch.Generator().manual_seed(0)
+    n, heads, dk, dv = 150, 3, 16, 8
+    q = l2norm(torch.randn(n, heads, dk, generator=g)) * dk**-0.5
+    k = l2norm(torch.randn(n, heads, dk, generator=g))
+    v = torch.randn(n, heads, dv, generator=g)
+    decay = -torch.rand(n, heads, generator=g) * 0.3
+    beta = torch.rand(n, heads, generator=g)
+    start = torch.randn(heads, dk, dv, generator=g)
+    state = start.clone()
+    out = chunked(q, k, v, decay, beta, state)
+    ref_state = start.clone()[None]
+    ref = torch.stack([recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1],
+                                      beta[t:t + 1], ref_state)[0] for t in range(n)])
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(state, ref_state[0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(state, start, atol=1e-2)  # (the state moved)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    tokenizer = smollm2_tokenizer()
+    return make_tiny_chat_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), tokenizer,
+                                vocab_size=len(tokenizer))
+
+
+def test_engine_matches_transformers(hybrid) -> None:
+    """Seven prompts of 3 to ~130 tokens, three running at a time (the state slots handed on),
+    prefills cut into 32-token chunks beside decodes, a KV cache small enough to preempt, and
+    multi-step decodes: each request's 24 greedy tokens are transformers' generate's."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 14
+    prompts = [tokenizer.encode(text)[: 3 + 21 * r] for r in range(7)]
+    llm = LLM(str(hybrid), dtype="float32", max_num_seqs=3, max_num_batched_tokens=32,
+              num_gpu_blocks_override=14, num_scheduler_steps=4)
+    assert not llm.engine.scheduler.kv_cache_manager.enable_caching  # (off for a hybrid)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    ref = AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == want, len(prompt)
+
+
+def test_what_states_cannot_follow_is_refused(hybrid) -> None:
+    with pytest.raises(ConfigError, match="speculative decoding does not run hybrid"):
+        LLM(str(hybrid), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
