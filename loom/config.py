@@ -91,10 +91,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
-    # Hybrid models (Qwen3.5): the layers whose token mixer is linear attention with a state
-    # per request instead of attention over a KV cache, and that mixer's shape.
+    # Hybrid models: the layers whose token mixer keeps a state per request instead of
+    # attending over a KV cache, and that mixer: Qwen3.5's linear attention (`linear_attn`)
+    # or LFM2's short convolution (`short_conv_width` > 0: its width, and a bias or not).
     linear_layers: tuple[int, ...] = ()
     linear_attn: LinearAttnConfig | None = None
+    short_conv_width: int = 0
+    short_conv_bias: bool = False
     # attention's output times sigmoid(x W_gate), W_gate's rows beside q's (Qwen3.5)
     attn_output_gate: bool = False
 
@@ -160,12 +163,13 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
                               f"must be in 1..num_experts ({self.num_experts})")
-        if self.linear_layers and (self.linear_attn is None or any(
-                not 0 <= i < self.num_hidden_layers for i in self.linear_layers)
-                or len(self.linear_layers) == self.num_hidden_layers):
-            raise ConfigError(f"model config: linear_layers {self.linear_layers} need a shape "
-                              f"and at least one of the {self.num_hidden_layers} layers to "
-                              "attend")
+        mixers = (self.linear_attn is not None) + (self.short_conv_width > 0)
+        if self.linear_layers and (
+                mixers != 1 or len(self.linear_layers) == self.num_hidden_layers
+                or any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers)):
+            raise ConfigError(f"model config: linear_layers {self.linear_layers} need one "
+                              f"mixer and at least one of the {self.num_hidden_layers} layers "
+                              "to attend")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"model config: unsupported pooling {self.pooling!r}; "
                               f"supported: {', '.join(POOLINGS)}")

@@ -210,3 +210,39 @@ def gemma3_reference(path: Path):  # -> transformers' Gemma3ForCausalLM
     model.load_state_dict(state, strict=False)
     model.tie_weights()
     return model
+
+
+def requantize_q4_k(src: Path, dst: Path, dequantized: bool = False) -> Path:
+    """`src` (a float GGUF, e.g. llama.cpp's converter's) again at `dst` with every 2-D tensor
+    whose rows are a multiple of 256 wide in Q4_K (tests/kquant_quantize.py): the converter's
+    names and metadata, the format `llama-quantize` gives most of a Q4_K_M file's tensors.
+    `dequantized`: those blocks' values in F32 instead (the same weights, for a reference)."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.quants import dequantize
+
+    from tests.kquant_quantize import quantize_q4_k
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub)
+    q4_k = GGMLQuantizationType.Q4_K
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy's order: [rows, cols]
+        if len(shape) == 2 and shape[1] % 256 == 0 and t.tensor_type == GGMLQuantizationType.F32:
+            blocks = quantize_q4_k(data.reshape(shape)).reshape(shape[0], -1)  # [rows, bytes]
+            if dequantized:
+                writer.add_tensor(t.name, dequantize(blocks, q4_k).reshape(shape))
+            else:
+                writer.add_tensor(t.name, blocks, raw_dtype=q4_k)
+        else:
+            writer.add_tensor(t.name, data.reshape(shape), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

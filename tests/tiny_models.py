@@ -19,6 +19,7 @@ def _configs() -> dict[str, object]:
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
+    from transformers.models.lfm2 import Lfm2Config
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     return {
@@ -104,6 +105,11 @@ def _configs() -> dict[str, object]:
             layer_types=["linear_attention", "full_attention", "linear_attention"],
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False),
+        # LFM2: short convolutions (with a bias) in the first and last layers, attention with
+        # q/k norms between; the MLP's width adjusted as LFM2's (128 -> 2/3, rounded up to 32)
+        "lfm2": Lfm2Config(**{**TINY, "num_hidden_layers": 3}, layer_types=[
+            "conv", "full_attention", "conv"], conv_bias=True, block_multiple_of=32,
+            block_ffn_dim_multiplier=1.0, pad_token_id=0, eos_token_id=2),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -111,7 +117,8 @@ def _configs() -> dict[str, object]:
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
-         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5"]
+         "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5",
+         "lfm2"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

@@ -51,8 +51,8 @@ class DraftModelProposer:
                             batch_invariant=args.batch_invariant)
         config = loaded.config
         if config.linear_layers:  # its states would keep the rejected drafts
-            raise ConfigError("a hybrid model (linear-attention layers) cannot be the draft "
-                              "model yet")
+            raise ConfigError("a hybrid model (layers with a state per request) cannot be "
+                              "the draft model yet")
         if config.vocab_size != target.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({config.vocab_size} tokens) is not "
                               f"the target's ({target.vocab_size})")

@@ -101,10 +101,10 @@ class LLMEngine:
         if args.kv_cache_dtype == "auto":
             self.kv_dtype = loaded.default_kv_cache_dtype() or self.kv_dtype
         self.tensor_parallel = None  # rank 0 here, the other ranks in worker processes
-        hybrid = bool(loaded.config.linear_layers)  # per-request states (Qwen3.5)
+        hybrid = bool(loaded.config.linear_layers)  # per-request states (Qwen3.5, LFM2)
         if hybrid and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
             raise ConfigError("tensor and pipeline parallelism do not run hybrid models "
-                              "(linear-attention layers) yet")
+                              "(layers with a state per request) yet")
         if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             from loom.distributed.executor import TensorParallel
 
@@ -134,7 +134,7 @@ class LLMEngine:
                 and args.num_gpu_blocks_override is None):
             kv_cache_memory = self._profile_gpu_memory(args, loaded)
         if hybrid and args.enable_prefix_caching:
-            logger.info("prefix caching is off: a hybrid model's linear-attention states are "
+            logger.info("prefix caching is off: a hybrid model's per-request states are "
                         "not cached with the KV blocks")
         cache_config = CacheConfig(
             block_size=args.block_size,

@@ -30,10 +30,10 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
     cannot roll back a rejected draft). Warns where the target's CPU `kernels` make a verify
     step's bits differ from one-row steps' (docs/speculative.md, "Kernels")."""
     config = SpeculativeConfig.parse(args.speculative_config)
-    if target is not None and target.linear_layers:  # a rejected draft's tokens would stay in the states
+    if target is not None and target.linear_layers:  # (a rejected draft would stay in states)
         if config is not None:
             raise ConfigError("speculative decoding does not run hybrid models "
-                              "(linear-attention layers) yet")
+                              "(layers with a state per request) yet")
         return None
     parallel = args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
     # a prediction's drafts: up to the rows whose verify step keeps one-row steps' bits

@@ -13,10 +13,8 @@ algorithm: a triangular solve per chunk, then matrix products against the state)
 the same outputs up to rounding.
 
 q, k and v come through a causal depthwise convolution (width `conv_kernel`, SiLU), whose last
-conv_kernel - 1 inputs are the other per-request state. Both states live in per-layer tensors
-indexed by a slot the model runner gives each running request (AttentionMetadata.state_slots);
-a request's slot is zeroed on its first step (no tokens computed), so a slot needs no clearing
-when it changes hands. The states are fp32, as is the recurrence.
+conv_kernel - 1 inputs are the other per-request state (both kept as loom/layers/recurrent.py
+says). The recurrence runs in fp32.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.attention.forward_context import get_forward_context
 from loom.config import LinearAttnConfig
 from loom.layers.linear import Linear
+from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, causal_conv
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
 
@@ -102,16 +100,7 @@ class GatedRMSNorm(nn.Module):
         return self.weight.float() * x * F.silu(z.float())
 
 
-class DepthwiseConv(nn.Module):
-    """The causal depthwise convolution's weight [channels, width] (the checkpoint's
-    conv1d.weight [channels, 1, width], squeezed at load)."""
-
-    def __init__(self, channels: int, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(channels, width))
-
-
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """The token mixer of a hybrid model's linear layers, on a flattened batch of requests.
 
     in_proj packs Hugging Face's in_proj_qkv (q, k, v: the convolution's channels), in_proj_z
@@ -131,59 +120,30 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.norm = GatedRMSNorm(shape.value_head_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
-        # [slots, conv_dim, conv_kernel - 1] and [slots, value heads, key_head_dim,
-        # value_head_dim], fp32; bound by the model runner (allocate_states).
-        self.conv_state = torch.empty(0)
-        self.ssm_state = torch.empty(0)
 
     def shard_sizes(self) -> list[int]:
         """in_proj's rows per packed checkpoint tensor (qkv, z, b, a)."""
         heads = self.shape.num_value_heads
         return [self.conv_dim, self.value_dim, heads, heads]
 
-    def allocate_states(self, slots: int, device: torch.device) -> int:
-        """Zeroed states for `slots` requests (untouched host pages cost no memory until a
-        slot is first used); returns their bytes."""
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """The convolution's window [conv_dim, conv_kernel - 1] and the delta rule's state
+        [value heads, key_head_dim, value_head_dim]."""
         s = self.shape
-        self.conv_state = torch.zeros(slots, self.conv_dim, s.conv_kernel - 1, device=device)
-        self.ssm_state = torch.zeros(slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
-                                     device=device)
-        return (self.conv_state.numel() + self.ssm_state.numel()) * 4
-
-    @staticmethod
-    def state_bytes(shape: LinearAttnConfig) -> int:
-        """One request's states in one layer."""
-        conv = (2 * shape.num_key_heads * shape.key_head_dim
-                + shape.num_value_heads * shape.value_head_dim) * (shape.conv_kernel - 1)
-        return 4 * (conv + shape.num_value_heads * shape.key_head_dim * shape.value_head_dim)
+        return [(self.conv_dim, s.conv_kernel - 1),
+                (s.num_value_heads, s.key_head_dim, s.value_head_dim)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
         tokens (a step without state slots, a memory-profiling one, starts every request from
         zero and keeps nothing)."""
-        md = get_forward_context().attn_metadata
         s = self.shape
         heads, dk, dv = s.num_value_heads, s.key_head_dim, s.value_head_dim
         proj = self.in_proj(x).float()
         mixed, z, b, a = proj.split(self.shard_sizes(), dim=-1)
-        starts = md.query_start_loc.cpu().numpy()
-        lens = np.diff(starts)
-        num_reqs = len(lens)
-        slots = md.state_slots
-        if slots is None:  # fresh states, dropped after the step
-            slots = np.arange(num_reqs)
-            conv_state = torch.zeros(num_reqs, self.conv_dim, s.conv_kernel - 1,
-                                     device=x.device)
-            ssm_state = torch.zeros(num_reqs, heads, dk, dv, device=x.device)
-        else:
-            conv_state, ssm_state = self.conv_state, self.ssm_state
-            fresh = slots[md.computed == 0]
-            if len(fresh):
-                index = torch.from_numpy(fresh).to(x.device)
-                conv_state[index] = 0
-                ssm_state[index] = 0
-        weight = self.conv1d.weight.float()
-        mixed = self._convolve(mixed, starts, lens, slots, conv_state, weight)
+        step = self.step_states(x.device)
+        window_state, ssm_state = step.tensors
+        mixed = causal_conv(mixed, step, window_state, self.conv1d.weight.float(), silu=True)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(-1, s.num_key_heads, dk)) * dk**-0.5
         k = l2norm(k.reshape(-1, s.num_key_heads, dk))
@@ -196,7 +156,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         out = torch.empty_like(v)
-        one = lens == 1
+        starts, slots, one = step.starts, step.slots, step.one
         if one.any():  # every one-token request at once
             rows = torch.from_numpy(starts[:-1][one]).to(x.device)
             index = torch.from_numpy(slots[one]).to(x.device)
@@ -209,25 +169,3 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
         out = self.norm(out, z.reshape(-1, heads, dv)).to(x.dtype)
         return self.out_proj(out.reshape(-1, self.value_dim))
-
-    @staticmethod
-    def _convolve(mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray, slots: np.ndarray,
-                  conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise convolution and SiLU of each request's rows of mixed [num_tokens,
-        channels], its past inputs from conv_state (then replaced by its newest ones)."""
-        out = torch.empty_like(mixed)
-        width = weight.shape[1]
-        one = lens == 1
-        if one.any():
-            rows = torch.from_numpy(starts[:-1][one]).to(mixed.device)
-            index = torch.from_numpy(slots[one]).to(mixed.device)
-            window = torch.cat([conv_state[index], mixed[rows, :, None]], dim=-1)  # [R, C, w]
-            out[rows] = F.silu((window * weight).sum(-1))
-            conv_state[index] = window[..., 1:]
-        for r in np.flatnonzero(~one):
-            lo, hi, slot = int(starts[r]), int(starts[r + 1]), int(slots[r])
-            window = torch.cat([conv_state[slot], mixed[lo:hi].T], dim=-1)  # [C, w - 1 + n]
-            conv = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]
-            out[lo:hi] = F.silu(conv).T
-            conv_state[slot] = window[:, window.shape[1] - (width - 1):]
-        return out

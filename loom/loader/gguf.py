@@ -43,6 +43,7 @@ _ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
@@ -107,12 +108,20 @@ _QWEN35_LAYER_NAMES = {
     "ssm_dt": "linear_attn.dt",
     "ssm_a": "linear_attn.A",
 }
+# LFM2's: its short convolutions (the final norm: _LFM2_GLOBAL_NAMES)
+_LFM2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")  # (ssm_a: no suffix)
+# blk.N.<kind>[.weight|.bias]: ssm_a has no suffix, LFM2's kinds a dot (shortconv.conv)
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?$")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 # llama.cpp's first Mixtral files: one 2-D tensor an expert, blk.N.ffn_gate.E.weight
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -132,12 +141,15 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    if arch == "lfm2" and gguf_name == "token_embd_norm.weight":
+        return "model.norm.weight"  # LFM2's last norm (transformers' embedding_norm)
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
              else _GLM4_LAYER_NAMES if arch == "glm4"
              else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
-             else _QWEN35_LAYER_NAMES if arch == "qwen35" else _LAYER_NAMES)
+             else _QWEN35_LAYER_NAMES if arch == "qwen35"
+             else _LFM2_LAYER_NAMES if arch == "lfm2" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         suffix = "" if m.group(3) is None else f".{m.group(3)}"
@@ -191,6 +203,13 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
             extra.update(global_nope(_layer_types(pattern)))
     if arch == "qwen35":
         extra.update(_qwen35_fields(reader, arch, layers))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer; 0 where a layer does not attend (LFM2's)
+        if arch == "lfm2":
+            extra.update(linear_layers=tuple(i for i, n in enumerate(kv_heads) if not n),
+                         short_conv_width=int(key("shortconv.l_cache")),
+                         short_conv_bias=any(n.endswith("shortconv.conv.bias") for n in names))
+        kv_heads = max(kv_heads)
     if arch == "granite":  # its multipliers (llama.cpp's names)
         extra.update(
             embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
@@ -204,7 +223,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),

@@ -164,6 +164,37 @@ def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 _HYBRIDS = ("Qwen3_5ForCausalLM",)
+
+
+def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's config keys under the names the other families use (older configs name the
+    MLP's width block_ff_dim, every config its norms' eps norm_eps)."""
+    return {**cfg, "intermediate_size": cfg.get("intermediate_size") or cfg.get("block_ff_dim"),
+            "rms_norm_eps": cfg.get("norm_eps", 1e-5),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))}
+
+
+def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's convolution layers (its `layer_types`, else all but `full_attn_idxs`), their
+    width and bias, the MLP's width as transformers adjusts it (2/3 of the configured one,
+    times block_ffn_dim_multiplier, rounded up to block_multiple_of), per-head q/k norms."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types:
+        full = cfg.get("full_attn_idxs")
+        full = range(n) if full is None else full
+        types = ["full_attention" if i in full else "conv" for i in range(n)]
+    width = int(cfg["intermediate_size"])
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            step = int(cfg.get("block_multiple_of", 256))
+            width = step * -(-int(multiplier * width) // step)
+    return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"),
+                short_conv_width=int(cfg.get("conv_L_cache", 3)),
+                short_conv_bias=bool(cfg.get("conv_bias", False)),
+                intermediate_size=width, qk_norm=True)
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
@@ -266,6 +297,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         cfg = _text_config(cfg, path)
         archs = cfg["architectures"]
     arch = archs[0]
+    if arch == "Lfm2ForCausalLM":
+        cfg = _lfm2_config(cfg)
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         glm = arch in _GLMS
@@ -337,6 +370,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             fields.update(_moe_fields(arch, cfg))
         if arch in _HYBRIDS:
             fields.update(_hybrid_fields(cfg))
+        if arch == "Lfm2ForCausalLM":
+            fields.update(_lfm2_fields(cfg))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

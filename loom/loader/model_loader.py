@@ -127,7 +127,11 @@ def _open(source: ModelSource, reader: object, q8: bool = False, kq: frozenset[s
 
 
 def _sources(model: nn.Module, name: str) -> list[str]:
-    """The checkpoint weights a linear layer `name` loads from (several for a packed one)."""
+    """The checkpoint weights a linear layer `name` loads from (several for a packed one; the
+    model's own answer where it has one: rows split from another tensor)."""
+    own = model.checkpoint_sources(name) if hasattr(model, "checkpoint_sources") else None
+    if own is not None:
+        return own
     parent, _, leaf = name.rpartition(".")
     frags = [frag for frag, (packed, _) in model.packed_modules.items() if packed == leaf]
     return [f"{parent}.{frag}.weight" for frag in frags] or [f"{name}.weight"]

@@ -93,8 +93,8 @@ class ModelRunner:
         in the log). Returns whether graphs run."""
         layers = self.model.attention_layers()  # type: ignore[operator]
         if self.state_layers:
-            logger.warning("CUDA graphs do not run a hybrid model's linear-attention layers; "
-                           "decode steps run eagerly")
+            logger.warning("CUDA graphs do not run a hybrid model's layers with a state per "
+                           "request; decode steps run eagerly")
             return False
         if not triton_attn.available():
             logger.warning("CUDA graphs need the Triton attention kernels (pip install triton); "

@@ -1,6 +1,7 @@
-"""Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside attention): the chunked form
-of the recurrence equals the token-by-token one, and the engine's batches, chunked prefills,
-preemptions, multi-step decodes and reused state slots give transformers' greedy tokens."""
+"""Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside attention; LFM2: short
+convolutions beside attention): the chunked form of the recurrence equals the token-by-token
+one, and the engine's batches, chunked prefills, preemptions, multi-step decodes and reused
+state slots give transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ def test_chunked_form_equals_the_recurrence() -> None:
     assert not torch.allclose(state, start, atol=1e-2)  # (the state moved)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2"])
+def hybrid(request, tmp_path_factory):
     tokenizer = smollm2_tokenizer()
-    return make_tiny_chat_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), tokenizer,
-                                vocab_size=len(tokenizer))
+    return make_tiny_chat_model(request.param, tmp_path_factory.mktemp(request.param),
+                                tokenizer, vocab_size=len(tokenizer))
 
 
 def test_engine_matches_transformers(hybrid) -> None:

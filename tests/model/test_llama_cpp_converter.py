@@ -19,9 +19,11 @@ from loom.loader.model_loader import load_model
 from loom.loader.resolve import resolve_model
 from loom.models.moe import SparseMoeBlock
 from loom.quant.int8 import Int8Linear
+from loom.quant.kquant import KQuantLinear
 from tests.cpu_kernels import require_cpu_kernels
 from tests.model.test_arch_stack import _mixed_batch, match_transformers, transformers_model
-from tests.paged_batch import rel_err
+from tests.gguf_files import requantize_q4_k
+from tests.paged_batch import PagedBatch, rel_err
 from tests.tiny_models import make_tiny_chat_model, make_tiny_model
 
 CONVERTER = Path(sys.prefix) / "share" / "llama-cpp-converter" / "convert_hf_to_gguf.py"
@@ -73,8 +75,9 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     if name == "gemma":  # the converter reads Gemma's SentencePiece model: a tiny one
         folder = _with_sentencepiece(tmp_path / name)
     else:
-        folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152,
-                                      **CASES.get(name, {}))
+        # (the converter squeezes LFM2's conv bias as if a weight: LFM2s have none)
+        overrides = {"conv_bias": False} if name == "lfm2" else CASES.get(name, {})
+        folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **overrides)
     if name == "qwen3_5":
         _with_mtp(folder)
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
@@ -121,6 +124,8 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
                "architecture": "GemmaForCausalLM"}),
     ("qwen3_5", {"linear_layers": (0, 2), "num_hidden_layers": 3, "rotary_dim": 4,
                  "qk_norm": True, "architecture": "Qwen3_5ForCausalLM"}),
+    ("lfm2", {"linear_layers": (0, 2), "short_conv_width": 3, "intermediate_size": 96,
+              "num_key_value_heads": 2, "architecture": "Lfm2ForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -129,9 +134,10 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     norms after attention and the MLP, q/k norms over all heads), EXAONE 4 (the same norms,
     sliding layers by the file's flags, the full ones without RoPE), Ministral 3 (YaRN with
     its log multiplier; the context capped where its query scaling starts), Gemma 1 (its
-    stored 1 + w norms) and Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
-    value heads, its multi-token prediction layer left out) read from the converter's files
-    give transformers' logits."""
+    stored 1 + w norms), Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
+    value heads, its multi-token prediction layer left out) and LFM2 (its convolution layers
+    where the per-layer KV head count is 0, its final norm named token_embd_norm) read from
+    the converter's files give transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
@@ -160,3 +166,40 @@ def test_converted_q8_0_experts_run_on_the_int8_grid(tmp_path) -> None:
     for rid in ("a", "b"):
         n = len(prompts[rid])
         assert rel_err(logits[rid][:n], ref_logits[rid][:n]) < 1e-2  # 8-bit activations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_hybrids_in_q4_k_run_their_blocks(tmp_path, name) -> None:
+    """The converter's files of 256-wide hybrids with their 256-wide matrices in Q4_K (as
+    llama-quantize's Q4_K_M holds most): Loom keeps the blocks (Qwen3.5's output gate split
+    from q_proj's blocks, the linear layers' packed inputs) and, teacher-forced through a
+    prefill and decodes, gives the logits of the same weights in F32 (the kernels' 8-bit
+    activations apart)."""
+    require_cpu_kernels()
+    wide = dict(hidden_size=256, intermediate_size=256, block_multiple_of=256)
+    folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **wide,
+                                  **({"conv_bias": False} if name == "lfm2" else {}))
+    f32 = tmp_path / "f32.gguf"
+    run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", "f32",
+                          *(["--no-mtp"] if name == "qwen3_5" else []), "--outfile", str(f32)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    blocks = load_model(resolve_model(str(requantize_q4_k(f32, tmp_path / "q4_k.gguf"))),
+                        "float32")
+    floats = load_model(resolve_model(str(requantize_q4_k(f32, tmp_path / "deq.gguf", True))),
+                        "float32")
+    kq = {n.rpartition(".")[2] for n, m in blocks.model.named_modules()
+          if isinstance(m, KQuantLinear)}
+    assert {"qkv_proj", "in_proj", "gate_up_proj"} <= kq
+    if name == "qwen3_5":
+        assert "o_gate" in kq
+    tokens = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = []
+    for loaded in (blocks, floats):
+        batch = PagedBatch(loaded)
+        steps = [batch.step({"a": tokens[:20]})["a"]]
+        steps += [batch.step({"a": [t]})["a"] for t in tokens[20:]]
+        got.append(torch.cat(steps))
+    assert rel_err(got[0], got[1]) < 0.05
+    assert (got[0].argmax(-1) == got[1].argmax(-1)).float().mean() >= 0.9

@@ -1,14 +1,18 @@
-"""Qwen3.5 (dense, text): a hybrid of Gated DeltaNet linear-attention layers and gated attention.
+"""Hybrid models: layers whose token mixer keeps a fixed-size state per request
+(loom/layers/recurrent.py) beside layers that attend over the KV cache; each layer's MLP is
+Llama's.
 
-Three layers in four (the config's `layer_types`) mix tokens with linear attention whose state
-is a fixed size per request (loom/layers/gated_delta.py); the others attend over the KV cache
-with Qwen3's per-head q/k norms, a partial rotary (a quarter of each head by default), and
-the heads' output times sigmoid of a gate projection whose rows sit beside q's, head by head,
-in the checkpoint's q_proj. Every norm but the linear layers' output norm scales by (1 + w),
-folded into the weight at load. Each layer's MLP is Llama's.
+- Qwen3.5 (dense, text): three layers in four (the config's `layer_types`) mix tokens with
+  Gated DeltaNet linear attention (loom/layers/gated_delta.py); the others attend with Qwen3's
+  per-head q/k norms, a partial rotary (a quarter of each head by default), and the heads'
+  output times sigmoid of a gate projection whose rows sit beside q's, head by head, in the
+  checkpoint's q_proj. Every norm but the linear layers' output norm scales by (1 + w), folded
+  into the weight at load.
+- LFM2 (Liquid): most layers a short gated convolution (ShortConv), the others Llama attention
+  with per-head q/k norms; Hugging Face's names mapped to Llama's at load.
 
-Runs layer by layer (not the one-call C stack); the engine turns off what a per-request state
-cannot follow: prefix caching, speculative decoding, CUDA graphs, tensor / pipeline
+They run layer by layer (not the one-call C stack); the engine turns off what a per-request
+state cannot follow: prefix caching, speculative decoding, CUDA graphs, tensor / pipeline
 parallelism (LLMEngine, spec_decoder).
 """
 
@@ -24,6 +28,7 @@ from loom.config import ModelConfig
 from loom.layers.gated_delta import GatedDeltaNet
 from loom.layers.linear import Linear
 from loom.layers.norm import RMSNorm
+from loom.layers.recurrent import RecurrentMixer, ShortConv
 from loom.layers.rotary import Rope
 from loom.models.llama import (
     LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
@@ -43,13 +48,17 @@ class GatedAttention(LlamaAttention):
 
 
 class HybridDecoderLayer(LlamaDecoderLayer):
-    """A Llama layer whose token mixer is linear attention (`linear_attn`) in the config's
-    linear layers, gated attention (`self_attn`) in the others."""
+    """A Llama layer whose token mixer is the model's recurrent one in the config's linear
+    layers (Qwen3.5's `linear_attn`, LFM2's `conv`: the checkpoints' names), attention
+    (`self_attn`; Qwen3.5's gated) in the others."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         nn.Module.__init__(self)
         self.is_linear = layer in config.linear_layers
-        if self.is_linear:
+        if self.is_linear and config.short_conv_width:
+            self.conv = ShortConv(config.hidden_size, config.short_conv_width,
+                                  config.short_conv_bias)
+        elif self.is_linear:
             assert config.linear_attn is not None
             self.linear_attn = GatedDeltaNet(config.hidden_size, config.linear_attn,
                                              config.rms_norm_eps)
@@ -60,16 +69,33 @@ class HybridDecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def recurrent(self) -> RecurrentMixer:
+        return self.conv if hasattr(self, "conv") else self.linear_attn
+
     def mix(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_attn(x) if self.is_linear else self.self_attn(rope, x)
+        return self.recurrent(x) if self.is_linear else self.self_attn(rope, x)
 
 
 class HybridModel(LlamaModel):
     layer_cls = HybridDecoderLayer
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class HybridForCausalLM(LlamaForCausalLM):
     model_cls = HybridModel
+
+    def c_stack_refusal(self) -> str | None:
+        return "its layers with a state per request (linear attention, short convolutions)"
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
+
+    def recurrent_layers(self) -> list[RecurrentMixer]:
+        """The layers holding a state per request (the model runner binds their slots)."""
+        return [layer.recurrent for layer in self.model.layers if layer.is_linear]
+
+
+class Qwen3_5ForCausalLM(HybridForCausalLM):
     packed_modules = {
         **LlamaForCausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", 0),
@@ -78,21 +104,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         "in_proj_a": ("in_proj", 3),
     }
 
-    def c_stack_refusal(self) -> str | None:
-        return "its linear-attention (Gated DeltaNet) layers"
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
-
-    def recurrent_layers(self) -> list[GatedDeltaNet]:
-        """The layers holding a state per request (the model runner binds their slots)."""
-        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
-
     def shard_sizes(self, param_name: str) -> list[int] | None:
         """The linear layers' packed in_proj rows (weight_map._shard_slice)."""
         if ".linear_attn.in_proj." not in param_name:
             return None
-        return self.recurrent_layers()[0].shard_sizes()
+        return self.recurrent_layers()[0].shard_sizes()  # type: ignore[operator]
+
+    def checkpoint_sources(self, name: str) -> list[str] | None:
+        """The output gate's rows come from q_proj's (model_loader._sources)."""
+        if name.endswith(".self_attn.o_gate"):
+            return [name.removesuffix("o_gate") + "q_proj.weight"]
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_checkpoint_weights(weights, self.config))
@@ -119,4 +141,33 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
                         else w.index_select(0, index))
                 yield name.replace(".q_proj.", f".{part}."), rows
             continue
+        yield name, w
+
+
+class Lfm2ForCausalLM(HybridForCausalLM):
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_lfm2_weights(weights))
+
+
+# LFM2's Hugging Face names -> Llama's (a layer's norms, attention's q/k norms and output, the
+# MLP's w1 / w3 / w2) and the final norm's
+_LFM2_NAMES = {
+    ".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
+    ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+    ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+    ".self_attn.out_proj.": ".self_attn.o_proj.", ".feed_forward.w1.": ".mlp.gate_proj.",
+    ".feed_forward.w3.": ".mlp.up_proj.", ".feed_forward.w2.": ".mlp.down_proj.",
+}
+
+
+def _lfm2_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """LFM2's tensors under Llama's names; its convolution's [channels, 1, width] squeezed."""
+    for name, w in weights:
+        if name == "model.embedding_norm.weight":
+            name = "model.norm.weight"
+        for old, new in _LFM2_NAMES.items():
+            name = name.replace(old, new)
+        if name.endswith(".conv.conv.weight"):
+            w = w.reshape(w.shape[0], -1)
         yield name, w

@@ -1,0 +1,131 @@
+"""What the token mixers of hybrid models share: a state per running request, kept in one slot
+of per-layer tensors (the model runner hands each running request a slot; the step's slots are
+AttentionMetadata.state_slots), and the causal depthwise convolution whose window of past
+inputs is such a state (Gated DeltaNet's, LFM2's short convolution).
+
+A request's slot is zeroed on its first step (no tokens computed), so a slot needs no clearing
+when it changes hands; a step without slots (a memory-profiling one) starts every request from
+zero and keeps nothing. States are fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.attention.forward_context import get_forward_context
+from loom.layers.linear import Linear
+
+
+@dataclass
+class StepStates:
+    """One step's view of a mixer's states: each request's rows [starts[r], starts[r + 1]),
+    its slot, and the state tensors indexed by slot."""
+
+    starts: np.ndarray  # [num_reqs + 1]
+    lens: np.ndarray  # [num_reqs]
+    slots: np.ndarray  # [num_reqs]
+    tensors: list[torch.Tensor]
+
+    @property
+    def one(self) -> np.ndarray:  # [num_reqs] bool: a request with one row this step
+        return self.lens == 1
+
+
+class RecurrentMixer(nn.Module):
+    """A token mixer with states per request; `state_shapes` names one slot's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[torch.Tensor] = []  # [slots, *shape] each; allocate_states
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        raise NotImplementedError
+
+    def allocate_states(self, slots: int, device: torch.device) -> int:
+        """Zeroed states for `slots` requests (untouched host pages cost no memory until a
+        slot is first used); returns their bytes."""
+        self.states = [torch.zeros(slots, *shape, device=device)
+                       for shape in self.state_shapes()]
+        return sum(t.numel() for t in self.states) * 4
+
+    def step_states(self, device: torch.device) -> StepStates:
+        """This step's requests, slots and states, fresh requests' slots zeroed."""
+        md = get_forward_context().attn_metadata
+        starts = md.query_start_loc.cpu().numpy()
+        lens = np.diff(starts)
+        slots = md.state_slots
+        if slots is None:  # fresh states, dropped after the step
+            slots = np.arange(len(lens))
+            tensors = [torch.zeros(len(lens), *shape, device=device)
+                       for shape in self.state_shapes()]
+            return StepStates(starts, lens, slots, tensors)
+        fresh = slots[md.computed == 0]
+        if len(fresh):
+            index = torch.from_numpy(fresh).to(device)
+            for t in self.states:
+                t[index] = 0
+        return StepStates(starts, lens, slots, self.states)
+
+
+def causal_conv(x: torch.Tensor, step: StepStates, window_state: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                silu: bool = False) -> torch.Tensor:
+    """The causal depthwise convolution (weight [channels, width], `bias` [channels]) of each
+    request's rows of x [num_tokens, channels] (fp32), its last width - 1 inputs from
+    window_state [slots, channels, width - 1] (then replaced by its newest ones); SiLU after
+    where `silu`. One-row requests run at once."""
+    out = torch.empty_like(x)
+    width = weight.shape[1]
+    one = step.one
+    if one.any():
+        rows = torch.from_numpy(step.starts[:-1][one]).to(x.device)
+        index = torch.from_numpy(step.slots[one]).to(x.device)
+        window = torch.cat([window_state[index], x[rows, :, None]], dim=-1)  # [R, C, width]
+        out[rows] = (window * weight).sum(-1)
+        window_state[index] = window[..., 1:]
+    for r in np.flatnonzero(~one):
+        lo, hi, slot = int(step.starts[r]), int(step.starts[r + 1]), int(step.slots[r])
+        window = torch.cat([window_state[slot], x[lo:hi].T], dim=-1)  # [C, width - 1 + n]
+        out[lo:hi] = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0].T
+        window_state[slot] = window[:, window.shape[1] - (width - 1):]
+    if bias is not None:
+        out += bias
+    return F.silu(out) if silu else out
+
+
+class DepthwiseConv(nn.Module):
+    """A causal depthwise convolution's weight [channels, width] (checkpoints' conv1d.weight
+    [channels, 1, width], squeezed at load) and optional bias."""
+
+    def __init__(self, channels: int, width: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, width))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+
+
+class ShortConv(RecurrentMixer):
+    """LFM2's token mixer: in_proj gives B, C and x; the output is
+    out_proj(C * conv(B * x)), conv a causal depthwise convolution whose last width - 1
+    inputs are the request's state."""
+
+    def __init__(self, hidden_size: int, width: int, bias: bool) -> None:
+        super().__init__()
+        self.hidden_size, self.width = hidden_size, width
+        self.in_proj = Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.conv = DepthwiseConv(hidden_size, width, bias)
+        self.out_proj = Linear(hidden_size, hidden_size, bias=bias)
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.hidden_size, self.width - 1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h = self.in_proj(x).float().chunk(3, dim=-1)
+        step = self.step_states(x.device)
+        bias = None if self.conv.bias is None else self.conv.bias.float()
+        y = c * causal_conv(b * h, step, step.tensors[0], self.conv.weight.float(), bias)
+        return self.out_proj(y.to(x.dtype))
