@@ -81,6 +81,10 @@ SIGNATURES = {
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
+    "loom_gdn_decode_f32": (
+        _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+               _i64, _i64, _int, _f32, _ptr, _int]
+    ),
     "loom_rope_write_kv_f32": (
         None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
     ),

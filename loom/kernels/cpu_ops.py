@@ -6,6 +6,7 @@ other case (CUDA, bf16/fp16 activations, no compiler, LOOM_CPU_KERNELS=0).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loom.kernels import KV_TYPES, cpu_kernels, kv_pointers, kv_type
@@ -75,3 +76,26 @@ def rope_write_kv_(
         table.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
         *kv_pointers(kv_cache), torch.get_num_threads(), kv_type(kv_cache),
     )
+
+
+def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
+               conv_w: torch.Tensor, ssm_state: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor, norm_w: torch.Tensor, key_heads: int, value_heads: int,
+               dk: int, dv: int, tiled: bool, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's decode step (csrc/gated_delta.c) for one-token requests: proj [R,
+    conv_dim + value_dim + 2 value_heads] fp32 (in_proj's rows), their state slots; the
+    states [slots, ...] (fp32, contiguous) updated in place. Returns [R, value_heads * dv]."""
+    proj = proj.contiguous()
+    reqs = proj.shape[0]
+    out = torch.empty(reqs, value_heads * dv)
+    index = np.ascontiguousarray(slots, dtype=np.int64)
+    f32 = [t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)]
+    assert conv_state.is_contiguous() and ssm_state.is_contiguous()
+    status = cpu_kernels().loom_gdn_decode_f32(
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, conv_state.data_ptr(),
+        f32[0].data_ptr(), ssm_state.data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(),
+        f32[3].data_ptr(), key_heads, value_heads, dk, dv, conv_w.shape[1], int(tiled), eps,
+        out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the Gated DeltaNet decode step's scratch could not be allocated")
+    return out

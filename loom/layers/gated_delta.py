@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import LinearAttnConfig
+from loom.kernels import cpu_ops
 from loom.layers.linear import Linear
-from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, causal_conv
+from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, StepStates, causal_conv
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
 
@@ -136,12 +137,43 @@ class GatedDeltaNet(RecurrentMixer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
         tokens (a step without state slots, a memory-profiling one, starts every request from
-        zero and keeps nothing)."""
+        zero and keeps nothing). On the CPU in fp32 the one-token requests take the fused C
+        decode step (cpu_ops.gdn_decode), the others the torch path."""
+        proj = self.in_proj(x).float()
+        step = self.step_states(x.device)
+        one = step.one
+        if not (one.any() and cpu_ops.usable(proj) and step.tensors is self.states):
+            return self.out_proj(self._torch(proj, step).to(x.dtype))
+        rows = step.starts[:-1][one]
+        fused = self._fused(proj if one.all() else proj[torch.from_numpy(rows)], step.slots[one])
+        if one.all():
+            return self.out_proj(fused.to(x.dtype))
+        out = torch.empty(proj.shape[0], self.value_dim)
+        out[torch.from_numpy(rows)] = fused
+        rest = ~one  # the others' rows, as a step of their own
+        lens = step.lens[rest]
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        index = torch.from_numpy(np.concatenate([np.arange(step.starts[r], step.starts[r + 1])
+                                                 for r in np.flatnonzero(rest)]))
+        out[index] = self._torch(proj[index], StepStates(starts, lens, step.slots[rest],
+                                                         step.tensors))
+        return self.out_proj(out.to(x.dtype))
+
+    def _fused(self, proj: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        """The C decode step of one-token requests' in_proj rows [R, ...] -> [R, value_dim]."""
+        s = self.shape
+        return cpu_ops.gdn_decode(
+            proj, slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
+            self.dt_bias, self.norm.weight, s.num_key_heads, s.num_value_heads, s.key_head_dim,
+            s.value_head_dim, s.tiled_heads, self.norm.eps)
+
+    def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed heads' output
+        [num_tokens, value_dim] (fp32), in torch's ops."""
         s = self.shape
         heads, dk, dv = s.num_value_heads, s.key_head_dim, s.value_head_dim
-        proj = self.in_proj(x).float()
         mixed, z, b, a = proj.split(self.shard_sizes(), dim=-1)
-        step = self.step_states(x.device)
         window_state, ssm_state = step.tensors
         mixed = causal_conv(mixed, step, window_state, self.conv1d.weight.float(), silu=True)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -158,8 +190,8 @@ class GatedDeltaNet(RecurrentMixer):
         out = torch.empty_like(v)
         starts, slots, one = step.starts, step.slots, step.one
         if one.any():  # every one-token request at once
-            rows = torch.from_numpy(starts[:-1][one]).to(x.device)
-            index = torch.from_numpy(slots[one]).to(x.device)
+            rows = torch.from_numpy(starts[:-1][one]).to(proj.device)
+            index = torch.from_numpy(slots[one]).to(proj.device)
             state = ssm_state[index]
             out[rows] = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
             ssm_state[index] = state
@@ -167,5 +199,4 @@ class GatedDeltaNet(RecurrentMixer):
             lo, hi, slot = int(starts[r]), int(starts[r + 1]), int(slots[r])
             state = ssm_state[slot]
             out[lo:hi] = chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
-        out = self.norm(out, z.reshape(-1, heads, dv)).to(x.dtype)
-        return self.out_proj(out.reshape(-1, self.value_dim))
+        return self.norm(out, z.reshape(-1, heads, dv)).reshape(-1, self.value_dim)

@@ -47,17 +47,18 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
     def allocate_states(self, slots: int, device: torch.device) -> int:
-        """Zeroed states for `slots` requests (untouched host pages cost no memory until a
-        slot is first used); returns their bytes."""
-        self.states = [torch.zeros(slots, *shape, device=device)
-                       for shape in self.state_shapes()]
+        """Zeroed states for `slots` requests; returns their bytes. On the host they come
+        from calloc (as the KV cache does: loom.worker.kv_cache), so a slot's pages are
+        committed only when a request first uses it (torch.zeros would write every page)."""
+        self.states = [_zeros((slots, *shape), device) for shape in self.state_shapes()]
         return sum(t.numel() for t in self.states) * 4
 
     def step_states(self, device: torch.device) -> StepStates:
         """This step's requests, slots and states, fresh requests' slots zeroed."""
         md = get_forward_context().attn_metadata
-        starts = md.query_start_loc.cpu().numpy()
-        lens = np.diff(starts)
+        lens = np.bincount(md.req_idx, minlength=len(md.computed))  # (host data: no sync)
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
         slots = md.state_slots
         if slots is None:  # fresh states, dropped after the step
             slots = np.arange(len(lens))
@@ -70,6 +71,12 @@ class RecurrentMixer(nn.Module):
             for t in self.states:
                 t[index] = 0
         return StepStates(starts, lens, slots, self.states)
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, device=device)
 
 
 def causal_conv(x: torch.Tensor, step: StepStates, window_state: torch.Tensor,

@@ -84,8 +84,12 @@ class ModelRunner:
         self.state_layers = model.recurrent_layers() if hasattr(model, "recurrent_layers") \
             else []
         self.free_slots = list(range(max_num_seqs)) if self.state_layers else []
-        for layer in self.state_layers:
-            layer.allocate_states(max_num_seqs, device)
+        if self.state_layers:
+            total = sum(layer.allocate_states(max_num_seqs, device)
+                        for layer in self.state_layers)
+            logger.info("%d state slots of %.1f MiB (the layers with a state per request; "
+                        "host memory committed as slots are first used)", max_num_seqs,
+                        total / max_num_seqs / 2**20)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every

@@ -73,6 +73,14 @@ void loom_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t n, int64_t
 void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
                       int num_threads);
 
+// Gated DeltaNet's decode step for `reqs` one-token requests, in place on their state slots
+// (gated_delta.c); out [reqs, value_heads * dv]. 0, or -1 with nothing written.
+int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots, int64_t reqs,
+                        float *conv_state, const float *conv_w, float *ssm_state,
+                        const float *a_log, const float *dt_bias, const float *norm_w,
+                        int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
+                        int64_t width, int tiled, float eps, float *out, int num_threads);
+
 // ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
 // W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):
 // w = q * scale + min; `bits` 8 (a byte a weight) or 4 (two a byte, GGUF's nibble order), or
