@@ -21,6 +21,7 @@ from loom.core.scheduler import RequestRejectedError, Scheduler
 from loom.engine.args import AHEAD_BUDGET_S, EngineArgs
 from loom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.engine.spec import drop_after_stop, spec_decoder
+from loom.layers.recurrent import state_bytes
 from loom.loader.model_loader import LoadedModel, load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
 from loom.quant.int8 import DECODE_ROWS
@@ -212,10 +213,17 @@ class LLMEngine:
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
                               f"{args.gpu_memory_utilization}")
-        return profile_kv_cache_memory(
+        free = profile_kv_cache_memory(
             loaded.model, loaded.config, self.scheduler_config.max_num_batched_tokens,
             self.scheduler_config.max_num_seqs, args.block_size, self.kv_dtype, loaded.device,
             args.gpu_memory_utilization)
+        # a hybrid's per-request states take their part first (one slot a running request)
+        states = self.scheduler_config.max_num_seqs * state_bytes(loaded.model)
+        if states and free - states <= 0:
+            raise ConfigError(f"the {self.scheduler_config.max_num_seqs} requests' states "
+                              f"({states / 2**20:.0f} MiB) leave no memory for the KV cache: "
+                              "lower --max-num-seqs or raise --gpu-memory-utilization")
+        return free - states
 
     def _log_cache(self, num_blocks: int, cache: CacheConfig, loaded, max_model_len: int) -> None:
         tokens = (num_blocks - 1) * cache.block_size

@@ -10,6 +10,7 @@ zero and keeps nothing. States are fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,12 @@ class RecurrentMixer(nn.Module):
             for t in self.states:
                 t[index] = 0
         return StepStates(starts, lens, slots, self.states)
+
+
+def state_bytes(model: nn.Module) -> int:
+    """One request's states over a model's layers with a state per request (0 for others)."""
+    layers = model.recurrent_layers() if hasattr(model, "recurrent_layers") else []
+    return 4 * sum(math.prod(shape) for layer in layers for shape in layer.state_shapes())
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

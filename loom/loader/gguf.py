@@ -43,12 +43,14 @@ _ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
 }
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
 _ONE_PLUS_W_NORMS = {"gemma", *_GEMMAS}  # llama.cpp stores these norms' 1 + w
+_QWEN35S = {"qwen35", "qwen35moe"}  # Qwen3.5's hybrids (and their norms' 1 + w: _qwen35_tensor)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -148,7 +150,7 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     names = (_GEMMA_LAYER_NAMES if arch in _GEMMAS else _PHI3_LAYER_NAMES if arch == "phi3"
              else _GLM4_LAYER_NAMES if arch == "glm4"
              else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
-             else _QWEN35_LAYER_NAMES if arch == "qwen35"
+             else _QWEN35_LAYER_NAMES if arch in _QWEN35S
              else _LFM2_LAYER_NAMES if arch == "lfm2" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
@@ -201,7 +203,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         pattern = field(reader, f"{arch}.attention.sliding_window_pattern")
         if field(reader, f"{arch}.attention.sliding_window") and isinstance(pattern, list):
             extra.update(global_nope(_layer_types(pattern)))
-    if arch == "qwen35":
+    if arch in _QWEN35S:
         extra.update(_qwen35_fields(reader, arch, layers))
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per layer; 0 where a layer does not attend (LFM2's)
@@ -429,7 +431,7 @@ def iter_gguf_tensors(
             w = w[None]  # llama.cpp stores the gate's one row as a vector
         if arch in _ONE_PLUS_W_NORMS and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
-        if arch == "qwen35":
+        if arch in _QWEN35S:
             name, w = _qwen35_tensor(name, w)
         yield name, w
         _drop_if_copied(t, w)

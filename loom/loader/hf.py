@@ -163,7 +163,7 @@ def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 linear_attn=shape, attn_output_gate=True, qk_norm=True)
 
 
-_HYBRIDS = ("Qwen3_5ForCausalLM",)
+_HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +195,8 @@ def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 short_conv_width=int(cfg.get("conv_L_cache", 3)),
                 short_conv_bias=bool(cfg.get("conv_bias", False)),
                 intermediate_size=width, qk_norm=True)
-_MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+         "Qwen3_5MoeForCausalLM")
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +249,7 @@ _TEXT_OF = {
     "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM",
                                          "ministral3": "Ministral3ForCausalLM"},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
+    "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
 }
 # their weights' prefixes (transformers' older and newer layouts) -> the text model's names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -299,6 +301,10 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     arch = archs[0]
     if arch == "Lfm2ForCausalLM":
         cfg = _lfm2_config(cfg)
+    if arch == "Qwen3_5MoeForCausalLM":  # every MLP a mixture (no dense width), the router's
+        # top-k always renormalised
+        width = cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+        cfg = {**cfg, "norm_topk_prob": True, "intermediate_size": width}
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         glm = arch in _GLMS

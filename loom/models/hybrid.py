@@ -8,6 +8,7 @@ Llama's.
   output times sigmoid of a gate projection whose rows sit beside q's, head by head, in the
   checkpoint's q_proj. Every norm but the linear layers' output norm scales by (1 + w), folded
   into the weight at load.
+  Its mixtures of experts: every MLP Qwen3-MoE's with a gated shared expert.
 - LFM2 (Liquid): most layers a short gated convolution (ShortConv), the others Llama attention
   with per-head q/k norms; Hugging Face's names mapped to Llama's at load.
 
@@ -33,6 +34,7 @@ from loom.layers.rotary import Rope
 from loom.models.llama import (
     LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
 )
+from loom.models.moe import SparseMoeBlock, expert_names
 
 
 class GatedAttention(LlamaAttention):
@@ -65,7 +67,7 @@ class HybridDecoderLayer(LlamaDecoderLayer):
         else:
             self.self_attn = (GatedAttention(config, layer) if config.attn_output_gate
                               else LlamaAttention(config, layer))
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -142,6 +144,14 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
                 yield name.replace(".q_proj.", f".{part}."), rows
             continue
         yield name, w
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's mixtures of experts (35B-A3B, 122B-A10B, ...): every layer's MLP a mixture
+    with a shared expert behind a sigmoid gate (moe.py's SparseMoeBlock)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(expert_names(weights))
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):

@@ -141,7 +141,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return super().c_stack_refusal()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_expert_names(weights))
+        super().load_weights(expert_names(weights))
 
 
 # Mixtral's names -> Qwen-MoE's
@@ -150,7 +150,7 @@ _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _STACKED_RE = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
 
 
-def _expert_names(
+def expert_names(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors under Loom's names: Mixtral's block_sparse_moe.experts.E.w1/w3/w2 as

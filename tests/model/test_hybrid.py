@@ -11,6 +11,7 @@ import torch
 from loom import LLM, SamplingParams
 from loom.config import ConfigError
 from loom.layers.gated_delta import chunked, l2norm, recurrent_step
+from loom.layers.recurrent import state_bytes
 from tests.tiny_models import make_tiny_chat_model, smollm2_tokenizer
 
 
@@ -54,6 +55,9 @@ def test_engine_matches_transformers(hybrid) -> None:
     llm = LLM(str(hybrid), dtype="float32", max_num_seqs=3, max_num_batched_tokens=32,
               num_gpu_blocks_override=14, num_scheduler_steps=4)
     assert not llm.engine.scheduler.kv_cache_manager.enable_caching  # (off for a hybrid)
+    runner = llm.engine.runner  # one slot a running request; state_bytes says one's size
+    held = sum(t.numel() * 4 for layer in runner.state_layers for t in layer.states)
+    assert held == 3 * state_bytes(runner.model) > 0
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert llm.engine.scheduler.num_preemptions_total > 0

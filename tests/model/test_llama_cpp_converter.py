@@ -8,6 +8,7 @@ difference in how Loom reads them fails here; the converter's own Q8_0 runs on L
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,14 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **overrides)
     if name == "qwen3_5":
         _with_mtp(folder)
+    if name == "qwen3_5-moe":  # the converter's AutoTokenizer would take Qwen3.5-MoE's model
+        # type for its own tokenizer class over SmolLM2's files: a copy without it converts
+        source = tmp_path / "for-converter"
+        shutil.copytree(folder, source)
+        config = source / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
+    else:
+        source = folder
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
         config = folder / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()),
@@ -88,7 +97,8 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         tokenizer = folder / "tokenizer.json"
         tokenizer.write_text(tokenizer.read_text().replace("<filename>", "<|user|>"))
     out = tmp_path / f"{name}-{outtype}.gguf"
-    run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", outtype,
+    run = subprocess.run([sys.executable, str(CONVERTER), str(source), "--outtype", outtype,
+                          *(["--no-mtp"] if name == "qwen3_5-moe" else []),
                           "--outfile", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out, folder
@@ -126,6 +136,9 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
                  "qk_norm": True, "architecture": "Qwen3_5ForCausalLM"}),
     ("lfm2", {"linear_layers": (0, 2), "short_conv_width": 3, "intermediate_size": 96,
               "num_key_value_heads": 2, "architecture": "Lfm2ForCausalLM"}),
+    ("qwen3_5-moe", {"linear_layers": (0, 2), "num_experts": 4, "moe_layers": (0, 1, 2),
+                     "shared_expert_intermediate_size": 48,
+                     "architecture": "Qwen3_5MoeForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -135,7 +148,8 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     sliding layers by the file's flags, the full ones without RoPE), Ministral 3 (YaRN with
     its log multiplier; the context capped where its query scaling starts), Gemma 1 (its
     stored 1 + w norms), Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
-    value heads, its multi-token prediction layer left out) and LFM2 (its convolution layers
+    value heads, its multi-token prediction layer left out; its mixture of experts too) and
+    LFM2 (its convolution layers
     where the per-layer KV head count is 0, its final norm named token_embd_norm) read from
     the converter's files give transformers' logits."""
     require_cpu_kernels()

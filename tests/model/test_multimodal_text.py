@@ -39,20 +39,25 @@ def _wrapped(name: str, folder: Path) -> Path:
         config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
                               mm_tokens_per_image=4)
         model = Gemma3ForConditionalGeneration(config)
-    elif name == "qwen3_5":  # linear-attention and gated-attention layers
-        from transformers.models.qwen3_5 import (
-            Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig,
-            Qwen3_5VisionConfig,
-        )
+    elif name.startswith("qwen3_5"):  # linear-attention and gated-attention layers
+        from transformers.models import qwen3_5, qwen3_5_moe
 
-        text = Qwen3_5TextConfig(**TEXT, layer_types=["linear_attention", "full_attention"],
-                                 linear_num_key_heads=2, linear_num_value_heads=4,
-                                 linear_key_head_dim=16, linear_value_head_dim=8,
-                                 tie_word_embeddings=False)
-        vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64,
-                                     num_heads=2, out_hidden_size=64, patch_size=14)
-        config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
-        model = Qwen3_5ForConditionalGeneration(config)
+        moe = name == "qwen3_5-moe"
+        mod, prefix = (qwen3_5_moe, "Qwen3_5Moe") if moe else (qwen3_5, "Qwen3_5")
+        shape = dict(TEXT, layer_types=["linear_attention", "full_attention"],
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=8, tie_word_embeddings=False)
+        if moe:  # every MLP 4 experts, 2 a token, and a shared one
+            del shape["intermediate_size"]
+            shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48)
+        text = getattr(mod, f"{prefix}TextConfig")(**shape)
+        vision = getattr(mod, f"{prefix}VisionConfig")(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            patch_size=14)
+        config = getattr(mod, f"{prefix}Config")(text_config=text.to_dict(),
+                                                 vision_config=vision.to_dict())
+        model = getattr(mod, f"{prefix}ForConditionalGeneration")(config)
     else:
         text = MistralConfig(**TEXT, tie_word_embeddings=False)
         vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -70,7 +75,8 @@ def _wrapped(name: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("name, arch", [("gemma3", "Gemma3ForCausalLM"),
                                         ("mistral3", "MistralForCausalLM"),
-                                        ("qwen3_5", "Qwen3_5ForCausalLM")])
+                                        ("qwen3_5", "Qwen3_5ForCausalLM"),
+                                        ("qwen3_5-moe", "Qwen3_5MoeForCausalLM")])
 def test_the_text_model_of_a_multimodal_checkpoint(tmp_path, name, arch) -> None:
     from transformers import AutoModelForImageTextToText
 
