@@ -22,6 +22,7 @@ def _configs() -> dict[str, object]:
     from transformers.models.lfm2 import Lfm2Config
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_next import Qwen3NextConfig
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -114,6 +115,13 @@ def _configs() -> dict[str, object]:
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=48),
+        # Qwen3-Next: Qwen3.5-MoE's layers, the second MLP dense, inputs packed per key head
+        "qwen3-next": Qwen3NextConfig(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=16, pad_token_id=0, eos_token_id=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
         # LFM2: short convolutions (with a bias) in the first and last layers, attention with
         # q/k norms between; the MLP's width adjusted as LFM2's (128 -> 2/3, rounded up to 32)
         "lfm2": Lfm2Config(**{**TINY, "num_hidden_layers": 3}, layer_types=[
@@ -127,7 +135,7 @@ def _configs() -> dict[str, object]:
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
          "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5",
-         "lfm2", "qwen3_5-moe"]
+         "lfm2", "qwen3_5-moe", "qwen3-next"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

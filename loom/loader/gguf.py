@@ -44,13 +44,15 @@ _ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
 }
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
 _ONE_PLUS_W_NORMS = {"gemma", *_GEMMAS}  # llama.cpp stores these norms' 1 + w
-_QWEN35S = {"qwen35", "qwen35moe"}  # Qwen3.5's hybrids (and their norms' 1 + w: _qwen35_tensor)
+# Qwen3.5's hybrids and Qwen3-Next (their norms' 1 + w: _qwen35_tensor)
+_QWEN35S = {"qwen35", "qwen35moe", "qwen3next"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -109,6 +111,7 @@ _QWEN35_LAYER_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_dt": "linear_attn.dt",
     "ssm_a": "linear_attn.A",
+    "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's b and a, packed per key head
 }
 # LFM2's: its short convolutions (the final norm: _LFM2_GLOBAL_NAMES)
 _LFM2_LAYER_NAMES = {
@@ -252,8 +255,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
 def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
     """Qwen3.5's linear layers (the file's recurrent_layers flags, else all but every
     full_attention_interval-th) and their shape from llama.cpp's ssm keys. The converter
-    stores the value heads of a key head's group tiled (value head j reads key head
-    j % key heads), not grouped as Hugging Face does."""
+    stores Qwen3.5's value heads of a key head's group tiled (value head j reads key head
+    j % key heads), not grouped as Hugging Face does (Qwen3-Next's it leaves grouped)."""
     flags = field(reader, f"{arch}.attention.recurrent_layers")
     if not isinstance(flags, list):
         interval = int(field(reader, f"{arch}.full_attention_interval") or 4)
@@ -265,7 +268,7 @@ def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
         key_head_dim=int(field(reader, f"{arch}.ssm.state_size")),
         value_head_dim=int(field(reader, f"{arch}.ssm.inner_size")) // value_heads,
         conv_kernel=int(field(reader, f"{arch}.ssm.conv_kernel")),
-        tiled_heads=key_heads != value_heads)
+        tiled_heads=key_heads != value_heads and arch != "qwen3next")
     return dict(linear_layers=tuple(i for i in range(layers) if flags[i]), linear_attn=shape,
                 attn_output_gate=True)
 

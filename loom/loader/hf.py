@@ -163,7 +163,7 @@ def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 linear_attn=shape, attn_output_gate=True, qk_norm=True)
 
 
-_HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+_HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 short_conv_bias=bool(cfg.get("conv_bias", False)),
                 intermediate_size=width, qk_norm=True)
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-         "Qwen3_5MoeForCausalLM")
+         "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Llama's.
   output times sigmoid of a gate projection whose rows sit beside q's, head by head, in the
   checkpoint's q_proj. Every norm but the linear layers' output norm scales by (1 + w), folded
   into the weight at load.
-  Its mixtures of experts: every MLP Qwen3-MoE's with a gated shared expert.
+  Its mixtures of experts: every MLP Qwen3-MoE's with a gated shared expert; Qwen3-Next the
+  same with its linear layers' inputs packed per key head.
 - LFM2 (Liquid): most layers a short gated convolution (ShortConv), the others Llama attention
   with per-head q/k norms; Hugging Face's names mapped to Llama's at load.
 
@@ -122,6 +123,38 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         super().load_weights(_checkpoint_weights(weights, self.config))
 
 
+def _rows(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of a checkpoint tensor (float, or quantized blocks: map_rows)."""
+    return w.map_rows(lambda a: a[index]) if hasattr(w, "map_rows") else w.index_select(0, index)
+
+
+def _unpack_qkvz_ba(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's per-key-head packed inputs as Qwen3.5's four: each key head's rows of
+    in_proj_qkvz are [q dk, k dk, v g dv, z g dv] and of in_proj_ba [b g, a g] (g value heads
+    a key head); Qwen3.5's hold all q, then all k, then all v (and z, b, a apart)."""
+    s = config.linear_attn
+    assert s is not None
+    g = s.num_value_heads // s.num_key_heads
+    dk, gv = s.key_head_dim, g * s.value_head_dim
+    heads = torch.arange(s.num_key_heads)[:, None]
+
+    def part(per: int, start: int, width: int) -> torch.Tensor:
+        return (heads * per + start + torch.arange(width)).reshape(-1)
+
+    per = 2 * dk + 2 * gv
+    qkv = torch.cat([part(per, 0, dk), part(per, dk, dk), part(per, 2 * dk, gv)])
+    split = {".in_proj_qkvz.": (("in_proj_qkv", qkv), ("in_proj_z", part(per, 2 * dk + gv, gv))),
+             ".in_proj_ba.": (("in_proj_b", part(2 * g, 0, g)), ("in_proj_a", part(2 * g, g, g)))}
+    for name, w in weights:
+        packed = next((k for k in split if k in name), None)
+        if packed is None:
+            yield name, w
+            continue
+        for new, index in split[packed]:
+            yield name.replace(packed, f".{new}."), _rows(w, index)
+
+
 def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Qwen3.5's tensors as the layers hold them: (1 + w) norms folded (the linear layers'
@@ -139,9 +172,7 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
             w = w.reshape(w.shape[0], -1)
         elif config.attn_output_gate and ".self_attn.q_proj." in name:
             for part, index in (("q_proj", first), ("o_gate", first + D)):
-                rows = (w.map_rows(lambda a, i=index: a[i]) if hasattr(w, "map_rows")
-                        else w.index_select(0, index))
-                yield name.replace(".q_proj.", f".{part}."), rows
+                yield name.replace(".q_proj.", f".{part}."), _rows(w, index)
             continue
         yield name, w
 
@@ -152,6 +183,16 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(expert_names(weights))
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers (some MLPs dense, by decoder_sparse_step and
+    mlp_only_layers) whose linear layers' inputs come packed per key head: in_proj_qkvz rows
+    [q, k, v, z] and in_proj_ba rows [b, a] for each key head's group, split at load into
+    Qwen3.5's in_proj_qkv / _z / _b / _a (llama.cpp's converter already splits qkvz)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_unpack_qkvz_ba(weights, self.config))
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):

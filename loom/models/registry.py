@@ -10,7 +10,9 @@ from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
-from loom.models.hybrid import Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from loom.models.hybrid import (
+    Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
+)
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -38,6 +40,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     # Gated DeltaNet linear attention in three layers of four, gated attention in the rest
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # (its MLPs mixtures of experts)
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # (the linear layers' inputs packed)
     # short gated convolutions in most layers, attention with q/k norms in the others
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }

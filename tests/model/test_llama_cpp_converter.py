@@ -76,13 +76,15 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     if name == "gemma":  # the converter reads Gemma's SentencePiece model: a tiny one
         folder = _with_sentencepiece(tmp_path / name)
     else:
-        # (the converter squeezes LFM2's conv bias as if a weight: LFM2s have none)
-        overrides = {"conv_bias": False} if name == "lfm2" else CASES.get(name, {})
+        # (the converter squeezes LFM2's conv bias as if a weight: LFM2s have none; llama.cpp's
+        # Qwen3-Next has no dense layers among the sparse ones)
+        overrides = ({"conv_bias": False} if name == "lfm2" else {"mlp_only_layers": []}
+                     if name == "qwen3-next" else CASES.get(name, {}))
         folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **overrides)
     if name == "qwen3_5":
         _with_mtp(folder)
-    if name == "qwen3_5-moe":  # the converter's AutoTokenizer would take Qwen3.5-MoE's model
-        # type for its own tokenizer class over SmolLM2's files: a copy without it converts
+    if name in ("qwen3_5-moe", "qwen3-next"):  # the converter's AutoTokenizer would take the
+        # model type for Qwen's own tokenizer class over SmolLM2's files: a copy without it
         source = tmp_path / "for-converter"
         shutil.copytree(folder, source)
         config = source / "config.json"
@@ -98,7 +100,7 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         tokenizer.write_text(tokenizer.read_text().replace("<filename>", "<|user|>"))
     out = tmp_path / f"{name}-{outtype}.gguf"
     run = subprocess.run([sys.executable, str(CONVERTER), str(source), "--outtype", outtype,
-                          *(["--no-mtp"] if name == "qwen3_5-moe" else []),
+                          *(["--no-mtp"] if name in ("qwen3_5-moe", "qwen3-next") else []),
                           "--outfile", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out, folder
@@ -139,6 +141,8 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("qwen3_5-moe", {"linear_layers": (0, 2), "num_experts": 4, "moe_layers": (0, 1, 2),
                      "shared_expert_intermediate_size": 48,
                      "architecture": "Qwen3_5MoeForCausalLM"}),
+    ("qwen3-next", {"linear_layers": (0, 2), "moe_layers": (0, 1, 2),
+                    "architecture": "Qwen3NextForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -148,8 +152,8 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     sliding layers by the file's flags, the full ones without RoPE), Ministral 3 (YaRN with
     its log multiplier; the context capped where its query scaling starts), Gemma 1 (its
     stored 1 + w norms), Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
-    value heads, its multi-token prediction layer left out; its mixture of experts too) and
-    LFM2 (its convolution layers
+    value heads, its multi-token prediction layer left out; its mixture of experts too;
+    Qwen3-Next's grouped value heads and packed b / a) and LFM2 (its convolution layers
     where the per-layer KV head count is 0, its final norm named token_embd_norm) read from
     the converter's files give transformers' logits."""
     require_cpu_kernels()
