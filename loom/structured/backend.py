@@ -147,8 +147,9 @@ class LLGuidanceBackend:
             raise GrammarError(f"invalid {kind}: {_first_lines(str(e))}") from None
 
 
-# A thinking block's text: the shortest that ends in the closing tag (lazy), then blanks.
-_THINKING = 'think[lazy]: /(?s:.*)<\\/think>/\nblank: /[ \\t\\r\\n]*/\n'
+# A thinking block's text: the shortest that ends in the closing tag (lazy), then a few blanks
+# (bounded: a weak model would otherwise fill max_tokens with them)
+_THINKING = 'think[lazy]: /(?s:.*)<\\/think>/\nblank: /[ \\t\\r\\n]{0,8}/\n'
 
 
 def _after_thinking(grammar: str, mode: str) -> str:

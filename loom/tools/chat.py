@@ -48,6 +48,14 @@ def tools_prompt(tools: list[dict[str, Any]], parser: ToolParser) -> str:
     return _FORMAT_PROMPT.format(tools=listed, example=example)
 
 
+def _with_calls(content: str | None, calls: list[dict[str, Any]], parser: ToolParser) -> str:
+    """An assistant's content followed by its calls as the model writes them."""
+    rendered = "\n".join(parser.render_call(c["function"]["name"],
+                                            _arguments(c["function"]["arguments"]))
+                         for c in calls)
+    return f"{content}\n{rendered}" if content else rendered
+
+
 def template_supports_tools(template: str | None) -> bool:
     return bool(template) and re.search(r"\btools\b", template) is not None
 
@@ -67,6 +75,9 @@ def prepare_conversation(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to hand to the chat template; see the module docstring."""
     native = template_supports_tools(template)
+    # a template that lists tools but never writes an assistant's calls (LFM2.5 Instruct's)
+    # would drop them from the conversation: they go into the content, in the model's format
+    writes_calls = native and "tool_calls" in (template or "")
     out: list[dict[str, Any]] = []
     if tools and not native:
         prompt = tools_prompt(tools, parser)
@@ -79,13 +90,17 @@ def prepare_conversation(
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
-        if native:
+        if native and (writes_calls or not calls):
             if calls:
                 m["tool_calls"] = [
                     {**c, "function": {**c["function"],
                                        "arguments": _arguments(c["function"]["arguments"])}}
                     for c in calls
                 ]
+            out.append(m)
+            continue
+        if native:  # its calls as text; the rest as the template writes it
+            m["content"] = _with_calls(m.get("content"), calls, parser)
             out.append(m)
             continue
         if m["role"] == "tool":
@@ -96,10 +111,7 @@ def prepare_conversation(
                 out.append({"role": "user", "content": block, "_tool_turn": True})
             continue
         if calls:
-            rendered = "\n".join(parser.render_call(c["function"]["name"],
-                                                    _arguments(c["function"]["arguments"]))
-                                 for c in calls)
-            m["content"] = f"{m['content']}\n{rendered}" if m.get("content") else rendered
+            m["content"] = _with_calls(m.get("content"), calls, parser)
         if m.get("content") is None:
             m["content"] = ""
         m.pop("tool_call_id", None)

@@ -15,6 +15,9 @@ Formats:
   `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}` (v31), ending `<｜tool▁call▁end｜>`.
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5) and `glm45` (GLM-4.5 to 4.7): XML-like calls whose
   values are text, typed by the tool's schema (loom.tools.xml_parsers).
+- `pythonic`: a Python list of keyword calls, `[name(key='value', n=3)]`, between
+  `<|tool_call_start|>` and `<|tool_call_end|>` (LFM2, LFM2.5), or bare (Llama 3.2 / 4's
+  pythonic templates) (loom.tools.pythonic).
 
 Markers that tokenizers hold as special tokens (`[TOOL_CALLS]`, `<|tool_call|>`, ...) would be
 dropped from the text by skip_special_tokens: the server keeps them for requests with tools (as
@@ -53,6 +56,7 @@ from loom.tools.calls import (
     compact,
     params_schema,
 )
+from loom.tools.pythonic import _LFM2_TOOLS, PythonicToolParser
 from loom.tools.xml_parsers import Glm45ToolParser, Qwen3CoderToolParser
 
 __all__ = ["MAX_PARALLEL_CALLS", "PARSERS", "ParsedCall", "ToolCallView", "ToolParser",
@@ -293,7 +297,8 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, GraniteToolParser,
-    DeepSeekV3ToolParser, DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser)}
+    DeepSeekV3ToolParser, DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser,
+    PythonicToolParser)}
 
 
 def _detect(template: str) -> type[ToolParser]:
@@ -308,6 +313,8 @@ def _detect(template: str) -> type[ToolParser]:
         return MistralToolParser
     if GraniteToolParser.START in template:
         return GraniteToolParser
+    if PythonicToolParser.START in template or _LFM2_TOOLS in template:  # LFM2's
+        return PythonicToolParser
     if "<tool_call>" not in template and (
             "<|python_tag|>" in template or '"parameters"' in template):
         return Llama3JsonToolParser
