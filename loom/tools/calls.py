@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +276,18 @@ def _call_list(start: str, name: str, arguments: Any) -> str:
     return start + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
 
 
+def tool_params(tools: list[dict[str, Any]]
+                ) -> Iterator[tuple[int, str, list[tuple[int, str, dict[str, Any], bool]]]]:
+    """For forced-call grammars: (index, name, [(index, key, schema, required)]) a function,
+    its parameters in its schema's order."""
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        schema = params_schema(fn)
+        required = set(schema.get("required") or ())
+        yield i, fn["name"], [(j, key, prop, key in required) for j, (key, prop) in
+                              enumerate((schema.get("properties") or {}).items())]
+
+
 def params_schema(fn: dict[str, Any]) -> dict[str, Any]:
     """A function's parameter schema, closed to other properties."""
     return no_additional_properties(fn.get("parameters") or {"type": "object", "properties": {}})
@@ -292,11 +304,18 @@ def _take_list(t: str, i: int, args_keys: tuple[str, ...], final: bool,
                calls: list[ParsedCall]) -> int | None:
     """The JSON list of call objects at t[i] == '[' into `calls`; its end, or None while it
     is incomplete (an incomplete final list is invalid)."""
+    return _list_items(t, i, final, lambda j: _take_call(t, j, args_keys, final, calls))
+
+
+def _list_items(t: str, i: int, final: bool, take: Callable[[int], int | None]) -> int | None:
+    """The comma-separated list at t[i] == '[', each item read by `take(j)` (its end, or None
+    while it is incomplete); the list's end, or None while it is incomplete (an incomplete
+    final list is invalid)."""
     j = _skip_ws(t, i + 1)
     while j < len(t):
         if t[j] == "]":
             return j + 1
-        end = _take_call(t, j, args_keys, final, calls)
+        end = take(j)
         if end is None:
             return None
         j = _skip_ws(t, end)

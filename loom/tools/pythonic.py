@@ -24,11 +24,12 @@ from loom.tools.calls import (
     _calls_rule,
     _content_before,
     _Invalid,
+    _list_items,
     _lit,
     _name,
     _skip_ws,
     compact,
-    params_schema,
+    tool_params,
 )
 
 _LFM2_TOOLS = "List of tools: ["  # how LFM2's templates show the tools
@@ -70,36 +71,31 @@ def _call(source: str) -> ParsedCall:
 
 
 def _scan_list(t: str, i: int, final: bool, calls: list[ParsedCall]) -> int | None:
-    """The call list at t[i] == '[' into `calls` (a call once its name is known, with its
-    arguments once it closes); the list's end, or None while it is incomplete."""
-    j = _skip_ws(t, i + 1)
-    while j < len(t):
-        if t[j] == "]":
-            return j + 1
-        paren = t.find("(", j)
-        if paren < 0:
-            if final or not all(c.isalnum() or c in "_-." for c in t[j:]):
-                raise _Invalid
-            return None
-        name = _name(t[j:paren])
-        end = _close(t, paren)
-        if end is None:
-            if final:
-                raise _Invalid
-            calls.append(ParsedCall(name, ""))
-            return None
-        call = _call(t[j:end])
-        if call.name != name:
+    """The call list at t[i] == '[' into `calls`; the list's end, or None while it is
+    incomplete."""
+    return _list_items(t, i, final, lambda j: _take(t, j, final, calls))
+
+
+def _take(t: str, j: int, final: bool, calls: list[ParsedCall]) -> int | None:
+    """The call at t[j] into `calls` once its name is known (its arguments once it closes);
+    its end, or None while it is incomplete."""
+    paren = t.find("(", j)
+    if paren < 0:
+        if final or not all(c.isalnum() or c in "_-." for c in t[j:]):
             raise _Invalid
-        calls.append(call)
-        j = _skip_ws(t, end)
-        if j < len(t) and t[j] == ",":
-            j = _skip_ws(t, j + 1)
-        elif j < len(t) and t[j] != "]":
+        return None
+    name = _name(t[j:paren])
+    end = _close(t, paren)
+    if end is None:
+        if final:
             raise _Invalid
-    if final:
+        calls.append(ParsedCall(name, ""))
+        return None
+    call = _call(t[j:end])
+    if call.name != name:
         raise _Invalid
-    return None
+    calls.append(call)
+    return end
 
 
 def _close(t: str, i: int) -> int | None:
@@ -177,12 +173,9 @@ class PythonicToolParser(ToolParser):
         start, end = ((_lit(self.START, special) + ' "["', '"]" ' + _lit(self.END, special))
                       if self.marked else ('"["', '"]"'))
         rules, alts = [], []
-        for i, tool in enumerate(tools):
-            fn = tool["function"]
-            schema = params_schema(fn)
-            required = set(schema.get("required") or ())
+        for i, name, params in tool_params(tools):
             pairs = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            for j, key, prop, required in params:
                 value = f"v{i}_{j}"
                 if prop.get("type") == "string" and "enum" not in prop:
                     rules.append(f"{value}: /'([^'\\\\\\n]|\\\\.)*'/")
@@ -193,9 +186,9 @@ class PythonicToolParser(ToolParser):
                         json.dumps(repr(v)) for v in prop["enum"]))
                 else:
                     rules.append(f"{value}: %json {json.dumps(compact(prop))}")
-                pairs.append((key in required, f'"{key}=" {value}'))
+                pairs.append((required, f'"{key}=" {value}'))
             alts.append(f"c{i}")
-            rules.append(f"c{i}: {json.dumps(fn['name'] + '(')} {_pairs(pairs)} \")\"")
+            rules.append(f"c{i}: {json.dumps(name + '(')} {_pairs(pairs)} \")\"")
         return (_calls_rule(", ", parallel, start, end) + "call: " + " | ".join(alts) + "\n"
                 + "\n".join(rules) + "\n")
 

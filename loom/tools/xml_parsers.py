@@ -29,7 +29,7 @@ from loom.tools.calls import (
     _name,
     _skip_ws,
     compact,
-    params_schema,
+    tool_params,
 )
 
 _NOT_TEXT = frozenset({"integer", "number", "boolean", "object", "array", "null"})
@@ -184,12 +184,9 @@ class XmlToolParser(ToolParser):
         close = json.dumps(self.VALUE_CLOSE)
         # a string value: the shortest text that ends in its closing (lazy)
         text_rule = "/(?s:.*)" + close[1:-1].replace("/", "\\/") + "/"
-        for i, tool in enumerate(tools):
-            fn = tool["function"]
-            schema = params_schema(fn)
-            required = set(schema.get("required") or ())
+        for i, name, params in tool_params(tools):
             pairs = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            for j, key, prop, required in params:
                 value = f"v{i}_{j}"
                 if not _is_text(prop):
                     rules.append(f"{value}: %json {json.dumps(compact(prop))} {close}")
@@ -199,9 +196,9 @@ class XmlToolParser(ToolParser):
                 else:
                     rules.append(f"{value}[lazy]: {text_rule}")
                 pair = self._pair(key, value)
-                pairs.append(pair if key in required else f"({pair})?")
+                pairs.append(pair if required else f"({pair})?")
             alts.append(f"c{i}")
-            rules.append(f"c{i}: {self._call_rule(fn['name'], ' '.join(pairs))}")
+            rules.append(f"c{i}: {self._call_rule(name, ' '.join(pairs))}")
         return (_calls_rule(self.SEPARATOR, parallel) + "call: " + " | ".join(alts) + "\n"
                 + "\n".join(rules) + "\n")
 
