@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,9 @@ class KVCacheManager:
         # then computed as the whole prompt was the first time, so a repeated greedy request
         # gives the same tokens with and without the cache.
         self.min_new_tokens = 0
+        # A hybrid model's: whether a block (by hash) ends where its states were kept; a hit
+        # ends on such a block (None: any block)
+        self.state_hit: Callable[[object], bool] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +126,9 @@ class KVCacheManager:
             if block is None or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
                 break
             blocks.append(block)
+        if self.state_hit is not None:  # a hybrid: up to the last block with its states
+            while blocks and not self.state_hit(request.block_hashes[len(blocks) - 1]):
+                blocks.pop()
         num_computed_tokens = len(blocks) * bs
         stats = self.prefix_cache_stats
         stats.requests += 1

@@ -25,6 +25,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # A hybrid model's prefix hit: the key of the state snapshot its slot starts from
+    state_key: object = None
 
 
 @dataclass(slots=True)
@@ -60,6 +62,10 @@ class SchedulerOutput:
     # every scheduled request decodes one token with the argmax alone; its KV slots are
     # allocated for 1 + lookahead tokens, and it gets 1 + lookahead sampled tokens.
     lookahead: int = 0
+    # A hybrid model with prefix caching: req_id -> the hash of the block this step's tokens
+    # end on, for the requests whose step ends on a block boundary (the runner keeps a copy
+    # of their states under it: loom.layers.recurrent.StateSnapshots)
+    state_keys: dict[str, object] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -140,6 +140,9 @@ class Scheduler:
         # With a bound (seconds): steps ahead only as many as fit in it by the measured time of
         # a decode step (None: decode_steps whatever the time)
         self.ahead_budget_s: float | None = None
+        # A hybrid model with prefix caching: prompts' prefills end on their last block
+        # boundary and the steps that end on one are named (SchedulerOutput.state_keys)
+        self.state_boundaries = False
         self.decode_step_s: float | None = None  # a decode-only step's time, smoothed
 
     # ---- admission -------------------------------------------------------------------------
@@ -211,6 +214,7 @@ class Scheduler:
             self._schedule_waiting(step)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
+        state_keys = self._state_keys(step) if self.state_boundaries else {}
         return SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
@@ -220,7 +224,29 @@ class Scheduler:
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=step.spec_tokens,
             lookahead=self._lookahead(step),
+            state_keys=state_keys,
         )
+
+    def _state_keys(self, step: _Step) -> dict[str, object]:
+        """req_id -> the hash of the block its step ends on, where it ends on one."""
+        bs, keys = self.block_size, {}
+        for req_id, n in step.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            end = request.num_computed_tokens + n
+            if end % bs == 0 and 0 < end // bs <= len(request.block_hashes):
+                keys[req_id] = request.block_hashes[end // bs - 1]
+        return keys
+
+    def _to_boundary(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """`num_new` tokens from `start` (default: the request's computed ones), cut to end on
+        the last block boundary before its last token where they would cross it (a hybrid's
+        states are kept there, for a later prefix hit)."""
+        if not self.state_boundaries:
+            return num_new
+        if start is None:
+            start = request.num_computed_tokens
+        boundary = (request.num_tokens - 1) // self.block_size * self.block_size
+        return boundary - start if start < boundary < start + num_new else num_new
 
     def _lookahead(self, step: _Step) -> int:
         """Decode steps past this one the runner may run (SchedulerOutput.lookahead): where
@@ -243,6 +269,10 @@ class Scheduler:
             most = min(most, self.max_model_len - request.num_tokens - 1)
             if request.max_tokens is not None:
                 most = min(most, request.max_tokens - request.num_output_tokens - 1)
+            if self.state_boundaries:  # no step past this one ends on a block boundary: the
+                # step that does is a scheduled one, whose states are kept (state_keys)
+                end = request.num_computed_tokens + 1
+                most = min(most, (end // self.block_size + 1) * self.block_size - end - 1)
         if most <= 0:
             return 0
         kv = self.kv_cache_manager
@@ -272,6 +302,7 @@ class Scheduler:
             if num_new <= 0:
                 req_index += 1
                 continue
+            num_new = self._to_boundary(request, num_new)
             draft = self._propose(request, step)
             if draft and (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + len(draft))) is not None:
@@ -348,6 +379,7 @@ class Scheduler:
             )
             if num_new <= 0:
                 break
+            num_new = self._to_boundary(request, num_new, num_hit)
             if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
@@ -364,6 +396,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
+                    state_key=(request.block_hashes[num_hit // self.block_size - 1]
+                               if num_hit and self.state_boundaries else None),
                 )
             )
             step.add(request, num_new)

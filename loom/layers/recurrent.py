@@ -11,6 +11,7 @@ zero and keeps nothing. States are fp32.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,3 +144,37 @@ class ShortConv(RecurrentMixer):
         bias = None if self.conv.bias is None else self.conv.bias.float()
         y = c * causal_conv(b * h, step, step.tensors[0], self.conv.weight.float(), bias)
         return self.out_proj(y.to(x.dtype))
+
+
+class StateSnapshots:
+    """Prefix caching for a hybrid model: copies of a request's states at block boundaries,
+    keyed by the hash of the block that ends there (the KV cache's), newest used kept within
+    `budget` bytes. The scheduler ends prefill chunks on a prompt's last block boundary and
+    names the steps that end on one (SchedulerOutput.state_keys); a prefix hit is cut back to
+    the last block with a snapshot, which a request's slot starts from (NewRequestData's
+    state_key)."""
+
+    def __init__(self, layers: list[RecurrentMixer], budget: int) -> None:
+        self.layers = layers
+        per = sum(t[0].numel() * 4 for layer in layers for t in layer.states)
+        self.capacity = budget // per if per else 0
+        self.store: OrderedDict[object, list[torch.Tensor]] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.store
+
+    def save(self, key: object, slot: int) -> None:
+        if self.capacity <= 0:
+            return
+        if key in self.store:
+            self.store.move_to_end(key)
+            return
+        while len(self.store) >= self.capacity:
+            self.store.popitem(last=False)
+        self.store[key] = [t[slot].clone() for layer in self.layers for t in layer.states]
+
+    def restore(self, key: object, slot: int) -> None:
+        snapshot = self.store[key]
+        self.store.move_to_end(key)
+        for dst, src in zip((t for layer in self.layers for t in layer.states), snapshot):
+            dst[slot].copy_(src)

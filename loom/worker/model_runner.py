@@ -19,6 +19,7 @@ from loom.attention.metadata import (
     AttentionMetadata, Workspace, build_attention_metadata, next_decode_metadata, to_device,
 )
 from loom.config import ModelConfig
+from loom.layers.recurrent import StateSnapshots
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
@@ -59,9 +60,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_num_seqs: int = 256,
+        state_cache_bytes: int = 0,
     ) -> None:
         """`max_num_seqs`: the most requests running at once (the scheduler's bound), the
-        state slots a hybrid model's linear layers get."""
+        state slots a hybrid model's linear layers get; `state_cache_bytes`: what its prefix
+        caching may keep of their states at block boundaries (0: none)."""
         self.model = model
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
@@ -90,6 +93,8 @@ class ModelRunner:
             logger.info("%d state slots of %.1f MiB (the layers with a state per request; "
                         "host memory committed as slots are first used)", max_num_seqs,
                         total / max_num_seqs / 2**20)
+        self.snapshots = (StateSnapshots(self.state_layers, state_cache_bytes)
+                          if self.state_layers and state_cache_bytes else None)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every
@@ -159,7 +164,12 @@ class ModelRunner:
         if self.state_layers:
             if not self.free_slots:
                 raise RuntimeError("more running requests than max_num_seqs state slots")
+            if new.num_computed_tokens and (self.snapshots is None
+                                            or new.state_key not in self.snapshots):
+                raise RuntimeError("a prefix hit without its states")
             slot = heapq.heappop(self.free_slots)
+            if new.num_computed_tokens:
+                self.snapshots.restore(new.state_key, slot)  # type: ignore[union-attr]
         return CachedRequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),
@@ -224,6 +234,11 @@ class ModelRunner:
             with set_forward_context(md):
                 hidden, logits = self.model.forward_logits(  # [num_tokens, h], [sampling, V]
                     ids_t, pos_t, rows, only_rows=not all_rows)
+        if so.state_keys and self.snapshots is not None:  # states at a block boundary
+            for s in states:
+                key = so.state_keys.get(s.req_id)
+                if key is not None:
+                    self.snapshots.save(key, s.state_slot)
         self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[Logprobs] | None] = [None] * len(req_ids)

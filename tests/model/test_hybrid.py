@@ -45,7 +45,8 @@ def hybrid(request, tmp_path_factory):
 
 def test_engine_matches_transformers(hybrid) -> None:
     """Seven prompts of 3 to ~130 tokens, three running at a time (the state slots handed on),
-    prefills cut into 32-token chunks beside decodes, a KV cache small enough to preempt, and
+    prefills cut into 32-token chunks beside decodes, a KV cache small enough to preempt (a
+    resumed request starts from its kept states where its blocks are still cached), and
     multi-step decodes: each request's 24 greedy tokens are transformers' generate's."""
     from transformers import AutoModelForCausalLM
 
@@ -54,7 +55,7 @@ def test_engine_matches_transformers(hybrid) -> None:
     prompts = [tokenizer.encode(text)[: 3 + 21 * r] for r in range(7)]
     llm = LLM(str(hybrid), dtype="float32", max_num_seqs=3, max_num_batched_tokens=32,
               num_gpu_blocks_override=14, num_scheduler_steps=4)
-    assert not llm.engine.scheduler.kv_cache_manager.enable_caching  # (off for a hybrid)
+    assert llm.engine.runner.snapshots is not None  # (prefix caching: resumed requests hit)
     runner = llm.engine.runner  # one slot a running request; state_bytes says one's size
     held = sum(t.numel() * 4 for layer in runner.state_layers for t in layer.states)
     assert held == 3 * state_bytes(runner.model) > 0
@@ -72,3 +73,29 @@ def test_engine_matches_transformers(hybrid) -> None:
 def test_what_states_cannot_follow_is_refused(hybrid) -> None:
     with pytest.raises(ConfigError, match="speculative decoding does not run hybrid"):
         LLM(str(hybrid), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_prefix_hits_start_from_the_kept_states(hybrid) -> None:
+    """A second turn (the first turn's prompt and reply, then more) hits the prefix cache up
+    to the last block boundary whose states were kept, its slot starts from them, and its
+    greedy tokens are transformers'; a request cut off mid-prompt before a kept boundary
+    falls back to a shorter hit."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    text = "Tell me about the quick brown fox and the lazy dog, please. " * 6
+    first = tokenizer.encode(text)[:53]
+    llm = LLM(str(hybrid), dtype="float32", max_num_batched_tokens=64)
+    assert llm.engine.scheduler.kv_cache_manager.enable_caching
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reply = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
+    second = first + list(reply) + tokenizer.encode(" And then?")
+    stats = llm.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    hits = stats.hits
+    out = llm.generate([{"prompt_token_ids": second}], params)[0]
+    assert stats.hits - hits == (len(first) + len(reply) - 1) // 16 * 16  # the last boundary
+    ref = AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([second]), max_new_tokens=20, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(second):].tolist()
+    assert list(out.outputs[0].token_ids) == want
