@@ -167,9 +167,11 @@ _HYBRIDS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM
 
 
 def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LFM2's config keys under the names the other families use (older configs name the
-    MLP's width block_ff_dim, every config its norms' eps norm_eps)."""
-    return {**cfg, "intermediate_size": cfg.get("intermediate_size") or cfg.get("block_ff_dim"),
+    """LFM2's config keys under the names the other families use: the MLP's configured
+    width is block_ff_dim where the config has it (as transformers reads it: LFM2-1.2B's
+    config also holds intermediate_size, the adjusted width, which transformers does not
+    read), the norms' eps norm_eps."""
+    return {**cfg, "intermediate_size": cfg.get("block_ff_dim") or cfg.get("intermediate_size"),
             "rms_norm_eps": cfg.get("norm_eps", 1e-5),
             "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))}
 

@@ -19,10 +19,10 @@ from loom.attention.metadata import (
     AttentionMetadata, Workspace, build_attention_metadata, next_decode_metadata, to_device,
 )
 from loom.config import ModelConfig
-from loom.layers.recurrent import StateSnapshots
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
+from loom.layers.recurrent import StateSnapshots
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams

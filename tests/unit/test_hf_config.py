@@ -67,3 +67,29 @@ def test_glm_and_ernie_defaults_are_their_config_classes(tmp_path) -> None:
             ernie.tie_word_embeddings) == (128, 0, True, True)
     with pytest.raises(ConfigError, match="use_bias"):
         _read(tmp_path, {**base, "architectures": ["Ernie4_5ForCausalLM"], "use_bias": True})
+
+
+LFM2_1_2B = {  # LiquidAI/LFM2-1.2B's config.json, the fields Loom reads
+    "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_dim": 2048,
+    "block_ff_dim": 12288, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+    "conv_L_cache": 3, "conv_bias": False, "intermediate_size": 8192,
+    "full_attn_idxs": [2, 5, 8, 10, 12, 14], "hidden_size": 2048,
+    "max_position_embeddings": 128000, "model_type": "lfm2", "norm_eps": 1e-05,
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "rope_theta": 1000000.0, "vocab_size": 65536,
+}
+
+
+def test_lfm2_reads_its_own_keys(tmp_path) -> None:
+    """The MLP's width from block_ff_dim, adjusted as transformers does (12288 -> 8192; the
+    config's intermediate_size, which transformers does not read, adjusted would be 5632),
+    the convolution layers from full_attn_idxs, norm_eps, tied embeddings by default."""
+    config = _read(tmp_path, LFM2_1_2B)
+    assert config.intermediate_size == 8192
+    assert config.linear_layers == (0, 1, 3, 4, 6, 7, 9, 11, 13, 15)
+    assert (config.short_conv_width, config.rms_norm_eps, config.tie_word_embeddings) == (
+        3, 1e-05, True)
+    layers = ["conv", "full_attention"] * 8  # a newer config's layer_types, no block_ff_dim
+    newer = {k: v for k, v in LFM2_1_2B.items() if k not in ("block_ff_dim", "full_attn_idxs")}
+    config = _read(tmp_path, {**newer, "intermediate_size": 12288, "layer_types": layers})
+    assert config.intermediate_size == 8192 and config.linear_layers == tuple(range(0, 16, 2))
