@@ -89,6 +89,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
+    # The router: "softmax" over experts, or "sigmoid" scores (LFM2-MoE's: experts picked by
+    # score + a learned per-expert bias, weighted by their scores, renormalised with a 1e-6
+    # floor), the picked weights times routed_scaling_factor
+    moe_router: str = "softmax"
+    routed_scaling_factor: float = 1.0
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
     # Hybrid models: the layers whose token mixer keeps a state per request instead of
@@ -170,6 +175,8 @@ class ModelConfig:
             raise ConfigError(f"model config: linear_layers {self.linear_layers} need one "
                               f"mixer and at least one of the {self.num_hidden_layers} layers "
                               "to attend")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model config: unsupported expert router {self.moe_router!r}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"model config: unsupported pooling {self.pooling!r}; "
                               f"supported: {', '.join(POOLINGS)}")

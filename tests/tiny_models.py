@@ -20,6 +20,7 @@ def _configs() -> dict[str, object]:
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
     from transformers.models.lfm2 import Lfm2Config
+    from transformers.models.lfm2_moe import Lfm2MoeConfig
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_next import Qwen3NextConfig
@@ -127,6 +128,13 @@ def _configs() -> dict[str, object]:
         "lfm2": Lfm2Config(**{**TINY, "num_hidden_layers": 3}, layer_types=[
             "conv", "full_attention", "conv"], conv_bias=True, block_multiple_of=32,
             block_ffn_dim_multiplier=1.0, pad_token_id=0, eos_token_id=2),
+        # LFM2's mixture of experts: a dense first layer, then 4 experts, 2 a token, routed by
+        # sigmoid scores and a per-expert bias
+        "lfm2-moe": Lfm2MoeConfig(
+            **{**TINY, "num_hidden_layers": 3, "intermediate_size": 96},
+            layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
+            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            routed_scaling_factor=1.5, pad_token_id=0, eos_token_id=2),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -135,7 +143,7 @@ def _configs() -> dict[str, object]:
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
          "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5",
-         "lfm2", "qwen3_5-moe", "qwen3-next"]
+         "lfm2", "qwen3_5-moe", "qwen3-next", "lfm2-moe"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:
@@ -155,6 +163,9 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) ->
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.08 if p.dim() > 1 else 0.1)
+        for bname, b in model.named_buffers():  # (LFM2-MoE's router bias picks the experts)
+            if bname.endswith("expert_bias"):
+                b.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -46,7 +46,9 @@ _ARCHITECTURES = {
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2moe": "Lfm2MoeForCausalLM",
 }
+_LFM2S = {"lfm2", "lfm2moe"}
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
@@ -119,6 +121,7 @@ _LFM2_LAYER_NAMES = {
     "shortconv.conv": "conv.conv",
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
+    "exp_probs_b": "mlp.expert_bias",  # LFM2-MoE's router bias (stored as a .bias)
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -146,7 +149,7 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
-    if arch == "lfm2" and gguf_name == "token_embd_norm.weight":
+    if arch in _LFM2S and gguf_name == "token_embd_norm.weight":
         return "model.norm.weight"  # LFM2's last norm (transformers' embedding_norm)
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -154,10 +157,10 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
              else _GLM4_LAYER_NAMES if arch == "glm4"
              else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
              else _QWEN35_LAYER_NAMES if arch in _QWEN35S
-             else _LFM2_LAYER_NAMES if arch == "lfm2" else _LAYER_NAMES)
+             else _LFM2_LAYER_NAMES if arch in _LFM2S else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
-        suffix = "" if m.group(3) is None else f".{m.group(3)}"
+        suffix = "" if m.group(3) is None or m.group(2) == "exp_probs_b" else f".{m.group(3)}"
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}{suffix}"
     m = _LEGACY_EXPERT_RE.match(gguf_name)
     if m:
@@ -210,7 +213,7 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         extra.update(_qwen35_fields(reader, arch, layers))
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per layer; 0 where a layer does not attend (LFM2's)
-        if arch == "lfm2":
+        if arch in _LFM2S:
             extra.update(linear_layers=tuple(i for i, n in enumerate(kv_heads) if not n),
                          short_conv_width=int(key("shortconv.l_cache")),
                          short_conv_bias=any(n.endswith("shortconv.conv.bias") for n in names))
@@ -336,9 +339,9 @@ def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     """Experts from llama.cpp's keys; Mixtral is llama.cpp's "llama" with experts. The router
     renormalises its top-k as each family does (llama.cpp: Qwen2-MoE not, the others yes)."""
     gating = field(reader, f"{arch}.expert_gating_func", 1)
-    if gating != 1:
+    if gating not in (1, 2) or (gating == 2 and arch != "lfm2moe"):
         raise ConfigError(f"{path}: expert gating function {gating} (llama.cpp's numbering) is "
-                          "not supported; only 1 (softmax)")
+                          "not supported; only 1 (softmax), and 2 (sigmoid) for LFM2-MoE")
     names = {t.name for t in reader.tensors}
     layers = int(field(reader, f"{arch}.block_count"))
     return dict(
@@ -351,6 +354,8 @@ def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
             field(reader, f"{arch}.expert_shared_feed_forward_length", 0)),
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
         moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
+        moe_router="sigmoid" if gating == 2 else "softmax",
+        routed_scaling_factor=float(field(reader, f"{arch}.expert_weights_scale") or 1.0),
     )
 
 

@@ -176,10 +176,15 @@ def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))}
 
 
-def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+_LFM2S = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+
+
+def _lfm2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """LFM2's convolution layers (its `layer_types`, else all but `full_attn_idxs`), their
     width and bias, the MLP's width as transformers adjusts it (2/3 of the configured one,
-    times block_ffn_dim_multiplier, rounded up to block_multiple_of), per-head q/k norms."""
+    times block_ffn_dim_multiplier, rounded up to block_multiple_of; LFM2-MoE's dense layers
+    take it as configured), per-head q/k norms; LFM2-MoE's experts after its first
+    num_dense_layers layers, routed by sigmoid scores and a learned bias."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if not types:
@@ -187,7 +192,18 @@ def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         full = range(n) if full is None else full
         types = ["full_attention" if i in full else "conv" for i in range(n)]
     width = int(cfg["intermediate_size"])
-    if cfg.get("block_auto_adjust_ff_dim", True):
+    moe: dict[str, Any] = {}
+    if arch == "Lfm2MoeForCausalLM":
+        moe = dict(num_experts=int(cfg.get("num_experts", 32)),
+                   num_experts_per_tok=int(cfg.get("num_experts_per_tok", 4)),
+                   moe_intermediate_size=int(cfg.get("moe_intermediate_size", 1792)),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   moe_layers=tuple(range(int(cfg.get("num_dense_layers", 2)), n)),
+                   moe_router="sigmoid",
+                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+        if not cfg.get("use_expert_bias", True):
+            raise ConfigError("Lfm2MoeForCausalLM without use_expert_bias is not supported")
+    elif cfg.get("block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
         if multiplier is not None:
@@ -196,7 +212,7 @@ def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"),
                 short_conv_width=int(cfg.get("conv_L_cache", 3)),
                 short_conv_bias=bool(cfg.get("conv_bias", False)),
-                intermediate_size=width, qk_norm=True)
+                intermediate_size=width, qk_norm=True, **moe)
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
          "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
@@ -301,7 +317,7 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         cfg = _text_config(cfg, path)
         archs = cfg["architectures"]
     arch = archs[0]
-    if arch == "Lfm2ForCausalLM":
+    if arch in _LFM2S:
         cfg = _lfm2_config(cfg)
     if arch == "Qwen3_5MoeForCausalLM":  # every MLP a mixture (no dense width), the router's
         # top-k always renormalised
@@ -378,8 +394,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             fields.update(_moe_fields(arch, cfg))
         if arch in _HYBRIDS:
             fields.update(_hybrid_fields(cfg))
-        if arch == "Lfm2ForCausalLM":
-            fields.update(_lfm2_fields(cfg))
+        if arch in _LFM2S:
+            fields.update(_lfm2_fields(arch, cfg))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

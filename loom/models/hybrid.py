@@ -20,6 +20,7 @@ parallelism (LLMEngine, spec_decoder).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -197,18 +198,26 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
 
 class Lfm2ForCausalLM(HybridForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_lfm2_weights(weights))
+        super().load_weights(expert_names(_lfm2_weights(weights)))  # (experts: LFM2-MoE's)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2's mixtures of experts (LFM2-8B-A1B, LFM2.5-8B-A1B): its first layers' MLPs dense,
+    the others mixtures whose router scores by sigmoid and picks with a learned bias."""
+
 
 
 # LFM2's Hugging Face names -> Llama's (a layer's norms, attention's q/k norms and output, the
-# MLP's w1 / w3 / w2) and the final norm's
+# MLP's (and its experts') w1 / w3 / w2) and the final norm's
 _LFM2_NAMES = {
     ".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",
-    ".self_attn.out_proj.": ".self_attn.o_proj.", ".feed_forward.w1.": ".mlp.gate_proj.",
-    ".feed_forward.w3.": ".mlp.up_proj.", ".feed_forward.w2.": ".mlp.down_proj.",
+    ".self_attn.out_proj.": ".self_attn.o_proj.", ".feed_forward.": ".mlp.",
+    ".mlp.w1.": ".mlp.gate_proj.", ".mlp.w3.": ".mlp.up_proj.", ".mlp.w2.": ".mlp.down_proj.",
 }
+_LFM2_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_LFM2_EXPERT = re.compile(r"(\.mlp\.experts\.\d+)\.(w1|w3|w2)\.")
 
 
 def _lfm2_weights(weights: Iterable[tuple[str, torch.Tensor]]
@@ -219,6 +228,7 @@ def _lfm2_weights(weights: Iterable[tuple[str, torch.Tensor]]
             name = "model.norm.weight"
         for old, new in _LFM2_NAMES.items():
             name = name.replace(old, new)
+        name = _LFM2_EXPERT.sub(lambda m: f"{m[1]}.{_LFM2_MLP[m[2]]}.", name)
         if name.endswith(".conv.conv.weight"):
             w = w.reshape(w.shape[0], -1)
         yield name, w

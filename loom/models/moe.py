@@ -35,6 +35,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = RouterLinear(config.hidden_size, config.num_experts)  # fp32, always
         self.experts = nn.ModuleList(
             LlamaMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.sigmoid = config.moe_router == "sigmoid"
+        self.scaling = config.routed_scaling_factor
+        if self.sigmoid:  # the per-expert bias added to the scores that pick the experts
+            self.expert_bias = nn.Parameter(torch.zeros(config.num_experts),
+                                            requires_grad=False)
         self.shared_expert: LlamaMLP | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
@@ -42,6 +47,13 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [num_tokens, num_experts] -> (weights, experts) [num_tokens, top_k]."""
+        if self.sigmoid:
+            scores = logits.float().sigmoid()
+            experts = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+            return weights * self.scaling, experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -61,7 +73,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [num_tokens, num_experts]
-        if cpu_ops.usable(logits) and x.is_contiguous():
+        if cpu_ops.usable(logits) and x.is_contiguous() and not self.sigmoid:  # (C: softmax)
             return self._forward_c(x, logits)
         weights, experts = self.route(logits)  # [num_tokens, top_k]
         flat = experts.reshape(-1)  # [num_tokens * top_k] (token, slot) pairs

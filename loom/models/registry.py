@@ -11,7 +11,8 @@ from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
 from loom.models.hybrid import (
-    Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
+    Lfm2ForCausalLM, Lfm2MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
 )
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
@@ -43,6 +44,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # (the linear layers' inputs packed)
     # short gated convolutions in most layers, attention with q/k norms in the others
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,  # (mixtures of experts after dense layers)
 }
 
 

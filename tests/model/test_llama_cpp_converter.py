@@ -78,8 +78,10 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     else:
         # (the converter squeezes LFM2's conv bias as if a weight: LFM2s have none; llama.cpp's
         # Qwen3-Next has no dense layers among the sparse ones)
+        # (and writes no routed scaling factor for LFM2-MoE: its models have 1)
         overrides = ({"conv_bias": False} if name == "lfm2" else {"mlp_only_layers": []}
-                     if name == "qwen3-next" else CASES.get(name, {}))
+                     if name == "qwen3-next" else {"routed_scaling_factor": 1.0}
+                     if name == "lfm2-moe" else CASES.get(name, {}))
         folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **overrides)
     if name == "qwen3_5":
         _with_mtp(folder)
@@ -141,6 +143,8 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("qwen3_5-moe", {"linear_layers": (0, 2), "num_experts": 4, "moe_layers": (0, 1, 2),
                      "shared_expert_intermediate_size": 48,
                      "architecture": "Qwen3_5MoeForCausalLM"}),
+    ("lfm2-moe", {"linear_layers": (0, 2), "moe_layers": (1, 2), "moe_router": "sigmoid",
+                  "architecture": "Lfm2MoeForCausalLM"}),
     ("qwen3-next", {"linear_layers": (0, 2), "moe_layers": (0, 1, 2),
                     "architecture": "Qwen3NextForCausalLM"}),
 ])
@@ -154,8 +158,9 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     stored 1 + w norms), Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
     value heads, its multi-token prediction layer left out; its mixture of experts too;
     Qwen3-Next's grouped value heads and packed b / a) and LFM2 (its convolution layers
-    where the per-layer KV head count is 0, its final norm named token_embd_norm) read from
-    the converter's files give transformers' logits."""
+    where the per-layer KV head count is 0, its final norm named token_embd_norm; LFM2-MoE's
+    sigmoid router and its bias, exp_probs_b) read from the converter's files give
+    transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
     hf = transformers_model(folder)
