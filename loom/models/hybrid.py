@@ -13,9 +13,10 @@ Llama's.
 - LFM2 (Liquid): most layers a short gated convolution (ShortConv), the others Llama attention
   with per-head q/k norms; Hugging Face's names mapped to Llama's at load.
 
-They run layer by layer (not the one-call C stack); the engine turns off what a per-request
-state cannot follow: prefix caching, speculative decoding, CUDA graphs, tensor / pipeline
-parallelism (LLMEngine, spec_decoder).
+They run layer by layer (not the one-call C stack); prefix caching keeps their states at block
+boundaries (loom.layers.recurrent.StateSnapshots); the engine turns off what a per-request
+state cannot follow: speculative decoding, CUDA graphs, tensor / pipeline parallelism
+(LLMEngine, spec_decoder).
 """
 
 from __future__ import annotations
