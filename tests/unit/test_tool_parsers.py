@@ -332,3 +332,26 @@ def test_new_formats_required_grammar(compile_grammar, name: str) -> None:
     single = parser.grammar(TYPED_TOOLS[1:], parallel=False)
     assert compile_grammar(single, parser.render_call("get_time", ARGS_2))
     assert not compile_grammar(single, good)
+
+
+def test_pythonic_bare_list(compile_grammar) -> None:
+    """The pythonic format without LFM2's markers (a Llama 3.2 / 4 pythonic template): a reply
+    that is one call list is calls, anything else content; the forced grammar is the bare
+    list too."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}[func(a=1)]"
+    parser = parser_for_template(template, "pythonic")
+    parser.tools = TYPED_TOOLS
+    assert not parser.marked
+    text = parser.render_call("get_weather", ARGS_1)
+    assert text.startswith("[get_weather(") and "<|" not in text
+    assert calls(parser.view(text, final=True)) == [("get_weather", ARGS_1)]
+    both = "[get_weather(city='Oslo', metric=True), get_time(tz=\"UTC\")]"
+    assert calls(parser.view(both, final=True)) == [
+        ("get_weather", {"city": "Oslo", "metric": True}), ("get_time", {"tz": "UTC"})]
+    assert_streams_to_the_final_view(parser, both)
+    for content in ("Sunny, 18 C.", "[1, 2, 3]", "[get_weather(city='Oslo')] and more",
+                    "[os.system('x')(1)]"):
+        assert parser.view(content, final=True) == ToolCallView(content)
+    grammar = parser.grammar(TYPED_TOOLS, parallel=True)
+    assert compile_grammar(grammar, text)
+    assert not compile_grammar(grammar, "<|tool_call_start|>" + text + "<|tool_call_end|>")
