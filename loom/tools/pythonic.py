@@ -201,24 +201,14 @@ class PythonicToolParser(ToolParser):
 
 
 def _pairs(pairs: list[tuple[bool, str]]) -> str:
-    """Lark: the pairs in order, joined by ", ", the optional ones (False) may be left out.
-    Each pair is written with the separator before it unless it can be the first one."""
-    out, first_done = [], False  # first_done: a required pair has been written already
-    for required, pair in pairs:
-        if first_done:
-            out.append(f'(", " {pair})' + ("" if required else "?"))
-        elif required:  # the first required pair (optional ones before it end in ", ")
-            out.append(pair)
-            first_done = True
-        else:  # an optional pair before any required one: it comes with a trailing ", " or
-            # it is the last thing written
-            out.append(f'({pair} ", ")?')
-    text = " ".join(out)
-    if not any(required for required, _ in pairs) and pairs:
-        # no required pair: any subset in order, none trailing a comma
-        alternatives = []
-        for k in range(len(pairs)):
-            rest = " ".join(f'(", " {p})?' for _, p in pairs[k + 1:])
-            alternatives.append(f"({pairs[k][1]} {rest})".strip())
-        return "(" + " | ".join(alternatives) + ")?"
-    return text
+    """Lark: the pairs (required or not, its rule) in order, joined by ", ", the optional ones
+    left out or not: one alternative for each pair that can come first (up to the first
+    required one), the pairs after it each behind its ", "; none at all where none is
+    required."""
+    firsts = []
+    for k, (required, pair) in enumerate(pairs):
+        rest = " ".join(f'", " {p}' if req else f'(", " {p})?' for req, p in pairs[k + 1:])
+        firsts.append(f"({pair} {rest})")
+        if required:
+            return "(" + " | ".join(firsts) + ")"
+    return "(" + " | ".join(firsts) + ")?" if firsts else ""

@@ -355,3 +355,23 @@ def test_pythonic_bare_list(compile_grammar) -> None:
     grammar = parser.grammar(TYPED_TOOLS, parallel=True)
     assert compile_grammar(grammar, text)
     assert not compile_grammar(grammar, "<|tool_call_start|>" + text + "<|tool_call_end|>")
+
+
+def test_pythonic_grammar_places_commas_around_optional_arguments(compile_grammar) -> None:
+    """Optional arguments before the first required one, after it, or with none required:
+    any of them left out, the rest in the schema's order, one ", " between two."""
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                             "c": {"type": "boolean"}}, "required": ["b"]}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"},
+                                             "y": {"type": "integer"}}}}},
+    ]
+    grammar = parser_for_template("{{ messages }}", "pythonic").grammar(tools, parallel=False)
+    for good in ("[f(b='x')]", "[f(a=1, b='x')]", "[f(b='x', c=True)]", "[f(a=1, b='x', c=False)]",
+                 "[g()]", "[g(y=2)]", "[g(x=1, y=2)]"):
+        assert compile_grammar(grammar, good), good
+    for bad in ("[f(a=1)]", "[f()]", "[g(, y=2)]", "[f(b='x', )]", "[g(y=2, x=1)]",
+                "[f(a=1b='x')]"):
+        assert not compile_grammar(grammar, bad), bad
