@@ -195,11 +195,14 @@ HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def interleaved_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
-    """`layer_types` where every `period`-th layer is global and the others slide (what Gemma
-    2 and 3 configs without a per-layer list mean: every 2nd, every 6th)."""
-    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                 for i in range(num_layers))
+def interleaved_layer_types(num_layers: int, period: int,
+                            other: str = "sliding_attention") -> tuple[str, ...]:
+    """`layer_types` where every `period`-th layer is global and the others `other` (what
+    Gemma 2 and 3 configs without a per-layer list mean: every 2nd, every 6th sliding; Qwen3.5's
+    full_attention_interval: every 4th, the others linear attention)."""
+    return tuple("full_attention" if (i + 1) % period == 0 else other for i in range(num_layers))
+
+
 POOLINGS = ("last", "mean")
 
 

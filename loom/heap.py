@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @functools.cache
@@ -50,3 +55,18 @@ def meminfo() -> dict[str, int]:
         if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
             fields[name] = int(parts[0]) << 10
     return fields
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor whose host pages are committed only as they are first written: on the
+    host from calloc (past glibc's mmap threshold, at most 32 MiB, a fresh mapping, zero
+    untouched; a smaller one may come from the heap, zeroed and committed at once), where
+    torch.zeros would write every page; torch.zeros on a device. (torch is imported here, on
+    use: this module loads before it.)"""
+    import numpy as np
+    import torch
+
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -81,6 +81,13 @@ class AttentionMetadata:
     def key_positions(self) -> torch.Tensor:  # [max_blocks * block_size]: the gathered keys'
         return self._tensor(np.arange(self.block_tables.shape[1] * self.block_size))
 
+    @cached_property
+    def query_starts_host(self) -> np.ndarray:  # [num_reqs + 1] query_start_loc, on the host
+        lens = np.bincount(self.req_idx, minlength=len(self.computed))
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        return starts
+
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.slot_mapping.device)
 

@@ -229,13 +229,21 @@ class Scheduler:
 
     def _state_keys(self, step: _Step) -> dict[str, object]:
         """req_id -> the hash of the block its step ends on, where it ends on one."""
-        bs, keys = self.block_size, {}
+        keys = {}
         for req_id, n in step.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            end = request.num_computed_tokens + n
-            if end % bs == 0 and 0 < end // bs <= len(request.block_hashes):
-                keys[req_id] = request.block_hashes[end // bs - 1]
+            key = self._block_ending_at(request, request.num_computed_tokens + n)
+            if key is not None:
+                keys[req_id] = key
         return keys
+
+    def _block_ending_at(self, request: Request, end: int) -> object:
+        """The hash of the request's block that ends at token `end`, or None where no full
+        block does."""
+        bs = self.block_size
+        if end % bs == 0 and 0 < end // bs <= len(request.block_hashes):
+            return request.block_hashes[end // bs - 1]
+        return None
 
     def _to_boundary(self, request: Request, num_new: int, start: int | None = None) -> int:
         """`num_new` tokens from `start` (default: the request's computed ones), cut to end on
@@ -396,8 +404,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
-                    state_key=(request.block_hashes[num_hit // self.block_size - 1]
-                               if num_hit and self.state_boundaries else None),
+                    state_key=(self._block_ending_at(request, num_hit)
+                               if self.state_boundaries else None),
                 )
             )
             step.add(request, num_new)

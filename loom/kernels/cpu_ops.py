@@ -97,5 +97,6 @@ def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
         f32[3].data_ptr(), key_heads, value_heads, dk, dv, conv_w.shape[1], int(tiled), eps,
         out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise MemoryError("the Gated DeltaNet decode step's scratch could not be allocated")
+        raise RuntimeError(f"Gated DeltaNet decode step failed ({status}: no memory for its "
+                           f"scratch, or a head wider than 1024: {dk}, {dv})")
     return out

@@ -143,28 +143,22 @@ class GatedDeltaNet(RecurrentMixer):
         step = self.step_states(x.device)
         one = step.one
         if not (one.any() and cpu_ops.usable(proj) and step.tensors is self.states):
-            return self.out_proj(self._torch(proj, step).to(x.dtype))
-        rows = step.starts[:-1][one]
-        fused = self._fused(proj if one.all() else proj[torch.from_numpy(rows)], step.slots[one])
-        if one.all():
-            return self.out_proj(fused.to(x.dtype))
-        out = torch.empty(proj.shape[0], self.value_dim)
-        out[torch.from_numpy(rows)] = fused
-        rest = ~one  # the others' rows, as a step of their own
-        lens = step.lens[rest]
-        starts = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=starts[1:])
-        index = torch.from_numpy(np.concatenate([np.arange(step.starts[r], step.starts[r + 1])
-                                                 for r in np.flatnonzero(rest)]))
-        out[index] = self._torch(proj[index], StepStates(starts, lens, step.slots[rest],
-                                                         step.tensors))
+            out = self._torch(proj, step)
+        elif one.all():  # a decode-only step
+            out = self._fused(proj, step)
+        else:  # each kind of request as a step of its own
+            out = torch.empty(proj.shape[0], self.value_dim)
+            for keep, run in ((one, self._fused), (~one, self._torch)):
+                rows, part = step.select(keep)
+                index = torch.from_numpy(rows)
+                out[index] = run(proj[index], part)
         return self.out_proj(out.to(x.dtype))
 
-    def _fused(self, proj: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
-        """The C decode step of one-token requests' in_proj rows [R, ...] -> [R, value_dim]."""
+    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, value_dim]."""
         s = self.shape
         return cpu_ops.gdn_decode(
-            proj, slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
+            proj, step.slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
             self.dt_bias, self.norm.weight, s.num_key_heads, s.num_value_heads, s.key_head_dim,
             s.value_head_dim, s.tiled_heads, self.norm.eps)
 

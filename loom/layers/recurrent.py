@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.attention.forward_context import get_forward_context
+from loom.heap import zeros
 from loom.layers.linear import Linear
 
 
@@ -37,6 +38,15 @@ class StepStates:
     def one(self) -> np.ndarray:  # [num_reqs] bool: a request with one row this step
         return self.lens == 1
 
+    def select(self, keep: np.ndarray) -> tuple[np.ndarray, StepStates]:
+        """The requests `keep` ([num_reqs] bool) as a step of their own: their rows in this
+        step (ascending), and that step's view (rows renumbered from 0)."""
+        lens = self.lens[keep]
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        rows = np.repeat(self.starts[:-1][keep] - starts[:-1], lens) + np.arange(starts[-1])
+        return rows, StepStates(starts, lens, self.slots[keep], self.tensors)
+
 
 class RecurrentMixer(nn.Module):
     """A token mixer with states per request; `state_shapes` names one slot's tensors."""
@@ -49,18 +59,21 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
     def allocate_states(self, slots: int, device: torch.device) -> int:
-        """Zeroed states for `slots` requests; returns their bytes. On the host they come
-        from calloc (as the KV cache does: loom.worker.kv_cache), so a slot's pages are
-        committed only when a request first uses it (torch.zeros would write every page)."""
-        self.states = [_zeros((slots, *shape), device) for shape in self.state_shapes()]
-        return sum(t.numel() for t in self.states) * 4
+        """Zeroed states for `slots` requests (loom.heap.zeros: on the host a slot's pages are
+        committed only when a request first uses it); returns their bytes."""
+        self.states = [zeros((slots, *shape), torch.float32, device)
+                       for shape in self.state_shapes()]
+        return slots * self.slot_bytes()
+
+    def slot_bytes(self) -> int:
+        """One request's states in this layer."""
+        return 4 * sum(math.prod(shape) for shape in self.state_shapes())
 
     def step_states(self, device: torch.device) -> StepStates:
         """This step's requests, slots and states, fresh requests' slots zeroed."""
         md = get_forward_context().attn_metadata
-        lens = np.bincount(md.req_idx, minlength=len(md.computed))  # (host data: no sync)
-        starts = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=starts[1:])
+        starts = md.query_starts_host  # (host data: no device sync; once a step)
+        lens = np.diff(starts)
         slots = md.state_slots
         if slots is None:  # fresh states, dropped after the step
             slots = np.arange(len(lens))
@@ -78,13 +91,7 @@ class RecurrentMixer(nn.Module):
 def state_bytes(model: nn.Module) -> int:
     """One request's states over a model's layers with a state per request (0 for others)."""
     layers = model.recurrent_layers() if hasattr(model, "recurrent_layers") else []
-    return 4 * sum(math.prod(shape) for layer in layers for shape in layer.state_shapes())
-
-
-def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
-    return torch.zeros(shape, device=device)
+    return sum(layer.slot_bytes() for layer in layers)
 
 
 def causal_conv(x: torch.Tensor, step: StepStates, window_state: torch.Tensor,
@@ -155,8 +162,8 @@ class StateSnapshots:
     state_key)."""
 
     def __init__(self, layers: list[RecurrentMixer], budget: int) -> None:
-        self.layers = layers
-        per = sum(t[0].numel() * 4 for layer in layers for t in layer.states)
+        self.tensors = [t for layer in layers for t in layer.states]  # (allocated already)
+        per = sum(layer.slot_bytes() for layer in layers)
         self.capacity = budget // per if per else 0
         self.store: OrderedDict[object, list[torch.Tensor]] = OrderedDict()
 
@@ -171,10 +178,10 @@ class StateSnapshots:
             return
         while len(self.store) >= self.capacity:
             self.store.popitem(last=False)
-        self.store[key] = [t[slot].clone() for layer in self.layers for t in layer.states]
+        self.store[key] = [t[slot].clone() for t in self.tensors]
 
     def restore(self, key: object, slot: int) -> None:
         snapshot = self.store[key]
         self.store.move_to_end(key)
-        for dst, src in zip((t for layer in self.layers for t in layer.states), snapshot):
+        for dst, src in zip(self.tensors, snapshot):
             dst[slot].copy_(src)

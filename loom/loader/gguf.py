@@ -15,6 +15,7 @@ from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.loader.hf import global_nope, query_scaled_context
 from loom.loader.release import drop_pages
+from loom.models.weight_map import select_rows
 from loom.quant.gguf_dequant import dequantize, group_bits, groupable, q8_groups
 from loom.quant.int8 import Q8Groups
 from loom.quant.kquant import KBlocks, native
@@ -52,9 +53,10 @@ _LFM2S = {"lfm2", "lfm2moe"}
 # written by the converter's LlamaModel
 _PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
 _GEMMAS = {"gemma2", "gemma3"}
-_ONE_PLUS_W_NORMS = {"gemma", *_GEMMAS}  # llama.cpp stores these norms' 1 + w
-# Qwen3.5's hybrids and Qwen3-Next (their norms' 1 + w: _qwen35_tensor)
+# Qwen3.5's hybrids and Qwen3-Next
 _QWEN35S = {"qwen35", "qwen35moe", "qwen3next"}
+# llama.cpp stores these norms' 1 + w (all but Qwen3.5's linear layers' output norm)
+_ONE_PLUS_W_NORMS = {"gemma", *_GEMMAS, *_QWEN35S}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -262,8 +264,8 @@ def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
     j % key heads), not grouped as Hugging Face does (Qwen3-Next's it leaves grouped)."""
     flags = field(reader, f"{arch}.attention.recurrent_layers")
     if not isinstance(flags, list):
-        interval = int(field(reader, f"{arch}.full_attention_interval") or 4)
-        flags = [(i + 1) % interval != 0 for i in range(layers)]
+        flags = [t != "full_attention" for t in interleaved_layer_types(
+            layers, int(field(reader, f"{arch}.full_attention_interval") or 4))]
     key_heads = int(field(reader, f"{arch}.ssm.group_count"))
     value_heads = int(field(reader, f"{arch}.ssm.time_step_rank"))
     shape = LinearAttnConfig(
@@ -278,10 +280,8 @@ def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
 
 def _qwen35_tensor(name: str, w: torch.Tensor | Q8Groups | KBlocks
                    ) -> tuple[str, torch.Tensor | Q8Groups | KBlocks]:
-    """A Qwen3.5 tensor as Hugging Face stores it: its norms' w where llama.cpp stores 1 + w
-    (all but the linear layers' output norm), A_log from -exp(A_log), the decay's bias."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return name, w - 1
+    """A Qwen3.5 tensor as Hugging Face stores it: A_log from -exp(A_log), the decay's
+    bias."""
     if name.endswith(".linear_attn.A"):
         return name[:-1] + "A_log", torch.log(-w)
     if name.endswith(".linear_attn.dt.bias"):
@@ -437,8 +437,9 @@ def iter_gguf_tensors(
                  if isinstance(w, (Q8Groups, KBlocks)) else _unpermute(w, heads))
         if name.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores the gate's one row as a vector
-        if arch in _ONE_PLUS_W_NORMS and name.endswith("norm.weight"):
-            w = w - 1  # llama.cpp stores Gemma's (1 + w); Hugging Face's w, as transformers reads
+        if (arch in _ONE_PLUS_W_NORMS and name.endswith("norm.weight")
+                and not name.endswith("linear_attn.norm.weight")):
+            w = w - 1  # llama.cpp stores 1 + w; Hugging Face's w, as transformers reads
         if arch in _QWEN35S:
             name, w = _qwen35_tensor(name, w)
         yield name, w
@@ -475,9 +476,7 @@ def _read_experts(t: Any, q8: bool, kq: bool,
     w = _read(t, q8, kq, _expert_shape(t), five)
     rows = t.shape[1]
     parts = [slice(e * rows, (e + 1) * rows) for e in range(t.shape[0])]
-    if isinstance(w, (Q8Groups, KBlocks)):
-        return [w.map_rows(lambda a, r=r: a[r]) for r in parts]
-    return [w[r] for r in parts]
+    return [select_rows(w, r) for r in parts]
 
 
 def _read(t: Any, q8: bool = False, kq: bool = False, shape: tuple[int, ...] | None = None,

@@ -144,11 +144,8 @@ def _hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's linear layers (its `layer_types`, else every layer but each
     `full_attention_interval`-th), their shape, and the gated attention of the others."""
     n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if not types:
-        interval = int(cfg.get("full_attention_interval") or 4)
-        types = ["linear_attention" if (i + 1) % interval else "full_attention"
-                 for i in range(n)]
+    types = cfg.get("layer_types") or interleaved_layer_types(
+        n, int(cfg.get("full_attention_interval") or 4), "linear_attention")
     unknown = set(types) - {"linear_attention", "full_attention"}
     if unknown or len(types) != n:
         raise ConfigError(f"layer_types {sorted(unknown) or len(types)} not supported here: "
@@ -213,6 +210,8 @@ def _lfm2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 short_conv_width=int(cfg.get("conv_L_cache", 3)),
                 short_conv_bias=bool(cfg.get("conv_bias", False)),
                 intermediate_size=width, qk_norm=True, **moe)
+
+
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
          "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 

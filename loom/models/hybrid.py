@@ -38,6 +38,7 @@ from loom.models.llama import (
     LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
 )
 from loom.models.moe import SparseMoeBlock, expert_names
+from loom.models.weight_map import select_rows
 
 
 class GatedAttention(LlamaAttention):
@@ -101,6 +102,9 @@ class HybridForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
+    """Qwen3.5 and its mixtures of experts (35B-A3B and up: every layer's MLP a mixture with a
+    shared expert behind a sigmoid gate, moe.py's SparseMoeBlock)."""
+
     packed_modules = {
         **LlamaForCausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", 0),
@@ -122,12 +126,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_checkpoint_weights(weights, self.config))
-
-
-def _rows(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of a checkpoint tensor (float, or quantized blocks: map_rows)."""
-    return w.map_rows(lambda a: a[index]) if hasattr(w, "map_rows") else w.index_select(0, index)
+        super().load_weights(expert_names(_checkpoint_weights(weights, self.config)))
 
 
 def _unpack_qkvz_ba(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
@@ -154,7 +153,7 @@ def _unpack_qkvz_ba(weights: Iterable[tuple[str, torch.Tensor]], config: ModelCo
             yield name, w
             continue
         for new, index in split[packed]:
-            yield name.replace(packed, f".{new}."), _rows(w, index)
+            yield name.replace(packed, f".{new}."), select_rows(w, index)
 
 
 def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
@@ -174,20 +173,12 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
             w = w.reshape(w.shape[0], -1)
         elif config.attn_output_gate and ".self_attn.q_proj." in name:
             for part, index in (("q_proj", first), ("o_gate", first + D)):
-                yield name.replace(".q_proj.", f".{part}."), _rows(w, index)
+                yield name.replace(".q_proj.", f".{part}."), select_rows(w, index)
             continue
         yield name, w
 
 
-class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    """Qwen3.5's mixtures of experts (35B-A3B, 122B-A10B, ...): every layer's MLP a mixture
-    with a shared expert behind a sigmoid gate (moe.py's SparseMoeBlock)."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(expert_names(weights))
-
-
-class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers (some MLPs dense, by decoder_sparse_step and
     mlp_only_layers) whose linear layers' inputs come packed per key head: in_proj_qkvz rows
     [q, k, v, z] and in_proj_ba rows [b, a] for each key head's group, split at load into
@@ -198,13 +189,11 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
+    """LFM2 and its mixtures of experts (LFM2-8B-A1B: the first layers' MLPs dense, the others
+    mixtures whose router scores by sigmoid and picks with a learned bias)."""
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(expert_names(_lfm2_weights(weights)))  # (experts: LFM2-MoE's)
-
-
-class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
-    """LFM2's mixtures of experts (LFM2-8B-A1B, LFM2.5-8B-A1B): its first layers' MLPs dense,
-    the others mixtures whose router scores by sigmoid and picks with a learned bias."""
+        super().load_weights(expert_names(_lfm2_weights(weights)))
 
 
 

@@ -26,7 +26,7 @@ from loom.layers.linear import Linear
 from loom.layers.norm import NoNorm, RMSNorm, qk_norm_
 from loom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from loom.models import q8_decoder
-from loom.models.weight_map import load_packed_weights
+from loom.models.weight_map import load_packed_weights, select_rows
 
 
 class LlamaAttention(nn.Module):
@@ -400,6 +400,5 @@ def _partial_rotary_rows(weights: Iterable[tuple[str, torch.Tensor]], config: Mo
             raise ConfigError(f"partial rotary embeddings with {name!r} (a GPTQ / AWQ layout) "
                               "are not supported")
         if index is not None:
-            w = (w.map_rows(lambda a, i=index: a[i]) if hasattr(w, "map_rows")
-                 else w.index_select(0, index))
+            w = select_rows(w, index)
         yield name, w

@@ -10,10 +10,7 @@ from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
-from loom.models.hybrid import (
-    Lfm2ForCausalLM, Lfm2MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
-    Qwen3NextForCausalLM,
-)
+from loom.models.hybrid import Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -40,11 +37,11 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MoeForCausalLM,
     # Gated DeltaNet linear attention in three layers of four, gated attention in the rest
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # (its MLPs mixtures of experts)
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # (its MLPs mixtures of experts)
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # (the linear layers' inputs packed)
     # short gated convolutions in most layers, attention with q/k norms in the others
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
-    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,  # (mixtures of experts after dense layers)
+    "Lfm2MoeForCausalLM": Lfm2ForCausalLM,  # (mixtures of experts after dense layers)
 }
 
 

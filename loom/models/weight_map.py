@@ -14,6 +14,13 @@ class WeightLoadError(ValueError):
     """Checkpoint tensors do not match the model: names the missing, unexpected or misshapen ones."""
 
 
+def select_rows(w: torch.Tensor | Q8Groups, index: torch.Tensor | slice
+                ) -> torch.Tensor | Q8Groups:
+    """Rows `index` of a checkpoint tensor: a float one, or quantized blocks (int8 groups,
+    K-quant blocks: their map_rows)."""
+    return w.map_rows(lambda a: a[index]) if hasattr(w, "map_rows") else w[index]
+
+
 def _shard_slice(param_name: str, shard: int, model: nn.Module, rows: int) -> slice:
     """Row range of shard `shard` inside a packed parameter of `rows` rows (qkv_proj, or
     gate_up_proj: two halves, whatever its MLP's width: an expert's, a shared expert's; or

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
 
-import numpy as np
 import torch
 
-from loom.heap import madvise, meminfo
+from loom.heap import madvise, meminfo, zeros
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
 from loom.quant.int8 import GROUP
 
@@ -94,22 +92,12 @@ def allocate_kv_caches(
     """One [2, num_blocks, block_size, kv_heads, row_width] tensor per layer, zeroed.
 
     Attention reads whole blocks, including slots no request has written yet (masked out, so
-    they must hold finite numbers). On the host the zeroes come from calloc: a layer's cache past
-    glibc's mmap threshold (at most 32 MiB) is a fresh mapping, zero without being touched, its
-    memory committed only when first written; a smaller one may come from the heap, zeroed and
-    committed at once.
+    they must hold finite numbers). On the host the zeroes come from calloc (loom.heap.zeros):
+    a layer's cache's memory is committed only when first written.
     """
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads,
              row_width(model_config.head_dim, dtype))
-    caches = []
-    for _ in range(model_config.num_kv_layers):
-        if device.type == "cpu":
-            nbytes = math.prod(shape) * dtype.itemsize
-            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-        else:
-            cache = torch.zeros(shape, dtype=dtype, device=device)  # type: ignore[arg-type]
-        caches.append(cache)
-    return caches
+    return [zeros(shape, dtype, device) for _ in range(model_config.num_kv_layers)]
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents untouched

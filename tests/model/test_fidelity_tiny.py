@@ -50,8 +50,10 @@ def test_mixed_batch_matches_transformers(tiny, backend, monkeypatch) -> None:
 
     # Step 0: a prefills whole, b prefills a first chunk.
     out = batch.step({"a": a, "b": b[:5]})
-    got["a"].append(out["a"]); got["b"].append(out["b"])
-    # Step 1: a decodes, b finishes its prompt, c starts with a's first block already cached.
+    got["a"].append(out["a"])
+    got["b"].append(out["b"])
+    # Step 1: a decodes, b finishes its prompt, c starts with a's first block already cached
+    # (a hybrid's from the start).
     batch.add("c", shared_blocks=batch.blocks["a"][:cached // BLOCK], num_cached=cached)
     seqs["a"].append(int(out["a"][-1].argmax()))
     out = batch.step({"a": seqs["a"][-1:], "b": b[5:], "c": c[cached:]})
