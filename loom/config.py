@@ -42,6 +42,43 @@ class LinearAttnConfig:
 
 
 @dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba2 layers of a hybrid model (Granite 4.0-H, Nemotron-H): a causal depthwise
+    convolution over x, B and C, then a selective state space whose [head_dim, state_size]
+    state per head decays by exp(dt A) a token (loom/layers/mamba2.py)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int  # B and C are shared by the heads of a group
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj's and out_proj's
+    # the gated output norm's groups (its RMS over d_inner / norm_groups channels each)
+    norm_groups: int = 1
+    time_step_min: float = 0.0  # dt = softplus(.) clamped to [min, max]
+    time_step_max: float = float("inf")
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel",
+                     "norm_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: mamba {name} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.num_heads % self.num_groups:
+            raise ConfigError(f"model config: mamba heads ({self.num_heads}) are not a multiple "
+                              f"of its groups ({self.num_groups})")
+        if self.inner_size % self.norm_groups:
+            raise ConfigError(f"model config: mamba inner size ({self.inner_size}) is not a "
+                              f"multiple of its norm groups ({self.norm_groups})")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry key, e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -87,6 +124,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    # the shared expert's output behind a sigmoid gate (Qwen's), else added as it is (Granite's)
+    shared_expert_gated: bool = True
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers with experts; empty: all when num_experts
     # The router: "softmax" over experts, or "sigmoid" scores (LFM2-MoE's: experts picked by
@@ -98,11 +137,13 @@ class ModelConfig:
     pooling: str = "last"
     # Hybrid models: the layers whose token mixer keeps a state per request instead of
     # attending over a KV cache, and that mixer: Qwen3.5's linear attention (`linear_attn`)
-    # or LFM2's short convolution (`short_conv_width` > 0: its width, and a bias or not).
+    # or LFM2's short convolution (`short_conv_width` > 0: its width, and a bias or not), or
+    # Mamba2 (`mamba`: Granite 4.0-H's, Nemotron-H's).
     linear_layers: tuple[int, ...] = ()
     linear_attn: LinearAttnConfig | None = None
     short_conv_width: int = 0
     short_conv_bias: bool = False
+    mamba: MambaConfig | None = None
     # attention's output times sigmoid(x W_gate), W_gate's rows beside q's (Qwen3.5)
     attn_output_gate: bool = False
 
@@ -168,7 +209,8 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) "
                               f"must be in 1..num_experts ({self.num_experts})")
-        mixers = (self.linear_attn is not None) + (self.short_conv_width > 0)
+        mixers = ((self.linear_attn is not None) + (self.short_conv_width > 0)
+                  + (self.mamba is not None))
         if self.linear_layers and (
                 mixers != 1 or len(self.linear_layers) == self.num_hidden_layers
                 or any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers)):

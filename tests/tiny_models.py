@@ -19,6 +19,8 @@ def _configs() -> dict[str, object]:
         MixtralConfig, Olmo2Config, Phi3Config,
         Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
     )
+    from transformers.models.granitemoe import GraniteMoeConfig
+    from transformers.models.granitemoehybrid import GraniteMoeHybridConfig
     from transformers.models.lfm2 import Lfm2Config
     from transformers.models.lfm2_moe import Lfm2MoeConfig
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
@@ -135,6 +137,33 @@ def _configs() -> dict[str, object]:
             layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
             moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             routed_scaling_factor=1.5, pad_token_id=0, eos_token_id=2),
+        # Granite 4.0-H: Mamba2 (8 heads in 2 groups) in the first and last layers, attention
+        # without positions between, Granite's multipliers, a dense MLP (shared_mlp)
+        "granite4-h": GraniteMoeHybridConfig(
+            **{**TINY, "num_hidden_layers": 3}, layer_types=["mamba", "attention", "mamba"],
+            mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+            num_local_experts=0, shared_intermediate_size=96, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.0078, logits_scaling=6.0,
+            position_embedding_type="nope", pad_token_id=0, eos_token_id=2),
+        # Granite 3's mixtures of experts: 4 experts, 2 a token, in every layer
+        "granite-moe": GraniteMoeConfig(
+            **{**TINY, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078,
+            logits_scaling=6.0, pad_token_id=0, eos_token_id=2),
+        # Granite 4.0's dense transformer (micro): the same class, attention in every layer
+        "granite4": GraniteMoeHybridConfig(
+            **TINY, layer_types=["attention", "attention"], num_local_experts=0,
+            shared_intermediate_size=96, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0078, logits_scaling=6.0, position_embedding_type="rope",
+            pad_token_id=0, eos_token_id=2),
+        # its mixture of experts (4, 2 a token) beside the shared MLP, RoPE in attention
+        "granite4-h-moe": GraniteMoeHybridConfig(
+            **{**TINY, "num_hidden_layers": 3, "intermediate_size": 32},
+            layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=32,
+            mamba_n_groups=1, mamba_d_state=16, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=48, embedding_multiplier=4.0, residual_multiplier=0.5,
+            attention_multiplier=0.1, logits_scaling=2.0, position_embedding_type="rope",
+            pad_token_id=0, eos_token_id=2),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -143,7 +172,8 @@ def _configs() -> dict[str, object]:
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2",
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
          "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5",
-         "lfm2", "qwen3_5-moe", "qwen3-next", "lfm2-moe"]
+         "lfm2", "qwen3_5-moe", "qwen3-next", "lfm2-moe", "granite4-h", "granite4-h-moe",
+         "granite4", "granite-moe"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:

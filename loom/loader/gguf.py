@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from loom.config import ConfigError, LinearAttnConfig, ModelConfig, interleaved_layer_types
+from loom.config import (
+    ConfigError, LinearAttnConfig, MambaConfig, ModelConfig, interleaved_layer_types,
+)
 from loom.layers.rotary import yarn_mscale
 from loom.loader.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from loom.loader.hf import global_nope, query_scaled_context
@@ -48,10 +50,13 @@ _ARCHITECTURES = {
     "qwen3next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2moe": "Lfm2MoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
+_GRANITES = {"granite", "granitemoe", "granitehybrid"}
 _LFM2S = {"lfm2", "lfm2moe"}
 # written by the converter's LlamaModel
-_PERMUTED_QK = {"llama", "smollm3", "granite", "mistral3"}
+_PERMUTED_QK = {"llama", "smollm3", "mistral3", *_GRANITES}
 _GEMMAS = {"gemma2", "gemma3"}
 # Qwen3.5's hybrids and Qwen3-Next
 _QWEN35S = {"qwen35", "qwen35moe", "qwen3next"}
@@ -117,6 +122,18 @@ _QWEN35_LAYER_NAMES = {
     "ssm_a": "linear_attn.A",
     "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's b and a, packed per key head
 }
+# Granite 4.0-H's Mamba2 layers (ssm_a holds -exp(A_log), ssm_d and ssm_norm come reshaped:
+# _mamba_tensor)
+_MAMBA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt": "mamba.dt",
+    "ssm_a": "mamba.A",
+    "ssm_d": "mamba.D",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
 # LFM2's: its short convolutions (the final norm: _LFM2_GLOBAL_NAMES)
 _LFM2_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -159,7 +176,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
              else _GLM4_LAYER_NAMES if arch == "glm4"
              else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
              else _QWEN35_LAYER_NAMES if arch in _QWEN35S
-             else _LFM2_LAYER_NAMES if arch in _LFM2S else _LAYER_NAMES)
+             else _LFM2_LAYER_NAMES if arch in _LFM2S
+             else _MAMBA_LAYER_NAMES if arch == "granitehybrid" else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         suffix = "" if m.group(3) is None or m.group(2) == "exp_probs_b" else f".{m.group(3)}"
@@ -219,18 +237,23 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
             extra.update(linear_layers=tuple(i for i, n in enumerate(kv_heads) if not n),
                          short_conv_width=int(key("shortconv.l_cache")),
                          short_conv_bias=any(n.endswith("shortconv.conv.bias") for n in names))
+        elif arch == "granitehybrid":
+            extra.update(_mamba_fields(reader, arch, kv_heads, names))
         kv_heads = max(kv_heads)
-    if arch == "granite":  # its multipliers (llama.cpp's names)
+    if arch in _GRANITES:  # its multipliers (llama.cpp's names)
         extra.update(
             embedding_multiplier=float(field(reader, f"{arch}.embedding_scale") or 1.0),
             residual_multiplier=float(field(reader, f"{arch}.residual_scale") or 1.0),
             attention_multiplier=field(reader, f"{arch}.attention.scale"),
             logits_scaling=float(field(reader, f"{arch}.logit_scale") or 1.0))
+    shared = int(field(reader, f"{arch}.expert_shared_feed_forward_length") or 0)
+    if arch in _GRANITES and shared and not extra.get("num_experts"):
+        extra["intermediate_size"] = shared  # Granite 4.0-H's dense MLP (its shared_mlp)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(extra.pop("intermediate_size", None) or key("feed_forward_length")),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
@@ -276,6 +299,37 @@ def _qwen35_fields(reader: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
         tiled_heads=key_heads != value_heads and arch != "qwen3next")
     return dict(linear_layers=tuple(i for i in range(layers) if flags[i]), linear_attn=shape,
                 attn_output_gate=True)
+
+
+def _mamba_fields(reader: GGUFFile, arch: str, kv_heads: list[int], names: set[str]
+                  ) -> dict[str, Any]:
+    """Granite 4.0-H's Mamba2 layers (those with no KV heads) and their shape from llama.cpp's
+    ssm keys (time_step_rank: the heads); its attention without positions where the file says
+    rope.scaling.finetuned false (the converter's switch)."""
+    heads = int(field(reader, f"{arch}.ssm.time_step_rank"))
+    groups = int(field(reader, f"{arch}.ssm.group_count"))
+    shape = MambaConfig(
+        num_heads=heads, head_dim=int(field(reader, f"{arch}.ssm.inner_size")) // heads,
+        state_size=int(field(reader, f"{arch}.ssm.state_size")), num_groups=groups,
+        conv_kernel=int(field(reader, f"{arch}.ssm.conv_kernel")),
+        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in names),
+        proj_bias=any(n.endswith(".ssm_in.bias") for n in names), norm_groups=groups)
+    rope = field(reader, f"{arch}.rope.scaling.finetuned", True)
+    return dict(linear_layers=tuple(i for i, n in enumerate(kv_heads) if not n), mamba=shape,
+                nope_layers=() if rope else tuple(range(len(kv_heads))))
+
+
+def _mamba_tensor(name: str, w: torch.Tensor | Q8Groups | KBlocks
+                  ) -> tuple[str, torch.Tensor | Q8Groups | KBlocks]:
+    """A Mamba2 tensor as Hugging Face stores it: A_log from -exp(A_log), the time step's bias,
+    D and the norm's weight as vectors."""
+    if name.endswith(".mamba.A"):
+        return name[:-1] + "A_log", torch.log(-w).reshape(-1)
+    if name.endswith(".mamba.dt.bias"):
+        return name.removesuffix(".dt.bias") + ".dt_bias", w
+    if name.endswith((".mamba.D", ".mamba.norm.weight")):
+        return name, w.reshape(-1)
+    return name, w
 
 
 def _qwen35_tensor(name: str, w: torch.Tensor | Q8Groups | KBlocks
@@ -352,6 +406,7 @@ def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
                                   or field(reader, f"{arch}.feed_forward_length")),
         shared_expert_intermediate_size=int(
             field(reader, f"{arch}.expert_shared_feed_forward_length", 0)),
+        shared_expert_gated=arch not in _GRANITES,  # (Granite's shared_mlp: ungated)
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
         moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
         moe_router="sigmoid" if gating == 2 else "softmax",
@@ -442,6 +497,8 @@ def iter_gguf_tensors(
             w = w - 1  # llama.cpp stores 1 + w; Hugging Face's w, as transformers reads
         if arch in _QWEN35S:
             name, w = _qwen35_tensor(name, w)
+        elif arch == "granitehybrid":
+            name, w = _mamba_tensor(name, w)
         yield name, w
         _drop_if_copied(t, w)
 

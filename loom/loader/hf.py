@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom.config import ConfigError, LinearAttnConfig, ModelConfig, interleaved_layer_types
+from loom.config import (
+    ConfigError, LinearAttnConfig, MambaConfig, ModelConfig, interleaved_layer_types,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +214,71 @@ def _lfm2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 intermediate_size=width, qk_norm=True, **moe)
 
 
+_GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+             "GraniteMoeHybridForCausalLM")
+# a hybrid's layer types: transformers 5's names and the checkpoints' (Granite 4.0, Bamba)
+_MAMBA_TYPES, _ATTENTION_TYPES = ("linear_attention", "mamba"), ("full_attention", "attention")
+
+
+def _mamba_shape(cfg: dict[str, Any], prefix: str = "mamba_") -> MambaConfig:
+    """The Mamba2 layers' shape from a config's mamba_* keys (transformers' defaults)."""
+    def get(name: str, default: Any) -> Any:
+        value = cfg.get(prefix + name)
+        return default if value is None else value
+
+    heads = int(get("n_heads", 128))
+    head_dim = get("d_head", "auto")
+    if head_dim == "auto":
+        head_dim = int(get("expand", 2)) * int(cfg["hidden_size"]) // heads
+    groups = int(get("n_groups", 1))
+    low, high = (_float(v) for v in cfg.get("time_step_limit") or (0.0, float("inf")))
+    return MambaConfig(
+        num_heads=heads, head_dim=int(head_dim), state_size=int(get("d_state", 256)),
+        num_groups=groups, conv_kernel=int(get("d_conv", 4)),
+        conv_bias=bool(get("conv_bias", True)), proj_bias=bool(get("proj_bias", False)),
+        norm_groups=groups, time_step_min=low, time_step_max=high)
+
+
+def _float(value: Any) -> float:
+    """A number of a config, transformers' {"__float__": "Infinity"} for inf included."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+def _granite_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's mixtures of experts (every layer's MLP, top-k renormalised; GraniteMoeShared
+    and Granite 4.0 add shared_mlp as an ungated shared expert) and Granite 4.0's layers:
+    Mamba2 where its layer_types say (a dense shared_mlp where it has no experts), attention
+    without positions unless position_embedding_type is "rope"."""
+    n = int(cfg["num_hidden_layers"])
+    hybrid = arch == "GraniteMoeHybridForCausalLM"
+    experts = int(cfg.get("num_local_experts", 8) or 0)
+    shared = int(cfg.get("shared_intermediate_size") or 0) if arch != "GraniteMoeForCausalLM" \
+        else 0
+    fields: dict[str, Any] = {}
+    if experts:
+        fields.update(num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                      moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                      moe_layers=tuple(range(n)), shared_expert_intermediate_size=shared,
+                      shared_expert_gated=False)
+    elif hybrid:
+        fields.update(intermediate_size=shared)  # shared_mlp: the layer's MLP
+    else:
+        raise ConfigError(f"{arch} without experts (num_local_experts 0) is not supported")
+    if not hybrid:
+        return fields
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+    unknown = set(types) - {*_MAMBA_TYPES, *_ATTENTION_TYPES}
+    if unknown or len(types) != n:
+        raise ConfigError(f"layer_types {sorted(unknown) or len(types)} not supported here: "
+                          f"{n} of mamba / attention expected")
+    linear = tuple(i for i, t in enumerate(types) if t in _MAMBA_TYPES)
+    if cfg.get("position_embedding_type") != "rope":
+        fields.update(nope_layers=tuple(range(n)))
+    if linear:
+        fields.update(linear_layers=linear, mamba=_mamba_shape(cfg))
+    return fields
+
+
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
          "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
@@ -376,13 +443,15 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             fields.update(_smollm3_fields(cfg))
         if arch == "Exaone4ForCausalLM":
             fields.update(_exaone4_fields(cfg))
-        if arch == "GraniteForCausalLM":
+        if arch in _GRANITES:
             fields.update(
                 embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
                 attention_multiplier=float(cfg.get("attention_multiplier",
                                                    fields["head_dim"] ** -0.5)),
                 logits_scaling=float(cfg.get("logits_scaling", 1.0)))
+        if arch in _GRANITES[1:]:
+            fields.update(_granite_moe_fields(arch, cfg))
         if arch in _GEMMAS:
             fields.update(_gemma_fields(arch, cfg, path))
         if arch == "GemmaForCausalLM":  # Gemma 1: Gemma's GELU-tanh and tied embeddings

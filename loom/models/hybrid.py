@@ -31,6 +31,7 @@ from loom.attention.layer import Attention
 from loom.config import ModelConfig
 from loom.layers.gated_delta import GatedDeltaNet
 from loom.layers.linear import Linear
+from loom.layers.mamba2 import Mamba2Mixer
 from loom.layers.norm import RMSNorm
 from loom.layers.recurrent import RecurrentMixer, ShortConv
 from loom.layers.rotary import Rope
@@ -61,9 +62,13 @@ class HybridDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         nn.Module.__init__(self)
         self.is_linear = layer in config.linear_layers
+        if layer in config.nope_layers:  # (LlamaModel's second table: no rotation)
+            self.rope_index = 1
         if self.is_linear and config.short_conv_width:
             self.conv = ShortConv(config.hidden_size, config.short_conv_width,
                                   config.short_conv_bias)
+        elif self.is_linear and config.mamba is not None:
+            self.mamba = Mamba2Mixer(config.hidden_size, config.mamba, config.rms_norm_eps)
         elif self.is_linear:
             assert config.linear_attn is not None
             self.linear_attn = GatedDeltaNet(config.hidden_size, config.linear_attn,
@@ -72,12 +77,15 @@ class HybridDecoderLayer(LlamaDecoderLayer):
             self.self_attn = (GatedAttention(config, layer) if config.attn_output_gate
                               else LlamaAttention(config, layer))
         self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer) else LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.residual_norm_eps)
 
     @property
     def recurrent(self) -> RecurrentMixer:
-        return self.conv if hasattr(self, "conv") else self.linear_attn
+        for name in ("conv", "mamba", "linear_attn"):
+            if hasattr(self, name):
+                return getattr(self, name)
+        raise AttributeError("an attention layer has no recurrent mixer")
 
     def mix(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         return self.recurrent(x) if self.is_linear else self.self_attn(rope, x)
@@ -220,5 +228,44 @@ def _lfm2_weights(weights: Iterable[tuple[str, torch.Tensor]]
             name = name.replace(old, new)
         name = _LFM2_EXPERT.sub(lambda m: f"{m[1]}.{_LFM2_MLP[m[2]]}.", name)
         if name.endswith(".conv.conv.weight"):
+            w = w.reshape(w.shape[0], -1)
+        yield name, w
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """Granite 4.0 (and Granite 3's mixtures of experts, GraniteMoe / GraniteMoeShared): Mamba2
+    in most layers of the -H models, attention in the others (without positions where the
+    config's position_embedding_type is not "rope"), Granite's multipliers (folded as
+    LlamaModel says), a dense MLP (`shared_mlp`) in every layer, or a mixture of experts with
+    that MLP beside it as an ungated shared expert. Granite 4.0's dense transformers (no
+    Mamba2 layers, no experts) run the one-call C stack as Granite 3 does."""
+
+    def c_stack_refusal(self) -> str | None:
+        if self.config.linear_layers:
+            return super().c_stack_refusal()
+        if self.config.num_experts:
+            return "Granite's mixture of experts (its shared expert is ungated)"
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(expert_names(_granite_weights(weights, self.config)))
+
+
+def _granite_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Granite's tensors under Loom's names: shared_mlp's input_linear ([gate; up] rows) and
+    output_linear as the layer's MLP, or its mixture's shared expert; the mixture's router
+    (router.layer) as mlp.gate, its stacked experts' input_linear / output_linear as
+    gate_up_proj / down_proj (split by expert_names); the convolution's weight squeezed."""
+    mlp = ".mlp.shared_expert." if config.num_experts else ".mlp."
+    names = {".shared_mlp.input_linear.": f"{mlp}gate_up_proj.",
+             ".shared_mlp.output_linear.": f"{mlp}down_proj.",
+             ".block_sparse_moe.router.layer.": ".mlp.gate.",
+             ".block_sparse_moe.input_linear.weight": ".mlp.experts.gate_up_proj",
+             ".block_sparse_moe.output_linear.weight": ".mlp.experts.down_proj"}
+    for name, w in weights:
+        for old, new in names.items():
+            name = name.replace(old, new)
+        if name.endswith(".mamba.conv1d.weight"):
             w = w.reshape(w.shape[0], -1)
         yield name, w

@@ -43,7 +43,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: LlamaMLP | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = RouterLinear(config.hidden_size, 1)
+            self.shared_expert_gate = (RouterLinear(config.hidden_size, 1)
+                                       if config.shared_expert_gated else None)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [num_tokens, num_experts] -> (weights, experts) [num_tokens, top_k]."""
@@ -84,7 +85,9 @@ class SparseMoeBlock(nn.Module):
         out *= weights.reshape(-1)[order, None].to(out.dtype)
         out = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
 
 
@@ -107,7 +110,8 @@ class SparseMoeBlock(nn.Module):
         shared = gate = None
         if self.shared_expert is not None:
             shared = self.shared_expert(x).contiguous()  # [num_tokens, hidden]
-            gate = self.shared_expert_gate(x).contiguous()  # [num_tokens, 1]
+            if self.shared_expert_gate is not None:  # [num_tokens, 1]
+                gate = self.shared_expert_gate(x).contiguous()
         out = torch.empty_like(x)
         lib.loom_moe_combine_f32(y.data_ptr(), pair_weight.data_ptr(), token_pairs.data_ptr(),
                                  m, k, hidden, None if shared is None else shared.data_ptr(),

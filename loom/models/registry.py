@@ -10,7 +10,9 @@ from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
-from loom.models.hybrid import Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+from loom.models.hybrid import (
+    GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM,
+)
 
 # HF `architectures` names; GGUF `general.architecture` values are mapped in loader/gguf.py.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -42,6 +44,11 @@ _MODELS: dict[str, type[nn.Module]] = {
     # short gated convolutions in most layers, attention with q/k norms in the others
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2ForCausalLM,  # (mixtures of experts after dense layers)
+    # Mamba2 in most layers of Granite 4.0-H, attention without positions in the others; the
+    # same class runs Granite 4.0's dense transformers and Granite 3's mixtures of experts
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeHybridForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeHybridForCausalLM,
 }
 
 

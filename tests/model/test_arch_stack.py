@@ -83,7 +83,7 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
                                   "phi3-partial", "smollm3", "granite", "glm4", "olmo2",
-                                  "exaone4", "gemma"])
+                                  "exaone4", "gemma", "granite4"])
 def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     """Llama, Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norms), Gemma 3 (q/k norms, four norms
     a layer, GELU-tanh, scaled embeddings, sliding and global layers with their own RoPE
@@ -91,7 +91,8 @@ def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None
     projections, LongRoPE; partial rotary: rows reordered on the int8 grid), SmolLM3 (NoPE
     layers), Granite (its multipliers, folded), GLM-4 (interleaved partial rotary, output
     norms), OLMo 2 (no input norms, q/k norms over all heads), EXAONE 4 (OLMo 2's norms, a
-    sliding layer, a full one without RoPE), Gemma 1 (Llama's layer, Gemma's norms and MLP):
+    sliding layer, a full one without RoPE), Gemma 1 (Llama's layer, Gemma's norms and MLP),
+    Granite 4.0's dense transformer (Granite's layer under Granite 4.0's names):
     the C stack runs each, its logits
     are transformers' on the same weights, its tokens transformers' greedy ones, and the
     module path gives its bits."""

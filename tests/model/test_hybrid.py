@@ -1,6 +1,6 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside attention; LFM2: short
-convolutions beside attention): the chunked form of the recurrence equals the token-by-token
-one, and the engine's batches, chunked prefills, preemptions, multi-step decodes and reused
+convolutions beside attention; Granite 4.0-H: Mamba2 beside attention): the chunked forms of
+the recurrences equal the token-by-token ones, and the engine's batches, chunked prefills, preemptions, multi-step decodes and reused
 state slots give transformers' greedy tokens."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.config import ConfigError
+from loom.layers import mamba2
 from loom.layers.gated_delta import chunked, l2norm, recurrent_step
 from loom.layers.recurrent import state_bytes
 from tests.tiny_models import make_tiny_chat_model, smollm2_tokenizer
@@ -36,7 +37,26 @@ def test_chunked_form_equals_the_recurrence() -> None:
     assert not torch.allclose(state, start, atol=1e-2)  # (the state moved)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "lfm2"])
+def test_mamba2_chunked_form_equals_the_recurrence() -> None:
+    """Mamba2's: 150 tokens (three chunks, the last one padded) from a nonzero state."""
+    g = torch.Generator().manual_seed(0)
+    n, heads, p, s = 150, 4, 8, 16
+    x = torch.randn(n, heads, p, generator=g)
+    dt = torch.rand(n, heads, generator=g) * 0.5
+    a = -torch.rand(heads, generator=g) - 0.1
+    b, c = torch.randn(n, heads, s, generator=g), torch.randn(n, heads, s, generator=g)
+    start = torch.randn(heads, p, s, generator=g)
+    state = start.clone()
+    out = mamba2.chunked(x, dt, a, b, c, state)
+    ref_state = start.clone()[None]
+    ref = torch.stack([mamba2.recurrent_step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1],
+                                             c[t:t + 1], ref_state)[0] for t in range(n)])
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(state, ref_state[0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(state, start, atol=1e-2)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "granite4-h"])
 def hybrid(request, tmp_path_factory):
     tokenizer = smollm2_tokenizer()
     return make_tiny_chat_model(request.param, tmp_path_factory.mktemp(request.param),

@@ -79,9 +79,11 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         # (the converter squeezes LFM2's conv bias as if a weight: LFM2s have none; llama.cpp's
         # Qwen3-Next has no dense layers among the sparse ones)
         # (and writes no routed scaling factor for LFM2-MoE: its models have 1)
+        # (and writes Granite 4.0-H's attention without positions, as its models have)
         overrides = ({"conv_bias": False} if name == "lfm2" else {"mlp_only_layers": []}
                      if name == "qwen3-next" else {"routed_scaling_factor": 1.0}
-                     if name == "lfm2-moe" else CASES.get(name, {}))
+                     if name == "lfm2-moe" else {"position_embedding_type": "nope"}
+                     if name.startswith("granite4") else CASES.get(name, {}))
         folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **overrides)
     if name == "qwen3_5":
         _with_mtp(folder)
@@ -91,6 +93,14 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         shutil.copytree(folder, source)
         config = source / "config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
+    elif name.startswith("granite4"):  # the layer types under the names its checkpoints use
+        source = tmp_path / "for-converter"  # (transformers 5 writes its own)
+        shutil.copytree(folder, source)
+        config = source / "config.json"
+        cfg = json.loads(config.read_text())
+        names = {"linear_attention": "mamba", "full_attention": "attention"}
+        config.write_text(json.dumps({**cfg, "layer_types": [names[t] for t in
+                                                             cfg["layer_types"]]}))
     else:
         source = folder
     if name.startswith("phi3"):  # the converter reads Phi-4's GPT-2 vocabulary (Phi-3's is SPM)
@@ -147,6 +157,11 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
                   "architecture": "Lfm2MoeForCausalLM"}),
     ("qwen3-next", {"linear_layers": (0, 2), "moe_layers": (0, 1, 2),
                     "architecture": "Qwen3NextForCausalLM"}),
+    ("granite4-h", {"linear_layers": (0, 2), "nope_layers": (0, 1, 2), "intermediate_size": 96,
+                    "logits_scaling": 6.0, "architecture": "GraniteMoeHybridForCausalLM"}),
+    ("granite4-h-moe", {"linear_layers": (0, 2), "num_experts": 4, "moe_layers": (0, 1, 2),
+                        "shared_expert_intermediate_size": 48, "shared_expert_gated": False,
+                        "architecture": "GraniteMoeHybridForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -157,9 +172,11 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     its log multiplier; the context capped where its query scaling starts), Gemma 1 (its
     stored 1 + w norms), Qwen3.5 (linear layers by the file's flags, llama.cpp's tiled
     value heads, its multi-token prediction layer left out; its mixture of experts too;
-    Qwen3-Next's grouped value heads and packed b / a) and LFM2 (its convolution layers
+    Qwen3-Next's grouped value heads and packed b / a), LFM2 (its convolution layers
     where the per-layer KV head count is 0, its final norm named token_embd_norm; LFM2-MoE's
-    sigmoid router and its bias, exp_probs_b) read from the converter's files give
+    sigmoid router and its bias, exp_probs_b) and Granite 4.0-H (Mamba2 where the KV head
+    count is 0, its ssm_* tensors, attention without positions, the dense or the shared
+    MLP beside experts) read from the converter's files give
     transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
