@@ -133,6 +133,11 @@ class ModelConfig:
     # floor), the picked weights times routed_scaling_factor
     moe_router: str = "softmax"
     routed_scaling_factor: float = 1.0
+    # group-limited routing (Nemotron-H's, DeepSeek V3's): the experts in `moe_groups` equal
+    # groups, each group scored by its best two experts' choice scores, the top-k picked
+    # among the best `moe_topk_groups` groups' experts only
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
     # Embeddings (LLM.embed, /v1/embeddings): "last" token's or "mean" of the hidden states.
     pooling: str = "last"
     # Hybrid models: the layers whose token mixer keeps a state per request instead of
@@ -144,6 +149,9 @@ class ModelConfig:
     short_conv_width: int = 0
     short_conv_bias: bool = False
     mamba: MambaConfig | None = None
+    # layers that are an MLP (or a mixture of experts) alone, no token mixer before it: with
+    # one norm a layer, as Nemotron-H's (its attention and Mamba2 layers have no MLP)
+    mlp_only_layers: tuple[int, ...] = ()
     # attention's output times sigmoid(x W_gate), W_gate's rows beside q's (Qwen3.5)
     attn_output_gate: bool = False
 
@@ -156,8 +164,9 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that attend over a KV cache (all but a hybrid's linear layers)."""
-        return self.num_hidden_layers - len(self.linear_layers)
+        """The layers that attend over a KV cache (all but a hybrid's linear layers and
+        MLP-only layers)."""
+        return self.num_hidden_layers - len(self.linear_layers) - len(self.mlp_only_layers)
 
     @property
     def rope_dim(self) -> int:
@@ -212,11 +221,18 @@ class ModelConfig:
         mixers = ((self.linear_attn is not None) + (self.short_conv_width > 0)
                   + (self.mamba is not None))
         if self.linear_layers and (
-                mixers != 1 or len(self.linear_layers) == self.num_hidden_layers
+                mixers != 1 or self.num_kv_layers <= 0
+                or set(self.linear_layers) & set(self.mlp_only_layers)
                 or any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers)):
             raise ConfigError(f"model config: linear_layers {self.linear_layers} need one "
                               f"mixer and at least one of the {self.num_hidden_layers} layers "
                               "to attend")
+        if self.moe_groups < 1 or self.num_experts % self.moe_groups or not (
+                1 <= self.moe_topk_groups <= self.moe_groups) or (
+                self.moe_groups > 1 and self.moe_router != "sigmoid"):
+            raise ConfigError(f"model config: {self.num_experts} experts in {self.moe_groups} "
+                              f"groups, the best {self.moe_topk_groups} of them, is not a "
+                              "valid expert grouping")
         if self.moe_router not in ("softmax", "sigmoid"):
             raise ConfigError(f"model config: unsupported expert router {self.moe_router!r}")
         if self.pooling not in POOLINGS:
@@ -233,7 +249,8 @@ class ModelConfig:
         return bool(self.num_experts) and (not self.moe_layers or layer in self.moe_layers)
 
 
-HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
+# (relu2: relu(x)^2 in an ungated MLP, Nemotron-H's)
+HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh", "relu2")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

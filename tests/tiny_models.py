@@ -22,6 +22,7 @@ def _configs() -> dict[str, object]:
     from transformers.models.granitemoe import GraniteMoeConfig
     from transformers.models.granitemoehybrid import GraniteMoeHybridConfig
     from transformers.models.lfm2 import Lfm2Config
+    from transformers.models.nemotron_h import NemotronHConfig
     from transformers.models.lfm2_moe import Lfm2MoeConfig
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -164,6 +165,23 @@ def _configs() -> dict[str, object]:
             shared_intermediate_size=48, embedding_multiplier=4.0, residual_multiplier=0.5,
             attention_multiplier=0.1, logits_scaling=2.0, position_embedding_type="rope",
             pad_token_id=0, eos_token_id=2),
+        # Nemotron-H: one block a layer, Mamba2 (8 heads in 2 groups), relu^2 MLPs, attention
+        # without positions
+        "nemotron-h": NemotronHConfig(
+            vocab_size=256, hidden_size=64, hybrid_override_pattern="M-*M-",
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+            max_position_embeddings=256, pad_token_id=0, eos_token_id=2),
+        # Nemotron 3's mixtures: 8 experts in 2 groups, 2 a token from the best group, sigmoid
+        # scores and a bias, a shared expert
+        "nemotron-h-moe": NemotronHConfig(
+            vocab_size=256, hidden_size=64, hybrid_override_pattern="ME*ME",
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+            mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, max_position_embeddings=256, pad_token_id=0,
+            eos_token_id=2),
         "ernie4_5": Ernie4_5Config(**TINY, head_dim=16, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2),
     }
@@ -173,7 +191,7 @@ ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3", "gem
          "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-partial", "qwen3-yarn", "smollm3",
          "granite", "glm4", "glm", "ernie4_5", "olmo2", "exaone4", "ministral3", "gemma", "qwen3_5",
          "lfm2", "qwen3_5-moe", "qwen3-next", "lfm2-moe", "granite4-h", "granite4-h-moe",
-         "granite4", "granite-moe"]
+         "granite4", "granite-moe", "nemotron-h", "nemotron-h-moe"]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) -> Path:
@@ -194,7 +212,7 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: int) ->
             else:
                 p.normal_(0.0, 0.08 if p.dim() > 1 else 0.1)
         for bname, b in model.named_buffers():  # (LFM2-MoE's router bias picks the experts)
-            if bname.endswith("expert_bias"):
+            if bname.endswith(("expert_bias", "e_score_correction_bias")):
                 b.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return folder

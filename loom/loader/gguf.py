@@ -52,11 +52,14 @@ _ARCHITECTURES = {
     "lfm2moe": "Lfm2MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "nemotron_h_moe": "NemotronHForCausalLM",
 }
+_NEMOTRON_HS = {"nemotron_h", "nemotron_h_moe"}
 _GRANITES = {"granite", "granitemoe", "granitehybrid"}
 _LFM2S = {"lfm2", "lfm2moe"}
 # written by the converter's LlamaModel
-_PERMUTED_QK = {"llama", "smollm3", "mistral3", *_GRANITES}
+_PERMUTED_QK = {"llama", "smollm3", "mistral3", *_GRANITES, *_NEMOTRON_HS}
 _GEMMAS = {"gemma2", "gemma3"}
 # Qwen3.5's hybrids and Qwen3-Next
 _QWEN35S = {"qwen35", "qwen35moe", "qwen3next"}
@@ -134,6 +137,14 @@ _MAMBA_LAYER_NAMES = {
     "ssm_norm": "mamba.norm",
     "ssm_out": "mamba.out_proj",
 }
+# Nemotron-H's: one norm a block (attn_norm), Mamba2's as Granite's, ungated MLPs and experts
+_NEMOTRON_H_LAYER_NAMES = {
+    **_MAMBA_LAYER_NAMES,
+    "attn_norm": "norm",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "exp_probs_b": "mlp.expert_bias",  # its router's bias (stored as a .bias)
+}
 # LFM2's: its short convolutions (the final norm: _LFM2_GLOBAL_NAMES)
 _LFM2_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -177,7 +188,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
              else _OLMO2_LAYER_NAMES if arch in ("olmo2", "exaone4")
              else _QWEN35_LAYER_NAMES if arch in _QWEN35S
              else _LFM2_LAYER_NAMES if arch in _LFM2S
-             else _MAMBA_LAYER_NAMES if arch == "granitehybrid" else _LAYER_NAMES)
+             else _MAMBA_LAYER_NAMES if arch == "granitehybrid"
+             else _NEMOTRON_H_LAYER_NAMES if arch in _NEMOTRON_HS else _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in names:
         suffix = "" if m.group(3) is None or m.group(2) == "exp_probs_b" else f".{m.group(3)}"
@@ -217,7 +229,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
     extra = _gemma_fields(reader, arch, path) if arch in _GEMMAS else {}
     if arch in _GEMMAS:  # the end of a chat turn stops generation (llama.cpp's EOG by text)
         eos.append(extra.pop("end_of_turn"))
-    if field(reader, f"{arch}.expert_count"):
+    if field(reader, f"{arch}.expert_count") and any(
+            n.endswith(".ffn_gate_inp.weight") for n in names):
         extra.update(_moe_fields(reader, arch, path))
     architecture = extra.pop("architecture", _ARCHITECTURES[arch])
     # llama.cpp's SmolLM3: every 4th layer without RoPE (n_no_rope_layer_step, not stored)
@@ -239,6 +252,8 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
                          short_conv_bias=any(n.endswith("shortconv.conv.bias") for n in names))
         elif arch == "granitehybrid":
             extra.update(_mamba_fields(reader, arch, kv_heads, names))
+        elif arch in _NEMOTRON_HS:
+            extra.update(_nemotron_h_fields(reader, arch, kv_heads, names))
         kv_heads = max(kv_heads)
     if arch in _GRANITES:  # its multipliers (llama.cpp's names)
         extra.update(
@@ -259,7 +274,9 @@ def model_config_from_gguf(reader: GGUFFile, path: Path) -> ModelConfig:
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
         rotary_dim=rotary_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        # (Nemotron-H's files name it layer_norm_epsilon)
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")
+                           or key("attention.layer_norm_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         # Ministral 3's query scaling past the original context (llama.cpp's temperature scale)
@@ -317,6 +334,22 @@ def _mamba_fields(reader: GGUFFile, arch: str, kv_heads: list[int], names: set[s
     rope = field(reader, f"{arch}.rope.scaling.finetuned", True)
     return dict(linear_layers=tuple(i for i, n in enumerate(kv_heads) if not n), mamba=shape,
                 nope_layers=() if rope else tuple(range(len(kv_heads))))
+
+
+def _nemotron_h_fields(reader: GGUFFile, arch: str, kv_heads: list[int], names: set[str]
+                       ) -> dict[str, Any]:
+    """Nemotron-H's blocks from llama.cpp's per-layer counts: attention where a layer has KV
+    heads, an MLP (or mixture) where it has a feed-forward width, Mamba2 where neither (dt
+    not clamped: llama.cpp's, where transformers clamps it at time_step_min)."""
+    ff = field(reader, f"{arch}.feed_forward_length")
+    ff = ff if isinstance(ff, list) else [0] * len(kv_heads)
+    fields = _mamba_fields(reader, arch, [k or f for k, f in zip(kv_heads, ff)], names)
+    fields.update(mlp_only_layers=tuple(i for i, f in enumerate(ff) if f),
+                  nope_layers=tuple(range(len(kv_heads))), hidden_act="relu2",
+                  intermediate_size=max(ff))
+    if field(reader, f"{arch}.expert_count"):
+        fields.update(moe_router="sigmoid", shared_expert_gated=False)
+    return fields
 
 
 def _mamba_tensor(name: str, w: torch.Tensor | Q8Groups | KBlocks
@@ -392,10 +425,12 @@ def _gemma_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
 def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
     """Experts from llama.cpp's keys; Mixtral is llama.cpp's "llama" with experts. The router
     renormalises its top-k as each family does (llama.cpp: Qwen2-MoE not, the others yes)."""
-    gating = field(reader, f"{arch}.expert_gating_func", 1)
-    if gating not in (1, 2) or (gating == 2 and arch != "lfm2moe"):
+    gating = field(reader, f"{arch}.expert_gating_func", 2 if arch == "nemotron_h_moe" else 1)
+    if gating not in (1, 2) or (gating == 2 and arch not in ("lfm2moe", "nemotron_h_moe")):
         raise ConfigError(f"{path}: expert gating function {gating} (llama.cpp's numbering) is "
-                          "not supported; only 1 (softmax), and 2 (sigmoid) for LFM2-MoE")
+                          "not supported; only 1 (softmax), and 2 (sigmoid) for LFM2-MoE and "
+                          "Nemotron-H")
+    groups = int(field(reader, f"{arch}.expert_group_count") or 1)
     names = {t.name for t in reader.tensors}
     layers = int(field(reader, f"{arch}.block_count"))
     return dict(
@@ -411,6 +446,8 @@ def _moe_fields(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any]:
         moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
         moe_router="sigmoid" if gating == 2 else "softmax",
         routed_scaling_factor=float(field(reader, f"{arch}.expert_weights_scale") or 1.0),
+        moe_groups=groups,
+        moe_topk_groups=int(field(reader, f"{arch}.expert_group_used_count") or groups),
     )
 
 
@@ -497,7 +534,7 @@ def iter_gguf_tensors(
             w = w - 1  # llama.cpp stores 1 + w; Hugging Face's w, as transformers reads
         if arch in _QWEN35S:
             name, w = _qwen35_tensor(name, w)
-        elif arch == "granitehybrid":
+        elif arch == "granitehybrid" or arch in _NEMOTRON_HS:
             name, w = _mamba_tensor(name, w)
         yield name, w
         _drop_if_copied(t, w)

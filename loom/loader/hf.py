@@ -279,6 +279,67 @@ def _granite_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+# Nemotron-H's block kinds: its hybrid_override_pattern's letters, its layers_block_type's names
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
+                   "linear_attention": "mamba", "full_attention": "attention"}
+
+
+def _nemotron_h_types(cfg: dict[str, Any]) -> list[str]:
+    pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or []
+    types = [_NEMOTRON_KINDS.get(t, t) for t in pattern]
+    unknown = set(types) - {"mamba", "attention", "mlp", "moe"}
+    if unknown or not types:
+        raise ConfigError(f"Nemotron-H layer kinds {sorted(unknown) or 'missing'}: mamba (M), "
+                          "attention (*), mlp (-) and moe (E) expected")
+    return types
+
+
+def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's config keys under the names the other families use (its layer count is its
+    pattern's length)."""
+    return {**cfg, "num_hidden_layers": len(_nemotron_h_types(cfg)),
+            "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": cfg.get("mlp_hidden_act", "relu2"),
+            "intermediate_size": cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")}
+
+
+def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's blocks (Mamba2, attention without positions, ungated relu^2 MLPs and
+    mixtures of them), its Mamba2 shape (dt clamped below at time_step_min, as transformers
+    does) and its mixtures' group-limited sigmoid router."""
+    types = _nemotron_h_types(cfg)
+    if cfg.get("mlp_hidden_act", "relu2") != "relu2" or cfg.get("mlp_bias"):
+        raise ConfigError("Nemotron-H with an MLP other than an unbiased relu2 one is not "
+                          "supported")
+    if cfg.get("moe_latent_size") is not None:
+        raise ConfigError("Nemotron-H with a latent mixture of experts (moe_latent_size) is not "
+                          "supported")
+    groups = int(cfg.get("n_groups", 8))
+    mamba = MambaConfig(
+        num_heads=int(cfg.get("mamba_num_heads", 128)), head_dim=int(cfg.get("mamba_head_dim", 64)),
+        state_size=int(cfg.get("ssm_state_size", 128)), num_groups=groups,
+        conv_kernel=int(cfg.get("conv_kernel", 4)), conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)), norm_groups=groups,
+        time_step_min=_float(cfg.get("time_step_min", 0.001)))
+    n = len(types)
+    fields: dict[str, Any] = dict(
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "mamba"),
+        mlp_only_layers=tuple(i for i, t in enumerate(types) if t in ("mlp", "moe")),
+        nope_layers=tuple(range(n)), mamba=mamba)
+    moe = tuple(i for i, t in enumerate(types) if t == "moe")
+    if moe:
+        fields.update(
+            num_experts=int(cfg.get("n_routed_experts", 8)),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]), moe_layers=moe,
+            shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size")
+                                                or 0) * int(cfg.get("n_shared_experts", 1)),
+            shared_expert_gated=False, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            moe_router="sigmoid", routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            moe_groups=int(cfg.get("n_group", 1)), moe_topk_groups=int(cfg.get("topk_group", 1)))
+    return fields
+
+
 _MOES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
          "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
@@ -385,6 +446,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     arch = archs[0]
     if arch in _LFM2S:
         cfg = _lfm2_config(cfg)
+    if arch == "NemotronHForCausalLM":
+        cfg = _nemotron_h_config(cfg)
     if arch == "Qwen3_5MoeForCausalLM":  # every MLP a mixture (no dense width), the router's
         # top-k always renormalised
         width = cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
@@ -464,6 +527,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
             fields.update(_hybrid_fields(cfg))
         if arch in _LFM2S:
             fields.update(_lfm2_fields(arch, cfg))
+        if arch == "NemotronHForCausalLM":
+            fields.update(_nemotron_h_fields(cfg))
         return ModelConfig(**fields)
     except KeyError as e:
         raise ConfigError(f"{path} lacks required key {e.args[0]!r}") from None

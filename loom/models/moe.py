@@ -28,21 +28,24 @@ from loom.quant.int8 import GROUP
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp_cls: type[nn.Module] = LlamaMLP) -> None:
+        """`mlp_cls(config, width)`: an expert's MLP (and the shared expert's); Llama's gated
+        one unless the model's is another."""
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = RouterLinear(config.hidden_size, config.num_experts)  # fp32, always
         self.experts = nn.ModuleList(
-            LlamaMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+            mlp_cls(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.sigmoid = config.moe_router == "sigmoid"
         self.scaling = config.routed_scaling_factor
+        self.groups, self.topk_groups = config.moe_groups, config.moe_topk_groups
         if self.sigmoid:  # the per-expert bias added to the scores that pick the experts
             self.expert_bias = nn.Parameter(torch.zeros(config.num_experts),
                                             requires_grad=False)
-        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert: nn.Module | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert = mlp_cls(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = (RouterLinear(config.hidden_size, 1)
                                        if config.shared_expert_gated else None)
 
@@ -50,7 +53,8 @@ class SparseMoeBlock(nn.Module):
         """Router logits [num_tokens, num_experts] -> (weights, experts) [num_tokens, top_k]."""
         if self.sigmoid:
             scores = logits.float().sigmoid()
-            experts = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices
+            choice = self.limit_groups(scores + self.expert_bias.float())
+            experts = torch.topk(choice, self.top_k, dim=-1).indices
             weights = scores.gather(1, experts)
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
@@ -60,6 +64,18 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights, experts
+
+    def limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Choice scores [num_tokens, num_experts] with the experts outside each token's best
+        `topk_groups` groups (a group scored by its best two) at -inf (as they are without
+        groups)."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.reshape(choice.shape[0], self.groups, -1)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [n, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).reshape(choice.shape)
 
     def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [pairs, hidden] grouped by expert (`counts[e]` rows of expert e, in order) ->

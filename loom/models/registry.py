@@ -9,6 +9,7 @@ from loom.models.gemma import Gemma1ForCausalLM, GemmaForCausalLM
 from loom.models.glm import Glm4ForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.moe import MoeForCausalLM
+from loom.models.nemotron_h import NemotronHForCausalLM
 from loom.models.olmo import Olmo2ForCausalLM
 from loom.models.hybrid import (
     GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM,
@@ -49,6 +50,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeHybridForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeHybridForCausalLM,
+    # one block a layer: Mamba2, attention without positions, or a relu^2 MLP or its experts
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -56,7 +56,7 @@ def test_mamba2_chunked_form_equals_the_recurrence() -> None:
     assert not torch.allclose(state, start, atol=1e-2)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "granite4-h"])
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "granite4-h", "nemotron-h-moe"])
 def hybrid(request, tmp_path_factory):
     tokenizer = smollm2_tokenizer()
     return make_tiny_chat_model(request.param, tmp_path_factory.mktemp(request.param),

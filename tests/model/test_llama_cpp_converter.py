@@ -93,6 +93,22 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         shutil.copytree(folder, source)
         config = source / "config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
+    elif name.startswith("nemotron-h"):  # the layer kinds as its checkpoints give them: a
+        # pattern of letters, and a dense model's config without the mixtures' keys (the
+        # converter reads those as experts), read as written (a model type transformers does
+        # not know: its config class would add them back as defaults)
+        source = tmp_path / "for-converter"
+        shutil.copytree(folder, source)
+        config = source / "config.json"
+        cfg = json.loads(config.read_text())
+        letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+        cfg["hybrid_override_pattern"] = "".join(letters[t] for t in
+                                                 cfg.pop("layers_block_type"))
+        if "E" not in cfg["hybrid_override_pattern"]:
+            cfg = {k: v for k, v in cfg.items() if not k.startswith(
+                ("num_experts", "n_routed", "n_shared", "moe_", "topk_group")) and k != "n_group"}
+        config.write_text(json.dumps({**cfg, "model_type": "nemotron_h_as_written",
+                                      "num_hidden_layers": len(cfg["hybrid_override_pattern"])}))
     elif name.startswith("granite4"):  # the layer types under the names its checkpoints use
         source = tmp_path / "for-converter"  # (transformers 5 writes its own)
         shutil.copytree(folder, source)
@@ -162,6 +178,12 @@ def test_converted_files_match_transformers(tmp_path, name) -> None:
     ("granite4-h-moe", {"linear_layers": (0, 2), "num_experts": 4, "moe_layers": (0, 1, 2),
                         "shared_expert_intermediate_size": 48, "shared_expert_gated": False,
                         "architecture": "GraniteMoeHybridForCausalLM"}),
+    ("nemotron-h", {"linear_layers": (0, 3), "mlp_only_layers": (1, 4), "num_kv_layers": 1,
+                    "intermediate_size": 96, "architecture": "NemotronHForCausalLM"}),
+    ("nemotron-h-moe", {"linear_layers": (0, 3), "mlp_only_layers": (1, 4),
+                        "moe_layers": (1, 4), "moe_router": "sigmoid",
+                        "routed_scaling_factor": 2.5, "shared_expert_intermediate_size": 48,
+                        "architecture": "NemotronHForCausalLM"}),
 ])
 def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     """Phi-4-mini's partial rotary (the converter's rope.dimension_count), YaRN (its
@@ -174,9 +196,11 @@ def test_converted_variants_match_transformers(tmp_path, name, expect) -> None:
     value heads, its multi-token prediction layer left out; its mixture of experts too;
     Qwen3-Next's grouped value heads and packed b / a), LFM2 (its convolution layers
     where the per-layer KV head count is 0, its final norm named token_embd_norm; LFM2-MoE's
-    sigmoid router and its bias, exp_probs_b) and Granite 4.0-H (Mamba2 where the KV head
+    sigmoid router and its bias, exp_probs_b), Granite 4.0-H (Mamba2 where the KV head
     count is 0, its ssm_* tensors, attention without positions, the dense or the shared
-    MLP beside experts) read from the converter's files give
+    MLP beside experts) and Nemotron-H (one block a layer: attention where the KV head count
+    is not 0, an MLP or mixture where the feed-forward width is not, Mamba2 where neither;
+    its relu^2 experts' sigmoid router) read from the converter's files give
     transformers' logits."""
     require_cpu_kernels()
     path, folder = convert(name, tmp_path, "f32")
