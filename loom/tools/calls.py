@@ -263,17 +263,20 @@ def _calls_rule(separator: str, parallel: bool, start: str = "", end: str = "") 
     return f"start: {start} call{more} {end}\n"
 
 
-def _call_list_grammar(start: str, tools: list[dict[str, Any]], parallel: bool) -> str:
+def _call_list_grammar(start: str, tools: list[dict[str, Any]], parallel: bool,
+                       end: str = "") -> str:
     """Lark: `start` (grammar text) and a JSON list of one call object (up to
-    MAX_PARALLEL_CALLS if `parallel`): Granite's and Mistral's older form."""
+    MAX_PARALLEL_CALLS if `parallel`), then `end` (grammar text, if any): Granite's, Mistral's
+    older form and Nemotron's."""
     items = compact({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1,
                      "maxItems": MAX_PARALLEL_CALLS if parallel else 1})
-    return f"start: {start} %json {json.dumps(items)}\n"
+    return f"start: {start} %json {json.dumps(items)} {end}\n"
 
 
-def _call_list(start: str, name: str, arguments: Any) -> str:
-    """One call written as `start` and a JSON list (_call_list_grammar's form)."""
-    return start + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
+def _call_list(start: str, name: str, arguments: Any, end: str = "") -> str:
+    """One call written as `start`, a JSON list and `end` (_call_list_grammar's form)."""
+    return (start + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
+            + end)
 
 
 def tool_params(tools: list[dict[str, Any]]

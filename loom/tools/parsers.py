@@ -9,6 +9,7 @@ Formats:
 - `mistral`: `[TOOL_CALLS]name[ARGS]{...}` a call (Mistral Small 3.2, Magistral, Devstral), or
   `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo).
 - `granite`: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x).
+- `nemotron`: `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>` (Nemotron Nano 2).
 - `deepseek_v3` (DeepSeek V3, R1 and its distills) and `deepseek_v31` (V3.1 and later): calls
   between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`, each
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name` + a ```json fence (v3) or
@@ -185,6 +186,30 @@ class GraniteToolParser(ToolParser):
         return _call_list(self.START, name, arguments)
 
 
+class NemotronToolParser(GraniteToolParser):
+    """`<TOOLCALL>`, a JSON list of `{"name": ..., "arguments": {...}}`, `</TOOLCALL>`
+    (Nemotron Nano 2)."""
+
+    name = "nemotron"
+    START, END = "<TOOLCALL>", "</TOOLCALL>"
+    MARKERS = (START, END)
+
+    def _read(self, t: str, i: int, final: bool, calls: list[ParsedCall]) -> int | None:
+        end = super()._read(t, i, final, calls)
+        if end is None:
+            return None
+        end = _skip_ws(t, end)
+        return end + len(self.END) if t.startswith(self.END, end) else end
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
+                special: SpecialId | None = None) -> str:
+        return _call_list_grammar(_lit(self.START, special), tools, parallel,
+                                  _lit(self.END, special))
+
+    def render_call(self, name: str, arguments: Any) -> str:
+        return _call_list(self.START, name, arguments, self.END)
+
+
 class DeepSeekV3ToolParser(ToolParser):
     """DeepSeek V3 / R1: `<｜tool▁calls▁begin｜>` then calls
     `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>`
@@ -297,7 +322,7 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, GraniteToolParser,
-    DeepSeekV3ToolParser, DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser,
+    NemotronToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser,
     PythonicToolParser)}
 
 
@@ -313,6 +338,8 @@ def _detect(template: str) -> type[ToolParser]:
         return MistralToolParser
     if GraniteToolParser.START in template:
         return GraniteToolParser
+    if NemotronToolParser.START in template:
+        return NemotronToolParser
     if PythonicToolParser.START in template or _LFM2_TOOLS in template:  # LFM2's
         return PythonicToolParser
     if "<tool_call>" not in template and (

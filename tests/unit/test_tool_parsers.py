@@ -227,6 +227,9 @@ FORMATS = {  # template file -> the parser `auto` must pick for it
     "meta-llama-Llama-3.1-8B-Instruct": "llama3_json",
     "LFM2.5-8B-A1B": "pythonic",
     "LFM2.5-Instruct": "pythonic",  # (lists the tools; writes no calls: Loom's prompt does)
+    "ibm-granite-granite-4.0": "hermes",
+    "NVIDIA-Nemotron-Nano-v2": "nemotron",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3_coder",
 }
 TYPED_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
