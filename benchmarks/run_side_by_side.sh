@@ -14,9 +14,10 @@
 #   1.7b-q2_k   (not in the default set) the 1.7B shape in Q2_K (make_shape.py --types Q2_K)
 #   1.7b-q3_k_m (not in the default set) the 1.7B shape in Q3_K_M (make_shape.py --types Q3_K_M)
 #   1.7b-iq4_xs (not in the default set) the 1.7B shape in IQ4_XS (make_shape.py --types IQ4_XS)
-#   qwen35-0.8b, lfm2-1.2b  (not in the default set) Qwen3.5-0.8B's and LFM2-1.2B's hybrid
-#               shapes, random weights, Q4_K_M (benchmarks/peers/make_hybrid_shape.py
-#               --shape ...); llama.cpp builds only; 1, 16 streams; 128 in / 64 out
+#   qwen35-0.8b, lfm2-1.2b, granite4-h-1b  (not in the default set) Qwen3.5-0.8B's, LFM2-1.2B's
+#               and Granite-4.0-H-1B's hybrid shapes, random weights, Q4_K_M
+#               (benchmarks/peers/make_hybrid_shape.py --shape ...); llama.cpp builds only;
+#               1, 16 streams; 128 in / 64 out
 #   1.7b-long   (not in the default set) the 1.7B Q4_K_M shape at one stream with a long prompt:
 #               1536 in / 64 out, where attention over the context weighs in each decode step
 #               (llama.cpp builds only: vLLM is not a one-stream peer)
@@ -62,11 +63,11 @@ for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
         135m|1.7b|1.7b-q4_0|1.7b-q5_0|1.7b-q2_k|1.7b-q3_k_m|1.7b-iq4_xs|1.7b-long|gemma|8b|\
-        qwen35-0.8b|lfm2-1.2b)
+        qwen35-0.8b|lfm2-1.2b|granite4-h-1b)
             PARTS+=("$arg") ;;
         *) echo "run_side_by_side: unknown argument $arg" \
                 "(parts: 135m 1.7b 1.7b-q4_0 1.7b-q5_0 1.7b-q2_k 1.7b-q3_k_m 1.7b-iq4_xs" \
-                "1.7b-long gemma 8b qwen35-0.8b lfm2-1.2b;" \
+                "1.7b-long gemma 8b qwen35-0.8b lfm2-1.2b granite4-h-1b;" \
                 "--quick)" >&2; exit 2 ;;
     esac
 done
@@ -144,9 +145,10 @@ run_part() {
                   --goals 8b --kv-cache-gib 2 --min-prompts 2 --engines "${ENGINES//,vllm/}")
             if [ "$QUICK" = 1 ]; then args+=(--concurrency 1,2)
             else args+=(--concurrency 1,8 --output-len 64); fi ;;
-        qwen35-0.8b|lfm2-1.2b)
+        qwen35-0.8b|lfm2-1.2b|granite4-h-1b)
             local gguf="$PEERS/$part-shape/$part-shape-Q4_K_M.gguf" title=Qwen3.5-0.8B
             [ "$part" = lfm2-1.2b ] && title=LFM2-1.2B
+            [ "$part" = granite4-h-1b ] && title=Granite-4.0-H-1B
             if [ ! -f "$gguf" ]; then
                 echo "run_side_by_side: $part skipped: no $gguf (.venv/bin/python" \
                      "benchmarks/peers/make_hybrid_shape.py --shape $part)" | tee -a "$SUMMARY"
