@@ -85,6 +85,10 @@ SIGNATURES = {
         _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                _i64, _i64, _int, _f32, _ptr, _int]
     ),
+    "loom_mamba2_decode_f32": (
+        _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+               _i64, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _int]
+    ),
     "loom_rope_write_kv_f32": (
         None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]
     ),

@@ -100,3 +100,31 @@ def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
         raise RuntimeError(f"Gated DeltaNet decode step failed ({status}: no memory for its "
                            f"scratch, or a head wider than 1024: {dk}, {dv})")
     return out
+
+
+def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
+                  conv_w: torch.Tensor, conv_b: torch.Tensor | None, ssm_state: torch.Tensor,
+                  dt_bias: torch.Tensor, a_log: torch.Tensor, d: torch.Tensor,
+                  norm_w: torch.Tensor, heads: int, head_dim: int, groups: int,
+                  state_size: int, norm_groups: int, eps: float, dt_min: float,
+                  dt_max: float) -> torch.Tensor:
+    """Mamba2's decode step (csrc/mamba2.c) for one-token requests: proj [R, inner + conv_dim +
+    heads] fp32 (in_proj's rows: z, x B C, dt), their state slots; the states [slots, ...]
+    (fp32, contiguous) updated in place. Returns the gated, normed y [R, heads * head_dim]."""
+    proj = proj.contiguous()
+    reqs = proj.shape[0]
+    out = torch.empty(reqs, heads * head_dim)
+    index = np.ascontiguousarray(slots, dtype=np.int64)
+    f32 = [t.float().contiguous() for t in (conv_w, dt_bias, a_log, d, norm_w)]
+    bias = None if conv_b is None else conv_b.float().contiguous()
+    assert conv_state.is_contiguous() and ssm_state.is_contiguous()
+    status = cpu_kernels().loom_mamba2_decode_f32(
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, conv_state.data_ptr(),
+        f32[0].data_ptr(), None if bias is None else bias.data_ptr(), ssm_state.data_ptr(),
+        f32[1].data_ptr(), f32[2].data_ptr(), f32[3].data_ptr(), f32[4].data_ptr(), heads,
+        head_dim, groups, state_size, conv_w.shape[1], norm_groups, eps, dt_min, dt_max,
+        out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"Mamba2 decode step failed ({status}: no memory for its scratch, "
+                           f"or groups that do not divide the heads or the inner channels)")
+    return out

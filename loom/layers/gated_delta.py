@@ -141,17 +141,7 @@ class GatedDeltaNet(RecurrentMixer):
         decode step (cpu_ops.gdn_decode), the others the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
-        one = step.one
-        if not (one.any() and cpu_ops.usable(proj) and step.tensors is self.states):
-            out = self._torch(proj, step)
-        elif one.all():  # a decode-only step
-            out = self._fused(proj, step)
-        else:  # each kind of request as a step of its own
-            out = torch.empty(proj.shape[0], self.value_dim)
-            for keep, run in ((one, self._fused), (~one, self._torch)):
-                rows, part = step.select(keep)
-                index = torch.from_numpy(rows)
-                out[index] = run(proj[index], part)
+        out = self.decode_split(proj, step, self._fused, self._torch, self.value_dim)
         return self.out_proj(out.to(x.dtype))
 
     def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:

@@ -14,7 +14,10 @@ Decode rows run that step, batched over requests; a longer run of tokens runs it
 up to 64 tokens at a time (Mamba2's state space duality: within a chunk the outputs are a
 masked, decayed product C B^T applied to dt x, plus the decayed read of the state the chunk
 starts from), which gives the same outputs up to rounding. The recurrence runs in fp32; the
-convolution's window and S are the request's states (loom/layers/recurrent.py).
+convolution's window and S are the request's states (loom/layers/recurrent.py). On the CPU
+in fp32 a step's one-token requests run instead as one C call a layer (csrc/mamba2.c: the
+window, the state's decayed update and read, the gated norm, in place on the slots); _torch
+stays the reference and the path of every other device and dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import MambaConfig
+from loom.kernels import cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, StepStates, causal_conv
 
@@ -114,11 +118,23 @@ class Mamba2Mixer(RecurrentMixer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
-        tokens (a step without state slots starts every request from zero, keeps nothing)."""
+        tokens (a step without state slots starts every request from zero, keeps nothing). On
+        the CPU in fp32 the one-token requests take the fused C decode step
+        (cpu_ops.mamba2_decode), the others the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
-        out = self._torch(proj, step)
+        out = self.decode_split(proj, step, self._fused, self._torch, self.inner)
         return self.out_proj(out.to(x.dtype))
+
+    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, inner]."""
+        s = self.shape
+        window_state, ssm_state = step.tensors
+        return cpu_ops.mamba2_decode(
+            proj, step.slots, window_state, self.conv1d.weight, self.conv1d.bias, ssm_state,
+            self.dt_bias, self.A_log, self.D, self.norm.weight, s.num_heads, s.head_dim,
+            s.num_groups, s.state_size, s.norm_groups, self.norm.eps, s.time_step_min,
+            s.time_step_max)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed, gated output

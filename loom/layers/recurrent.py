@@ -21,6 +21,7 @@ from torch import nn
 
 from loom.attention.forward_context import get_forward_context
 from loom.heap import zeros
+from loom.kernels import cpu_ops
 from loom.layers.linear import Linear
 
 
@@ -86,6 +87,25 @@ class RecurrentMixer(nn.Module):
             for t in self.states:
                 t[index] = 0
         return StepStates(starts, lens, slots, self.states)
+
+
+    def decode_split(self, proj: torch.Tensor, step: StepStates, fused, torch_path,
+                     width: int) -> torch.Tensor:
+        """in_proj's rows [num_tokens, ...] -> the mixer's [num_tokens, width] before its out
+        projection: `fused(rows, step)` (a C decode step) for the one-token requests on the CPU
+        in fp32 with the slots' states, `torch_path(rows, step)` for the others (a mixed step
+        as two steps of their own)."""
+        one = step.one
+        if not (one.any() and cpu_ops.usable(proj) and step.tensors is self.states):
+            return torch_path(proj, step)
+        if one.all():  # a decode-only step
+            return fused(proj, step)
+        out = torch.empty(proj.shape[0], width)
+        for keep, run in ((one, fused), (~one, torch_path)):
+            rows, part = step.select(keep)
+            index = torch.from_numpy(rows)
+            out[index] = run(proj[index], part)
+        return out
 
 
 def state_bytes(model: nn.Module) -> int:

@@ -1,10 +1,12 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside attention; LFM2: short
 convolutions beside attention; Granite 4.0-H: Mamba2 beside attention): the chunked forms of
-the recurrences equal the token-by-token ones, and the engine's batches, chunked prefills, preemptions, multi-step decodes and reused
-state slots give transformers' greedy tokens."""
+the recurrences equal the token-by-token ones, Mamba2's C decode step equals its torch path,
+and the engine's batches, chunked prefills, preemptions, multi-step decodes and reused state
+slots give transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,3 +121,39 @@ def test_prefix_hits_start_from_the_kept_states(hybrid) -> None:
         want = ref.generate(torch.tensor([second]), max_new_tokens=20, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(second):].tolist()
     assert list(out.outputs[0].token_ids) == want
+
+
+def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
+    """The C decode step (csrc/mamba2.c) of three one-token requests in slots 4, 0 and 2 of 6,
+    from random states, over several steps: its outputs and both states equal _torch's (groups
+    of heads sharing B and C, a conv bias, two norm groups, dt clamped below)."""
+    from loom.config import MambaConfig
+    from loom.layers.recurrent import StepStates
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    shape = MambaConfig(num_heads=8, head_dim=16, state_size=16, num_groups=2, conv_kernel=4,
+                        conv_bias=True, norm_groups=2, time_step_min=0.01)
+    mixer = mamba2.Mamba2Mixer(64, shape, 1e-5)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+        mixer.dt_bias[::2] = -6.0  # (these heads' dt mostly clamped to time_step_min)
+    mixer.allocate_states(6, torch.device("cpu"))
+    mixer.states = [torch.randn(t.shape, generator=g) for t in mixer.states]
+    start = [t.clone() for t in mixer.states]
+    ref_states = [t.clone() for t in mixer.states]
+    starts, lens, slots = np.arange(4), np.ones(3, dtype=np.int64), np.array([4, 0, 2])
+    width = mixer.inner + mixer.conv_dim + shape.num_heads
+    with torch.no_grad():
+        for _ in range(5):
+            proj = torch.randn(3, width, generator=g)
+            got = mixer._fused(proj, StepStates(starts, lens, slots, mixer.states))
+            want = mixer._torch(proj, StepStates(starts, lens, slots, ref_states))
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            for t, ref in zip(mixer.states, ref_states):
+                assert torch.allclose(t, ref, rtol=1e-5, atol=1e-5)
+    for t, first in zip(mixer.states, start):  # the other slots untouched, these moved
+        assert torch.equal(t[[1, 3, 5]], first[[1, 3, 5]])
+        assert not torch.allclose(t[[4, 0, 2]], first[[4, 0, 2]], atol=1e-2)

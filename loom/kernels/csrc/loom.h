@@ -80,6 +80,16 @@ int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots
                         const float *a_log, const float *dt_bias, const float *norm_w,
                         int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
                         int64_t width, int tiled, float eps, float *out, int num_threads);
+// Mamba2's decode step for `reqs` one-token requests, in place on their state slots
+// (mamba2.c): proj rows [z | x B C | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max]
+// (dt_max may be +inf); out [reqs, heads * head_dim]. 0, or -1 with nothing written.
+int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
+                           int64_t reqs, float *conv_state, const float *conv_w,
+                           const float *conv_b, float *ssm_state, const float *dt_bias,
+                           const float *a_log, const float *d, const float *norm_w,
+                           int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size,
+                           int64_t width, int64_t norm_groups, float eps, float dt_min,
+                           float dt_max, float *out, int num_threads);
 
 // ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
 // W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):

@@ -1,0 +1,111 @@
+// Mamba2's decode step (loom/layers/mamba2.py: Mamba2Mixer._torch for one-token rows), one
+// token for each of `reqs` requests, in place on their state slots: the causal depthwise
+// convolution (bias, SiLU) over xBC, the time step dt = clamp(softplus(dt + dt_bias)), each
+// head's decayed state update S <- exp(dt A) S + dt x B^T and its read y = S C + D x, then
+// the gated RMSNorm over groups of the inner channels. The torch path runs these as a dozen
+// small ops a layer, each over every request's state gathered and scattered back; here each
+// state is read and written once, in place. Three parallel phases: the convolution by request
+// and channel block (each channel's window is updated once), the heads by request and head,
+// the norm by request and norm group.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include "loom.h"
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Returns 0, or -1 (nothing written) where its scratch cannot be allocated or the groups do
+// not divide the heads (B, C) or the inner channels (the norm).
+int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
+                           int64_t reqs, float *conv_state, const float *conv_w,
+                           const float *conv_b, float *ssm_state, const float *dt_bias,
+                           const float *a_log, const float *d, const float *norm_w,
+                           int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size,
+                           int64_t width, int64_t norm_groups, float eps, float dt_min,
+                           float dt_max, float *out, int num_threads)
+{
+    const int64_t P = head_dim, N = state_size, inner = heads * P;
+    const int64_t conv_dim = inner + 2 * groups * N, past = width - 1;
+    // proj's row: [z (inner) | x B C (conv_dim) | dt (heads)]
+    if (groups <= 0 || heads % groups || norm_groups <= 0 || inner % norm_groups || width < 1)
+        return -1;
+    if (reqs <= 0)
+        return 0;
+    // scratch: the convolution's output [reqs, conv_dim], then y [reqs, inner]
+    float *xbc = malloc(sizeof(float) * (size_t)(reqs * (conv_dim + inner)));
+    if (!xbc)
+        return -1;
+    float *y = xbc + reqs * conv_dim;
+    const int64_t block = 256;  // channels a task
+    const int64_t blocks = (conv_dim + block - 1) / block;
+    const int64_t per_group = heads / groups, norm_size = inner / norm_groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < reqs * blocks; t++) {
+            const int64_t r = t / blocks, c0 = (t % blocks) * block;
+            const int64_t c1 = c0 + block < conv_dim ? c0 + block : conv_dim;
+            const float *x = proj + r * proj_ld + inner;
+            float *win = conv_state + slots[r] * conv_dim * past;
+            for (int64_t c = c0; c < c1; c++) {
+                float *w = win + c * past;
+                const float *k = conv_w + c * width;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < past; j++)
+                    acc += w[j] * k[j];
+                acc += x[c] * k[past];
+                for (int64_t j = 0; j + 1 < past; j++)
+                    w[j] = w[j + 1];
+                if (past > 0)
+                    w[past - 1] = x[c];
+                if (conv_b)
+                    acc += conv_b[c];
+                xbc[r * conv_dim + c] = silu(acc);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < reqs * heads; t++) {
+            const int64_t r = t / heads, h = t % heads, g = h / per_group;
+            const float *xr = xbc + r * conv_dim;
+            const float *x = xr + h * P;
+            const float *b = xr + inner + g * N, *c = xr + inner + (groups + g) * N;
+            float dt = softplus(proj[r * proj_ld + inner + conv_dim + h] + dt_bias[h]);
+            dt = dt < dt_min ? dt_min : dt > dt_max ? dt_max : dt;
+            const float decay = expf(dt * -expf(a_log[h]));
+            float *s = ssm_state + (slots[r] * heads + h) * P * N;
+            float *yh = y + r * inner + h * P;
+            for (int64_t p = 0; p < P; p++) {  // S = decay S + dt x B^T; y = S C + D x
+                float *sp = s + p * N;
+                const float dx = dt * x[p];
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t n = 0; n < N; n++) {
+                    const float v = sp[n] * decay + dx * b[n];
+                    sp[n] = v;
+                    acc += v * c[n];
+                }
+                yh[p] = acc + d[h] * x[p];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < reqs * norm_groups; t++) {  // RMSNorm(y * SiLU(z)) a group
+            const int64_t r = t / norm_groups, i0 = (t % norm_groups) * norm_size;
+            const float *yr = y + r * inner + i0, *z = proj + r * proj_ld + i0;
+            float *dst = out + r * inner + i0;
+            float ss = 0.0f;
+            for (int64_t i = 0; i < norm_size; i++) {
+                const float v = yr[i] * silu(z[i]);
+                dst[i] = v;
+                ss += v * v;
+            }
+            const float rn = 1.0f / sqrtf(ss / (float)norm_size + eps);
+            for (int64_t i = 0; i < norm_size; i++)
+                dst[i] = norm_w[i0 + i] * (dst[i] * rn);
+        }
+    }
+    free(xbc);
+    return 0;
+}
