@@ -164,9 +164,17 @@ def _gguf_tokenizer_class(path: Path, arch: str | None) -> Any:
         tokenizer_class_from_name,
     )
 
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
     if any((path.parent / name).exists() for name in ("tokenizer_config.json", "config.json")):
         return None  # Hugging Face files beside it: AutoTokenizer's own rules weigh them
     model_type = _GGUF_MODEL_TYPES.get(arch)
+    if model_type is None and arch not in (*GGUF_CONFIG_ARCHS, *GGUF_SUPPORTED_ARCHITECTURES):
+        # AutoTokenizer raises on a file whose model config transformers cannot build
+        # (Granite, SmolLM3, Mistral 3, OLMo 2, Nemotron-H, ...): its generic backend reads
+        # the tokenizer alone
+        return TokenizersBackend
     if model_type is None:
         return None
     name = TOKENIZER_MAPPING_NAMES.get(model_type)

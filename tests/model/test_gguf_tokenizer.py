@@ -63,6 +63,33 @@ def test_converter_file_of_a_registered_tokenizer_class(tmp_path) -> None:
     check_same_as_auto_tokenizer(alone / path.name, tmp_path, "Qwen2Tokenizer")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["granite4-h", "nemotron-h", "smollm3"])
+def test_converter_file_transformers_cannot_configure(tmp_path, monkeypatch, name) -> None:
+    """A GGUF of an architecture transformers' GGUF loader builds no config for (AutoTokenizer
+    raises "not supported yet" on it: Granite 4.0-H, Nemotron-H, SmolLM3) gets its tokenizer
+    from the generic backend, which reads the file's tokenizer alone: the checkpoint's
+    tokenizer's ids, through the Tokenizer the engine loads."""
+    from transformers import AutoTokenizer
+
+    from loom.loader.resolve import resolve_model
+    from loom.tokenizer.tokenizer import Tokenizer
+    from tests.model.test_llama_cpp_converter import convert
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    path, folder = convert(name, tmp_path, "f32")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.move(path, alone / path.name)
+    with pytest.raises(ValueError, match="not supported yet"):
+        AutoTokenizer.from_pretrained(str(alone), gguf_file=path.name)
+    assert _class(alone / path.name).__name__ == "TokenizersBackend"
+    ours = Tokenizer.from_source(resolve_model(str(alone / path.name)))
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    for text in TEXTS:
+        assert ours.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+
+
 def test_files_beside_the_gguf_leave_it_to_auto_tokenizer(tmp_path) -> None:
     path = tmp_path / default_gguf_path().name
     path.symlink_to(default_gguf_path())
