@@ -70,7 +70,7 @@ SIGNATURES = {
     "loom_decoder_forward_q8": (
         _int, [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr,
                _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-               _ptr, _i64, _int, _int, _int]
+               _ptr, _i64, _ptr, _int, _int, _int]
     ),
     "loom_moe_route_f32": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr]),
     "loom_moe_combine_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]),
@@ -80,6 +80,7 @@ SIGNATURES = {
     "loom_gelu_tanh_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32, _int]),
     "loom_silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "loom_sigmoid_mul_f32": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "loom_argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
     "loom_gdn_decode_f32": (
         _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
@@ -88,6 +89,11 @@ SIGNATURES = {
     "loom_mamba2_decode_f32": (
         _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                _i64, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _int]
+    ),
+    "loom_gdn_scratch_floats": (_i64, [_i64, _i64, _i64, _i64, _i64]),
+    "loom_mamba2_scratch_floats": (_i64, [_i64, _i64, _i64, _i64, _i64]),
+    "loom_shortconv_decode_f32": (
+        _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _int]
     ),
     "loom_rope_write_kv_f32": (
         None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int]

@@ -34,7 +34,7 @@ from loom.kernels.dispatch import Variant, machine, variants
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "argmax.c", "linear_q8.c", "linear_amx.c",
            "linear_bf16.c", "linear_vnni.c", "linear_kquant.c", "linear_kq_gemm.c",
-           "decoder_q8.c", "norm_act.c", "gated_delta.c", "mamba2.c")
+           "decoder_q8.c", "norm_act.c", "gated_delta.c", "mamba2.c", "shortconv.c")
 COMMON = ("-O3", "-fPIC", "-fopenmp", "-Wall", "-Wno-psabi")
 FILE_FLAGS = {
     "paged_attention.c": ("-ffast-math",),

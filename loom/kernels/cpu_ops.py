@@ -53,6 +53,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sigmoid_mul_(x: torch.Tensor, gate: torch.Tensor) -> None:
+    """x [n, d] *= sigmoid(gate [n, d]) in place (fp32, contiguous): the C stack's kernel."""
+    assert x.is_contiguous() and gate.is_contiguous() and x.shape == gate.shape
+    n, d = x.shape
+    cpu_kernels().loom_sigmoid_mul_f32(x.data_ptr(), gate.data_ptr(), n, d,
+                                       torch.get_num_threads())
+
+
 def rope_write_kv_(
     qkv: torch.Tensor,
     num_heads: int,
@@ -127,4 +135,25 @@ def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tenso
     if status != 0:
         raise RuntimeError(f"Mamba2 decode step failed ({status}: no memory for its scratch, "
                            f"or groups that do not divide the heads or the inner channels)")
+    return out
+
+
+def shortconv_decode(proj: torch.Tensor, slots: np.ndarray, window_state: torch.Tensor,
+                     conv_w: torch.Tensor, conv_b: torch.Tensor | None) -> torch.Tensor:
+    """LFM2's short convolution's decode step (csrc/shortconv.c) for one-token requests: proj
+    [R, 3 H] fp32 (in_proj's rows: b, c, h), their slots in window_state [slots, H, width - 1]
+    (fp32, contiguous; updated in place). Returns c * (conv(b * h) + conv_b) [R, H]."""
+    proj = proj.contiguous()
+    reqs, hidden = proj.shape[0], conv_w.shape[0]
+    out = torch.empty(reqs, hidden)
+    index = np.ascontiguousarray(slots, dtype=np.int64)
+    weight = conv_w.float().contiguous()
+    bias = None if conv_b is None else conv_b.float().contiguous()
+    assert window_state.is_contiguous() and proj.shape[1] == 3 * hidden
+    status = cpu_kernels().loom_shortconv_decode_f32(
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, window_state.data_ptr(),
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), hidden, conv_w.shape[1],
+        out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"short convolution decode step failed ({status})")
     return out

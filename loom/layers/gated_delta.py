@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import LinearAttnConfig
-from loom.kernels import cpu_ops
+from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
-from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, StepStates, causal_conv
+from loom.layers.recurrent import (
+    MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+)
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
 
@@ -143,6 +145,24 @@ class GatedDeltaNet(RecurrentMixer):
         step = self.step_states(x.device)
         out = self.decode_split(proj, step, self._fused, self._torch, self.value_dim)
         return self.out_proj(out.to(x.dtype))
+
+    def stack_fields(self) -> dict | None:
+        """What the one-call C stack runs this mixer from on decode steps (loom.h's
+        LoomMixerQ8; q8_decoder.MixerQ8), or None where its weights are not fp32 on the CPU."""
+        s = self.shape
+        tensors = dict(conv_w=self.conv1d.weight, a_log=self.A_log, dt_bias=self.dt_bias,
+                       norm_w=self.norm.weight)
+        if not stack_tensors(tensors.values()):
+            return None
+        return dict(kind=MIXER_GDN, **tensors, key_heads=s.num_key_heads,
+                    value_heads=s.num_value_heads, dk=s.key_head_dim, dv=s.value_head_dim,
+                    width=s.conv_kernel, tiled=int(s.tiled_heads), eps=self.norm.eps)
+
+    def scratch_floats(self, rows: int) -> int:
+        """The C decode step's scratch for `rows` requests (the stack's)."""
+        s = self.shape
+        return cpu_kernels().loom_gdn_scratch_floats(rows, s.num_key_heads, s.num_value_heads,
+                                                      s.key_head_dim, s.value_head_dim)
 
     def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """The C decode step of `step`'s one-token requests' in_proj rows -> [R, value_dim]."""

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import MambaConfig
-from loom.kernels import cpu_ops
+from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
-from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, StepStates, causal_conv
+from loom.layers.recurrent import (
+    MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+)
 
 CHUNK = 64  # tokens a chunk of the chunked form
 
@@ -125,6 +127,25 @@ class Mamba2Mixer(RecurrentMixer):
         step = self.step_states(x.device)
         out = self.decode_split(proj, step, self._fused, self._torch, self.inner)
         return self.out_proj(out.to(x.dtype))
+
+    def stack_fields(self) -> dict | None:
+        """What the one-call C stack runs this mixer from on decode steps (loom.h's
+        LoomMixerQ8; q8_decoder.MixerQ8), or None where its weights are not fp32 on the CPU."""
+        s = self.shape
+        tensors = dict(conv_w=self.conv1d.weight, conv_b=self.conv1d.bias, a_log=self.A_log,
+                       dt_bias=self.dt_bias, d=self.D, norm_w=self.norm.weight)
+        if not stack_tensors(tensors.values()):
+            return None
+        return dict(kind=MIXER_MAMBA2, **tensors, key_heads=s.num_groups,
+                    value_heads=s.num_heads, dk=s.state_size, dv=s.head_dim,
+                    width=s.conv_kernel, norm_groups=s.norm_groups, eps=self.norm.eps,
+                    dt_min=s.time_step_min, dt_max=s.time_step_max)
+
+    def scratch_floats(self, rows: int) -> int:
+        """The C decode step's scratch for `rows` requests (the stack's)."""
+        s = self.shape
+        return cpu_kernels().loom_mamba2_scratch_floats(rows, s.num_heads, s.head_dim,
+                                                         s.num_groups, s.state_size)
 
     def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """The C decode step of `step`'s one-token requests' in_proj rows -> [R, inner]."""

@@ -25,6 +25,17 @@ from loom.kernels import cpu_ops
 from loom.layers.linear import Linear
 
 
+# loom.h's LOOM_MIXER_*: the kind of a mixer the one-call C stack runs (stack_fields)
+MIXER_GDN, MIXER_MAMBA2, MIXER_SHORTCONV = 1, 2, 3
+
+
+def stack_tensors(tensors) -> bool:  # noqa: ANN001 (an iterable of tensors or None)
+    """Whether the stack can read these parameters in place: fp32, contiguous, on the CPU
+    (None: absent)."""
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
+                             and t.device.type == "cpu") for t in tensors)
+
+
 @dataclass
 class StepStates:
     """One step's view of a mixer's states: each request's rows [starts[r], starts[r + 1]),
@@ -166,11 +177,36 @@ class ShortConv(RecurrentMixer):
         return [(self.hidden_size, self.width - 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h = self.in_proj(x).float().chunk(3, dim=-1)
+        """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's window advances by
+        its tokens. On the CPU in fp32 the one-token requests take the C decode step
+        (cpu_ops.shortconv_decode), the others the torch path."""
+        proj = self.in_proj(x).float()
         step = self.step_states(x.device)
-        bias = None if self.conv.bias is None else self.conv.bias.float()
-        y = c * causal_conv(b * h, step, step.tensors[0], self.conv.weight.float(), bias)
+        y = self.decode_split(proj, step, self._fused, self._torch, self.hidden_size)
         return self.out_proj(y.to(x.dtype))
+
+    def stack_fields(self) -> dict | None:
+        """What the one-call C stack runs this mixer from on decode steps (loom.h's
+        LoomMixerQ8; q8_decoder.MixerQ8), or None where its weights are not fp32 on the CPU."""
+        tensors = dict(conv_w=self.conv.weight, conv_b=self.conv.bias)
+        if not stack_tensors(tensors.values()):
+            return None
+        return dict(kind=MIXER_SHORTCONV, **tensors, width=self.width)
+
+    def scratch_floats(self, rows: int) -> int:
+        return 0  # (none)
+
+    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, hidden]."""
+        return cpu_ops.shortconv_decode(proj, step.slots, step.tensors[0], self.conv.weight,
+                                        self.conv.bias)
+
+    def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """in_proj's rows [num_tokens, 3 hidden] of `step`'s requests -> C * conv(B * x)
+        [num_tokens, hidden] (fp32), in torch's ops."""
+        b, c, h = proj.chunk(3, dim=-1)
+        bias = None if self.conv.bias is None else self.conv.bias.float()
+        return c * causal_conv(b * h, step, step.tensors[0], self.conv.weight.float(), bias)
 
 
 class StateSnapshots:

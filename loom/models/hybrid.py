@@ -13,8 +13,9 @@ Llama's.
 - LFM2 (Liquid): most layers a short gated convolution (ShortConv), the others Llama attention
   with per-head q/k norms; Hugging Face's names mapped to Llama's at load.
 
-They run layer by layer (not the one-call C stack); prefix caching keeps their states at block
-boundaries (loom.layers.recurrent.StateSnapshots); the engine turns off what a per-request
+Their prompts run layer by layer; on the CPU their decode steps run in the one-call C stack,
+the mixers' C decode steps in the call (stack_parts' `mixer`). Prefix caching keeps their
+states at block boundaries (loom.layers.recurrent.StateSnapshots); the engine turns off what a per-request
 state cannot follow: speculative decoding, CUDA graphs, tensor / pipeline parallelism
 (LLMEngine, spec_decoder).
 """
@@ -29,6 +30,7 @@ from torch import nn
 
 from loom.attention.layer import Attention
 from loom.config import ModelConfig
+from loom.kernels import cpu_ops
 from loom.layers.gated_delta import GatedDeltaNet
 from loom.layers.linear import Linear
 from loom.layers.mamba2 import Mamba2Mixer
@@ -38,7 +40,7 @@ from loom.layers.rotary import Rope
 from loom.models.llama import (
     LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
 )
-from loom.models.moe import SparseMoeBlock, expert_names
+from loom.models.moe import SparseMoeBlock, expert_names, experts_refusal
 from loom.models.weight_map import select_rows
 
 
@@ -50,8 +52,12 @@ class GatedAttention(LlamaAttention):
         self.o_gate = Linear(config.hidden_size, self.q_size, bias=config.attention_bias)
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.sigmoid(self.o_gate(x))
-        return self.o_proj(self.attend(rope, x) * gate)
+        out, gate = self.attend(rope, x), self.o_gate(x)
+        if cpu_ops.usable(out) and out.is_contiguous() and gate.is_contiguous():
+            cpu_ops.sigmoid_mul_(out, gate)  # (the C stack's kernel: the same bits)
+        else:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class HybridDecoderLayer(LlamaDecoderLayer):
@@ -90,6 +96,27 @@ class HybridDecoderLayer(LlamaDecoderLayer):
     def mix(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         return self.recurrent(x) if self.is_linear else self.self_attn(rope, x)
 
+    def stack_parts(self) -> dict[str, object]:
+        """LlamaDecoderLayer's, with attention's output gate (`gate`, Qwen3.5's) and a mixture
+        of experts (`moe`, as MoeDecoderLayer's); a linear layer's: its mixer (`mixer`) in
+        place of attention (the C stack runs it on decode steps)."""
+        if not self.is_linear:
+            parts = super().stack_parts()
+            parts["gate"] = getattr(self.self_attn, "o_gate", None)
+        else:
+            dense = isinstance(self.mlp, LlamaMLP)
+            parts = dict(
+                in_norm=self.input_layernorm, mlp_norm=self.post_attention_layernorm,
+                q_norm=None, k_norm=None, attn_out_norm=None, mlp_out_norm=None,
+                qk_norm_full=False, qkv=None, o=None, attn=None, rope_index=self.rope_index,
+                gate_up=self.mlp.gate_up_proj if dense else None,
+                down=self.mlp.down_proj if dense else None,
+                activation=self.mlp.activation if dense else None, mixer=self.recurrent)
+        parts["moe"] = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            parts["moe"], parts["activation"] = self.mlp, self.mlp.experts[0].activation
+        return parts
+
 
 class HybridModel(LlamaModel):
     layer_cls = HybridDecoderLayer
@@ -99,7 +126,9 @@ class HybridForCausalLM(LlamaForCausalLM):
     model_cls = HybridModel
 
     def c_stack_refusal(self) -> str | None:
-        return "its layers with a state per request (linear attention, short convolutions)"
+        """The stack runs a hybrid's decode steps (its mixers' C decode steps in the call; its
+        prompts run layer by layer), its experts as moe.py's."""
+        return experts_refusal(self.config)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
@@ -237,15 +266,9 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     in most layers of the -H models, attention in the others (without positions where the
     config's position_embedding_type is not "rope"), Granite's multipliers (folded as
     LlamaModel says), a dense MLP (`shared_mlp`) in every layer, or a mixture of experts with
-    that MLP beside it as an ungated shared expert. Granite 4.0's dense transformers (no
-    Mamba2 layers, no experts) run the one-call C stack as Granite 3 does."""
+    that MLP beside it as an ungated shared expert (which the one-call C stack does not run:
+    those run layer by layer)."""
 
-    def c_stack_refusal(self) -> str | None:
-        if self.config.linear_layers:
-            return super().c_stack_refusal()
-        if self.config.num_experts:
-            return "Granite's mixture of experts (its shared expert is ungated)"
-        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(expert_names(_granite_weights(weights, self.config)))

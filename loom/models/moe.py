@@ -162,18 +162,29 @@ class MoeForCausalLM(LlamaForCausalLM):
     model_cls = MoeModel
 
     def c_stack_refusal(self) -> str | None:
-        """An expert's (or the shared expert's) width the stack's linears cannot take: its
-        down projection's inputs, on the int8 grid or K-quant blocks only in multiples of 32."""
-        c = self.config
-        for what, width in (("experts", c.moe_intermediate_size),
-                            ("shared expert", c.shared_expert_intermediate_size)):
-            if width % GROUP:
-                return (f"{c.architecture}'s {what} of width {width} (its int8 kernels take "
-                        f"multiples of {GROUP})")
-        return super().c_stack_refusal()
+        return experts_refusal(self.config) or super().c_stack_refusal()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(expert_names(weights))
+
+
+def experts_refusal(c: ModelConfig) -> str | None:
+    """What of a model's mixtures of experts the C stack cannot run (None: all of it): an
+    expert's (or the shared expert's) width its linears cannot take (its down projection's
+    inputs, on the int8 grid or K-quant blocks only in multiples of 32), a router other than
+    softmax, an ungated shared expert."""
+    if not c.num_experts:
+        return None
+    for what, width in (("experts", c.moe_intermediate_size),
+                        ("shared expert", c.shared_expert_intermediate_size)):
+        if width % GROUP:
+            return (f"{c.architecture}'s {what} of width {width} (its int8 kernels take "
+                    f"multiples of {GROUP})")
+    if c.moe_router != "softmax":
+        return f"{c.architecture}'s {c.moe_router} expert router"
+    if c.shared_expert_intermediate_size and not c.shared_expert_gated:
+        return f"{c.architecture}'s ungated shared expert"
+    return None
 
 
 # Mixtral's names -> Qwen-MoE's

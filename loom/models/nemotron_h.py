@@ -99,6 +99,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
                       if k in ("q_proj", "k_proj", "v_proj")}
     model_cls = NemotronHModel
 
+    def c_stack_refusal(self) -> str | None:
+        return "its one-block layers (the stack's layers are attention or a mixer, then an MLP)"
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers
                 if not (layer.is_linear or layer.is_mlp)]

@@ -129,42 +129,87 @@ class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
         return max(self.inter, self.shared_inter)
 
 
+_MIXER_PTRS = ("conv_state", "ssm_state", "conv_w", "conv_b", "a_log", "dt_bias", "d",
+               "norm_w")
+_MIXER_DIMS = ("key_heads", "value_heads", "dk", "dv", "width", "norm_groups", "tiled")
+
+
+class MixerQ8(ctypes.Structure):  # loom.h's LoomMixerQ8
+    _fields_ = [("in_proj", LinearQ8), ("out_proj", LinearQ8), ("in_b", ctypes.c_void_p),
+                ("out_b", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("kind", "proj_n", "out_k")] + [
+        (name, ctypes.c_void_p) for name in _MIXER_PTRS] + [
+        (name, ctypes.c_int64) for name in _MIXER_DIMS] + [
+        (name, ctypes.c_float) for name in ("eps", "dt_min", "dt_max")] + [
+        ("scratch", ctypes.c_void_p), ("max_rows", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, mixer: nn.Module) -> MixerQ8:
+        """A hybrid layer's mixer (loom/layers/recurrent.py's RecurrentMixer) as its
+        `stack_fields` describe it; its states' pointers (`bind`) and scratch set per step."""
+        f = mixer.stack_fields()
+        biases = (None if m.bias is None else m.bias.data_ptr()
+                  for m in (mixer.in_proj, mixer.out_proj))
+        x = cls(LinearQ8.of(mixer.in_proj), LinearQ8.of(mixer.out_proj), *biases, f["kind"],
+                mixer.in_proj.out_features, mixer.out_proj.in_features)
+        for name in _MIXER_PTRS[2:]:
+            t = f.get(name)
+            setattr(x, name, None if t is None else t.data_ptr())
+        for name in (*_MIXER_DIMS, "eps", "dt_min", "dt_max"):
+            setattr(x, name, f.get(name, 0))
+        return x
+
+    def bind(self, mixer: nn.Module) -> None:
+        """The states the module holds now (the runner allocates them after the first build)."""
+        self.conv_state = mixer.states[0].data_ptr()
+        self.ssm_state = mixer.states[1].data_ptr() if len(mixer.states) > 1 else None
+
+
 class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
     _fields_ = [(name, ctypes.c_void_p) for name in (*_NORMS, "qkv_b", "rope_table")] + [
         ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
         ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("act", ctypes.c_int32), ("qk_norm_full", ctypes.c_int32),
-        ("moe", ctypes.POINTER(MoeQ8))]
+        ("moe", ctypes.POINTER(MoeQ8)), ("gate", ctypes.POINTER(LinearQ8)),
+        ("mixer", ctypes.POINTER(MixerQ8))]
 
     @classmethod
     def of(cls, parts: dict, rotary: torch.nn.Module) -> LayerQ8:
-        """A layer from its `stack_parts` and its rotary table."""
+        """A layer from its `stack_parts` and its rotary table (a hybrid's mixer layers: no
+        attention, its mixer instead)."""
         attn, table = parts["attn"], rotary.cos_sin_cache
         norms = [None if parts[n] is None else parts[n].weight.data_ptr() for n in _NORMS]
-        bias = parts["qkv"].bias
-        moe = parts.get("moe")
+        bias = None if parts["qkv"] is None else parts["qkv"].bias
+        moe, gate, mixer = parts.get("moe"), parts.get("gate"), parts.get("mixer")
         dense = [LinearQ8() if m is None else LinearQ8.of(m)
-                 for m in (parts["gate_up"], parts["down"])]
+                 for m in (parts["gate_up"], parts["down"], parts["qkv"], parts["o"])]
         return cls(
             *norms, None if bias is None else bias.data_ptr(), table.data_ptr(), table.shape[0],
-            *kv_pointers(attn.kv_cache), LinearQ8.of(parts["qkv"]), LinearQ8.of(parts["o"]),
-            *dense, attn.sliding_window or 0, attn.scale, attn.softcap or 0.0,
+            *((None, None) if attn is None else kv_pointers(attn.kv_cache)), dense[2], dense[3],
+            *dense[:2], 0 if attn is None else attn.sliding_window or 0,
+            0.0 if attn is None else attn.scale, 0.0 if attn is None else attn.softcap or 0.0,
             ACTIVATIONS.index(parts["activation"]), int(parts["qk_norm_full"]),
             None if moe is None else ctypes.pointer(MoeQ8.of(moe)),
+            None if gate is None else ctypes.pointer(LinearQ8.of(gate)),
+            None if mixer is None else ctypes.pointer(MixerQ8.of(mixer)),
         )
 
 
 def _linears(parts: dict) -> list[nn.Module]:
-    """A layer's linears: qkv, o, then the dense MLP's gate_up and down, or its mixture of
-    experts' router, experts' and shared expert's (and its gate)."""
-    moe = parts.get("moe")
+    """A layer's linears: qkv, o (a hybrid's mixer's in_proj and out_proj), then the dense
+    MLP's gate_up and down, or its mixture of experts' router, experts' and shared expert's
+    (and its gate); then attention's output gate, if any."""
+    mixer, moe = parts.get("mixer"), parts.get("moe")
+    first = ([parts["qkv"], parts["o"]] if mixer is None
+             else [mixer.in_proj, mixer.out_proj])
+    gate = [] if parts.get("gate") is None else [parts["gate"]]
     if moe is None:
-        return [parts["qkv"], parts["o"], parts["gate_up"], parts["down"]]
+        return [*first, parts["gate_up"], parts["down"], *gate]
     shared = [] if moe.shared_expert is None else [
         moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj, moe.shared_expert_gate]
-    return [parts["qkv"], parts["o"], moe.gate,
-            *(m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)), *shared]
+    return [*first, moe.gate, *(m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)),
+            *shared, *gate]
 
 
 def _grouped(m: object, bias_ok: bool = False) -> bool:
@@ -186,8 +231,11 @@ def eligible(model: torch.nn.Module) -> bool:
     parts = [layer.stack_parts() for layer in model.layers]
     return (
         all(
-            p["activation"] in ACTIVATIONS and _grouped(p["qkv"], bias_ok=True)
-            and all(_grouped(m) for m in _linears(p)[1:])
+            p["activation"] in ACTIVATIONS
+            and _grouped(_linears(p)[0], bias_ok=True)
+            and all(_grouped(m, bias_ok=m is getattr(p.get("mixer"), "out_proj", None))
+                    for m in _linears(p)[1:])
+            and (p.get("mixer") is None or p["mixer"].stack_fields() is not None)
             for p in parts
         )
         and cpu_kernels() is not None
@@ -212,7 +260,8 @@ class Q8Decoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        attn0 = model.layers[0].self_attn
+        # (a hybrid's first layer may be a mixer's)
+        attn0 = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
         self.attn0 = attn0.attn  # holds the cache every layer's is checked like
         self.num_heads, self.kv_heads = attn0.num_heads, attn0.num_kv_heads
         self.head_dim = attn0.head_dim
@@ -240,15 +289,25 @@ class Q8Decoder:
         self.scratch: list[torch.Tensor] = []  # the stack's activations, grown, never shrunk
         self.moes: list[MoeQ8] = []
         self.moe_buf: torch.Tensor | None = None
+        # a hybrid's mixers: (their descriptions, views of the layers', and their modules)
+        self.mixers: list[tuple[MixerQ8, nn.Module]] = []
+        self.mixer_buf: torch.Tensor | None = None
+        self.widths: tuple[int, ...] = ()  # the scratch activations' widths
         self.head_module: torch.nn.Module | None = None  # the output projection `head` runs
         self.head: HeadQ8 | None = None
 
     def usable(self) -> bool:
         """Whether the stack runs this step (the caches' dtype and layout, checked when the
-        runner binds them)."""
+        runner binds them; a hybrid's: decode steps alone, a token a request, each request's
+        states in its slot)."""
         cache = self.attn0.kv_cache
         if cache is not self.cache:
             self._build(cache)
+        if self.ok and self.mixers:
+            md = get_forward_context().attn_metadata
+            starts = md.query_starts_host
+            return (md.state_slots is not None and len(starts) > 1
+                    and starts[-1] == len(starts) - 1 and bool((md.computed > 0).all()))
         return self.ok
 
     def _build(self, cache: torch.Tensor) -> None:
@@ -261,6 +320,15 @@ class Q8Decoder:
             *(LayerQ8.of(p, rotaries[p["rope_index"]]) for p in parts))
         # the mixtures of experts' descriptions (views of the layers'), their scratch unset
         self.moes = [layer.moe.contents for layer in self.layers if layer.moe]
+        self.mixers = [(layer.mixer.contents, p["mixer"])
+                       for layer, p in zip(self.layers, parts) if layer.mixer]
+        qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
+        q_n = self.num_heads * self.head_dim
+        gates = any(p.get("gate") is not None for p in parts)
+        self.widths = (max([qkv_n, *(x.proj_n for x, _ in self.mixers)]),
+                       max([q_n, *(x.out_k for x, _ in self.mixers)]),
+                       max(2 * self.inter, q_n if gates else 0), self.inter,
+                       self.hidden, self.hidden)
         # the loader gives every linear one batch kernel and the fp16 copies (VNNI) all or none;
         # linears set apart by hand run the fp32 kernel, which every build has
         codes = {_kernel_code(m) for p in parts for m in _linears(p)} - {None}
@@ -281,13 +349,22 @@ class Q8Decoder:
         for x in self.moes:
             x.buf, x.max_rows = self.moe_buf.data_ptr(), m
 
+    def _mixer_scratch(self, m: int) -> None:
+        """The mixers' states as bound now, and their scratch (one buffer: the layers run one
+        at a time) for steps of up to m tokens, grown, never shrunk."""
+        for x, module in self.mixers:
+            x.bind(module)
+        if not self.mixers or self.mixers[0][0].max_rows >= m:
+            return
+        floats = max(module.scratch_floats(m) for _, module in self.mixers)
+        self.mixer_buf = torch.empty(max(floats, 1))
+        for x, _ in self.mixers:
+            x.scratch, x.max_rows = self.mixer_buf.data_ptr(), m
+
     def _scratch(self, m: int) -> list[torch.Tensor]:
-        h, i = self.hidden, self.inter
-        widths = ((self.num_heads + 2 * self.kv_heads) * self.head_dim,
-                  self.num_heads * self.head_dim, 2 * i, i, h, h)
         if not self.scratch or self.scratch[0].shape[0] < m:
             # a fresh allocation each step was page-faulted in again
-            self.scratch = [torch.empty((m, n)) for n in widths]
+            self.scratch = [torch.empty((m, n)) for n in self.widths]
         return self.scratch
 
     def _head(self, head: torch.nn.Module) -> HeadQ8 | None:
@@ -329,6 +406,9 @@ class Q8Decoder:
         m = input_ids.shape[0]
         buf_qkv, buf_attn, buf_gu, buf_act, head_x, x = self._scratch(m)
         self._moe_scratch(m)
+        self._mixer_scratch(m)
+        state_slots = (None if not self.mixers
+                       else np.ascontiguousarray(md.state_slots, dtype=np.int64))
         buf_h = torch.empty((m, self.hidden))  # returned: the caller's until it lets go
         if self.embed is not None:  # looked up into x, the residual stream
             assert input_ids.dtype == torch.int64 and input_ids.is_contiguous()
@@ -359,7 +439,9 @@ class Q8Decoder:
             md.query_start_loc.data_ptr(), md.query_start_loc.shape[0] - 1, self.tile_tokens,
             buf_h.data_ptr(), buf_qkv.data_ptr(), buf_attn.data_ptr(), buf_gu.data_ptr(),
             buf_act.data_ptr(), c_head, None if keep is None else keep.ctypes.data,
-            -1 if keep is None else len(keep), threads, kv_type(self.cache), self.code,
+            -1 if keep is None else len(keep),
+            None if state_slots is None else state_slots.ctypes.data, threads,
+            kv_type(self.cache), self.code,
         )
         self.team.record(m, time.perf_counter() - start)
         if rc == -4:  # the module path's IndexError (past the end of a table)

@@ -83,8 +83,9 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
                                   "phi3-partial", "smollm3", "granite", "glm4", "olmo2",
-                                  "exaone4", "gemma", "granite4"])
-def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
+                                  "exaone4", "gemma", "granite4", "qwen3_5", "lfm2",
+                                  "granite4-h"])
+def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name, monkeypatch) -> None:
     """Llama, Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norms), Gemma 3 (q/k norms, four norms
     a layer, GELU-tanh, scaled embeddings, sliding and global layers with their own RoPE
     bases), Gemma 2 (attention and final-logit soft caps), Phi-3 (fused checkpoint
@@ -92,8 +93,10 @@ def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None
     layers), Granite (its multipliers, folded), GLM-4 (interleaved partial rotary, output
     norms), OLMo 2 (no input norms, q/k norms over all heads), EXAONE 4 (OLMo 2's norms, a
     sliding layer, a full one without RoPE), Gemma 1 (Llama's layer, Gemma's norms and MLP),
-    Granite 4.0's dense transformer (Granite's layer under Granite 4.0's names):
-    the C stack runs each, its logits
+    Granite 4.0's dense transformer (Granite's layer under Granite 4.0's names), and the
+    hybrids' decode steps (Qwen3.5: Gated DeltaNet, gated attention with a partial rotary;
+    LFM2: short convolutions; Granite 4.0-H: Mamba2, attention without positions; their
+    prompts run layer by layer): the C stack runs each, its logits
     are transformers' on the same weights, its tokens transformers' greedy ones, and the
     module path gives its bits."""
     require_cpu_kernels()
@@ -102,11 +105,15 @@ def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None
     # the fp32 kernels (batch-invariant): the bf16 batch kernel rounds activations
     loaded = load_model(resolve_model(str(folder)), "float32", quantization="int8",
                         batch_invariant=True)
+    calls = []
+    forward = Q8Decoder.forward
+    monkeypatch.setattr(Q8Decoder, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # decode in one OpenMP region needs a team, even on one core
     try:
         prompts, logits, seqs = _mixed_batch(loaded, loaded.config.vocab_size)
         assert isinstance(loaded.model.model.stack, Q8Decoder), "the C stack did not run"
+        assert len(calls) >= STEPS, "the C stack ran no decode step"
         loaded.model.model.stack = False  # the per-module path, same weights and kernels
         _, module_logits, _ = _mixed_batch(loaded, loaded.config.vocab_size)
     finally:

@@ -14,7 +14,7 @@ from loom import LLM, SamplingParams
 from loom.config import ConfigError
 from loom.layers import mamba2
 from loom.layers.gated_delta import chunked, l2norm, recurrent_step
-from loom.layers.recurrent import state_bytes
+from loom.layers.recurrent import StepStates, state_bytes
 from tests.tiny_models import make_tiny_chat_model, smollm2_tokenizer
 
 
@@ -123,29 +123,14 @@ def test_prefix_hits_start_from_the_kept_states(hybrid) -> None:
     assert list(out.outputs[0].token_ids) == want
 
 
-def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
-    """The C decode step (csrc/mamba2.c) of three one-token requests in slots 4, 0 and 2 of 6,
-    from random states, over several steps: its outputs and both states equal _torch's (groups
-    of heads sharing B and C, a conv bias, two norm groups, dt clamped below)."""
-    from loom.config import MambaConfig
-    from loom.layers.recurrent import StepStates
-    from tests.cpu_kernels import require_cpu_kernels
-
-    require_cpu_kernels()
-    g = torch.Generator().manual_seed(0)
-    shape = MambaConfig(num_heads=8, head_dim=16, state_size=16, num_groups=2, conv_kernel=4,
-                        conv_bias=True, norm_groups=2, time_step_min=0.01)
-    mixer = mamba2.Mamba2Mixer(64, shape, 1e-5)
-    with torch.no_grad():
-        for param in mixer.parameters():
-            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
-        mixer.dt_bias[::2] = -6.0  # (these heads' dt mostly clamped to time_step_min)
+def _check_c_decode_step(mixer, width: int, g: torch.Generator) -> None:
+    """Five steps of three one-token requests in slots 4, 0 and 2 of 6, from random states:
+    the C decode step's outputs and states equal _torch's; the other slots untouched."""
     mixer.allocate_states(6, torch.device("cpu"))
     mixer.states = [torch.randn(t.shape, generator=g) for t in mixer.states]
     start = [t.clone() for t in mixer.states]
     ref_states = [t.clone() for t in mixer.states]
     starts, lens, slots = np.arange(4), np.ones(3, dtype=np.int64), np.array([4, 0, 2])
-    width = mixer.inner + mixer.conv_dim + shape.num_heads
     with torch.no_grad():
         for _ in range(5):
             proj = torch.randn(3, width, generator=g)
@@ -157,3 +142,36 @@ def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
     for t, first in zip(mixer.states, start):  # the other slots untouched, these moved
         assert torch.equal(t[[1, 3, 5]], first[[1, 3, 5]])
         assert not torch.allclose(t[[4, 0, 2]], first[[4, 0, 2]], atol=1e-2)
+
+
+def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
+    """Mamba2's C decode step (csrc/mamba2.c) against _torch: groups of heads sharing B and C,
+    a conv bias, two norm groups, dt clamped below."""
+    from loom.config import MambaConfig
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    shape = MambaConfig(num_heads=8, head_dim=16, state_size=16, num_groups=2, conv_kernel=4,
+                        conv_bias=True, norm_groups=2, time_step_min=0.01)
+    mixer = mamba2.Mamba2Mixer(64, shape, 1e-5)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+        mixer.dt_bias[::2] = -6.0  # (these heads' dt mostly clamped to time_step_min)
+    _check_c_decode_step(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
+
+
+def test_shortconv_c_decode_step_equals_the_torch_path() -> None:
+    """LFM2's short convolution's C decode step (csrc/shortconv.c) against _torch: a conv
+    bias, width 3."""
+    from loom.layers.recurrent import ShortConv
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    mixer = ShortConv(64, 3, bias=True)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+    _check_c_decode_step(mixer, 3 * 64, g)

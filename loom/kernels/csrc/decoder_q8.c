@@ -92,6 +92,7 @@ typedef struct {
     const int64_t *positions, *slots, *block_tables, *tiles;
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
+    const int64_t *state_slots;  // [M]: each request's state slot (a hybrid's mixers)
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16, 3 int16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
                               // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
@@ -481,6 +482,59 @@ static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
 // The last layer's rows that go on past attention (s->keep; the rest feed nothing but their
 // own K and V, written by then): row keep[r] of buf_h and of hidden moved to row r, and the
 // step's rows cut to them. Rows only move up (keep ascends), on thread 0.
+// ---- a hybrid's mixers (loom.h's LoomMixerQ8), on decode steps (a token a request): in_proj
+// into buf_qkv, the mixer's decode step into buf_attn, out_proj into buf_h. In a team the
+// kernels' team forms (their phases split between the threads, the team's barrier between
+// them); op by op their OpenMP forms, which run the team forms: the same bits either way, and
+// the module path's (loom/layers/recurrent.py: RecurrentMixer.decode_split).
+
+static void team_barrier(void *arg)
+{
+    sync_team((Team *)arg);
+}
+
+static int mixer(const Step *s, Team *t, const LoomMixerQ8 *X)
+{
+    int rc;
+    if ((rc = linear(s, t, s->buf_h, s->H, &X->in_proj, X->in_b, X->proj_n, s->buf_qkv)))
+        return rc;
+    const float *p = s->buf_qkv;
+    const int64_t *slots = s->state_slots, M = s->M;
+    float *y = s->buf_attn;
+    const int tid = t ? t->tid : 0, team = t ? t->team : 1;
+    if (X->kind == LOOM_MIXER_GDN)
+        rc = t ? loom_gdn_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                      X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
+                                      X->key_heads, X->value_heads, X->dk, X->dv, X->width,
+                                      (int)X->tiled, X->eps, y, X->scratch, tid, team,
+                                      team_barrier, t)
+               : loom_gdn_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                     X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
+                                     X->key_heads, X->value_heads, X->dk, X->dv, X->width,
+                                     (int)X->tiled, X->eps, y, s->nt);
+    else if (X->kind == LOOM_MIXER_MAMBA2)
+        rc = t ? loom_mamba2_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                         X->conv_b, X->ssm_state, X->dt_bias, X->a_log, X->d,
+                                         X->norm_w, X->value_heads, X->dv, X->key_heads, X->dk,
+                                         X->width, X->norm_groups, X->eps, X->dt_min,
+                                         X->dt_max, y, X->scratch, tid, team, team_barrier, t)
+               : loom_mamba2_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                        X->conv_b, X->ssm_state, X->dt_bias, X->a_log, X->d,
+                                        X->norm_w, X->value_heads, X->dv, X->key_heads, X->dk,
+                                        X->width, X->norm_groups, X->eps, X->dt_min, X->dt_max,
+                                        y, s->nt);
+    else if (X->kind == LOOM_MIXER_SHORTCONV)
+        rc = t ? loom_shortconv_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                            X->conv_b, s->H, X->width, y, tid, team,
+                                            team_barrier, t)
+               : loom_shortconv_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
+                                           X->conv_b, s->H, X->width, y, s->nt);
+    else
+        rc = -1;
+    if (rc) return rc;
+    return linear(s, t, s->buf_attn, X->out_k, &X->out_proj, X->out_b, s->H, s->buf_h);
+}
+
 static void keep_rows(Step *s, Team *t)
 {
     if (!t || t->tid == 0)
@@ -514,8 +568,20 @@ static int run_layers(Step *s, Team *t)
                                       s->eps, nt);
             sync_team(t);
         }
+        if (L->mixer) {  // a hybrid's mixer: every row's state moves, then as below
+            if ((rc = mixer(s, t, L->mixer))) return rc;
+            if (last && s->keep && s->num_keep == 0) {
+                s->M = 0;
+                return 0;
+            }
+            if (last && s->keep) keep_rows(s, t);
+            if ((rc = mlp(s, t, L))) return rc;
+            continue;
+        }
         if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
             return rc;
+        if (L->gate && (rc = linear(s, t, s->buf_h, H, L->gate, NULL, s->q_n, s->buf_gu)))
+            return rc;  // (buf_gu is free until the MLP)
         if (nt && L->q_norm && L->qk_norm_full) {  // all of q, then all of k, as one row each
             loom_qk_norm_f32(s->buf_qkv + r0 * s->qkv_n, s->qkv_n, n, 1, 0, s->q_n, L->q_norm,
                              L->k_norm, s->eps, nt);
@@ -534,6 +600,12 @@ static int run_layers(Step *s, Team *t)
             return 0;
         }
         if ((rc = attention(s, t, L))) return rc;
+        if (L->gate) {  // attention's output times sigmoid of the gate's
+            if (nt)
+                loom_sigmoid_mul_f32(s->buf_attn + r0 * s->q_n, s->buf_gu + r0 * s->q_n, n,
+                                     s->q_n, nt);
+            sync_team(t);
+        }
         if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h))) return rc;
         if (last && s->keep) keep_rows(s, t);
         if ((rc = mlp(s, t, L))) return rc;
@@ -649,20 +721,23 @@ static int team_past_few(int q8, int kq, int kernel)
     return (!q8 || ((kernel & 3) == 2 && loom_bf16_available())) && (!kq || (kernel & KQ_GEMM));
 }
 
-// A layer's linears one by one (i below layer_linears(L)), each with its K: qkv, o, then the
-// dense MLP's gate_up and down, or the router, each expert's pair and the shared expert's
-// three (gate_up, down, its gate).
+// A layer's linears one by one (i below layer_linears(L)), each with its K: qkv, o (a mixer's
+// in_proj, out_proj), then the dense MLP's gate_up and down, or the router, each expert's pair
+// and the shared expert's three (gate_up, down, its gate); then attention's output gate.
 static int64_t layer_linears(const LoomLayerQ8 *L)
 {
-    return L->moe ? 3 + 2 * L->moe->num_experts + (L->moe->shared_inter ? 3 : 0) : 4;
+    return (L->moe ? 3 + 2 * L->moe->num_experts + (L->moe->shared_inter ? 3 : 0) : 4) +
+           (L->gate != NULL);
 }
 
 static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int64_t i,
                                         int64_t *K)
 {
     const LoomMoeQ8 *X = L->moe;
-    *K = i == 1 ? s->q_n : s->H;
-    if (i < 2) return i == 0 ? &L->qkv : &L->o;
+    const LoomMixerQ8 *R = L->mixer;
+    *K = i == 1 ? (R ? R->out_k : s->q_n) : s->H;
+    if (L->gate && i == layer_linears(L) - 1) return L->gate;
+    if (i < 2) return R ? (i == 0 ? &R->in_proj : &R->out_proj) : i == 0 ? &L->qkv : &L->o;
     if (!X) {
         if (i == 3) *K = s->I;
         return i == 2 ? &L->gu : &L->d;
@@ -696,9 +771,13 @@ static int check_inputs(const Step *s, const LoomEmbedQ8 *embed, const LoomHeadQ
     int64_t rope_rows = INT64_MAX;  // the shortest of the layers' tables
     for (int64_t l = 0; l < s->num_layers; l++) {
         const LoomMoeQ8 *X = s->layers[l].moe;
+        const LoomMixerQ8 *R = s->layers[l].mixer;
         if (s->layers[l].rope_rows < rope_rows) rope_rows = s->layers[l].rope_rows;
         if (X && (!X->buf || s->M > X->max_rows || X->top_k < 1 || X->top_k > X->num_experts))
             return -1;  // its scratch too small, or a bad top_k
+        if (R && (!s->state_slots || (R->kind != LOOM_MIXER_SHORTCONV &&
+                                      (!R->scratch || s->M > R->max_rows))))
+            return -1;  // no slots, or its scratch too small
     }
     for (int64_t t = 0; t < s->M; t++) {
         if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
@@ -805,11 +884,14 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
 // its rows. With `keep` (num_keep ascending rows; NULL: all), the last layer's MLP, the final
 // norm and the head run on those rows only (llama.cpp's output rows): buf_h [num_keep, H] holds
 // their states and the head's rows index them. Scratch: buf_qkv [M, (heads + 2 kv_heads) D],
-// buf_attn [M, heads D], buf_gu [M, 2 I], buf_act [M, I]. kv_type: what the caches hold (0
-// fp32, 1 fp16, 2 int8). Request r owns tokens query_start_loc[r] .. query_start_loc[r + 1] - 1;
-// attention runs in tiles of at most tile_tokens of one request's tokens. Returns 0; -7 for
-// tokens that do not add up to M, check_inputs' errors (nothing written either way); or the
-// first kernel's error.
+// buf_attn [M, heads D], buf_gu [M, 2 I], buf_act [M, I] (a hybrid's: buf_qkv as wide as its
+// mixers' in_proj too, buf_attn as their out_proj's inputs, buf_gu as heads D where attention
+// has an output gate). kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8). Request r owns
+// tokens query_start_loc[r] .. query_start_loc[r + 1] - 1; attention runs in tiles of at most
+// tile_tokens of one request's tokens. state_slots [M]: each request's state slot, for layers
+// with a mixer (steps of a token a request only). Returns 0; -7 for tokens that do not add up
+// to M, -8 for a step with a mixer that is not a token a request, check_inputs' errors
+// (nothing written either way); or the first kernel's error.
 //
 // The whole stack, and the head, runs in one OpenMP region instead of one per op: the linears
 // and the attention share their work out from counters (loom_linear_q8_team or
@@ -827,9 +909,12 @@ int loom_decoder_forward_q8(
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
     const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens, float *buf_h,
     float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act, const LoomHeadQ8 *head,
-    const int64_t *keep, int64_t num_keep, int nt, int kv_type, int kernel)
+    const int64_t *keep, int64_t num_keep, const int64_t *state_slots, int nt, int kv_type,
+    int kernel)
 {
     if (query_start_loc[num_reqs] != M) return -7;
+    for (int64_t l = 0; l < num_layers; l++)
+        if (layers[l].mixer && num_reqs != M) return -8;  // a mixer: decode steps only
     int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
     if (!tiles) return -2;
     const int64_t num_tiles = loom_attention_tiles(query_start_loc, num_reqs, tile_tokens, tiles);
@@ -841,7 +926,7 @@ int loom_decoder_forward_q8(
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables,
-        tiles, keep, num_keep,
+        tiles, keep, num_keep, state_slots,
         nt, kv_type, kernel,
     };
     const int rc = run_step(s, embed, final_norm, head);

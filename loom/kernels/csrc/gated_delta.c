@@ -4,17 +4,18 @@
 // update of each value head's [dk, dv] state and its read by q, and the gated RMSNorm of the
 // result. The torch path runs the same steps as a dozen small ops a layer, each over every
 // request's state gathered and scattered back; here each state is read and written twice, in
-// place. Two parallel phases: the convolution by request and channel (each channel's window
-// is updated once), then the heads by request and value head.
+// place. Two parallel phases: the convolution by request and channel block (each channel's
+// window is updated once), then the heads by request and value head. loom_gdn_decode_team
+// runs them inside a caller's team (a phase's items split statically, the caller's barrier
+// between the phases and after the last); loom_gdn_decode_f32 is that in an OpenMP region of
+// its own, so both give the same bits.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include "loom.h"
-
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
-
-static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+#include "mixer_team.h"
 
 // x * rsqrt(sum(x^2) + eps) times `scale`, into out (the FLA library's L2 norm)
 static void l2norm(const float *x, int64_t n, float scale, float *out)
@@ -27,93 +28,134 @@ static void l2norm(const float *x, int64_t n, float scale, float *out)
         out[i] = x[i] * r;
 }
 
-// Returns 0, or -1 (nothing written) where its scratch cannot be allocated or a head is wider
-// than 1024.
-int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots, int64_t reqs,
-                         float *conv_state, const float *conv_w, float *ssm_state,
+// 0, or -1 where a head is wider than 1024 (the heads' stack arrays) or the dims do not fit
+static int gdn_check(int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
+                     int64_t width)
+{
+    if (dk <= 0 || dv <= 0 || dk > 1024 || dv > 1024 || width < 1)
+        return -1;
+    if (key_heads <= 0 || value_heads <= 0 || value_heads % key_heads)
+        return -1;
+    return 0;
+}
+
+// the convolution's output [reqs, conv_dim]
+int64_t loom_gdn_scratch_floats(int64_t reqs, int64_t key_heads, int64_t value_heads,
+                                int64_t dk, int64_t dv)
+{
+    return reqs > 0 ? reqs * (2 * key_heads * dk + value_heads * dv) : 0;
+}
+
+int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
+                         int64_t reqs, float *conv_state, const float *conv_w, float *ssm_state,
                          const float *a_log, const float *dt_bias, const float *norm_w,
                          int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
-                         int64_t width, int tiled, float eps, float *out, int num_threads)
+                         int64_t width, int tiled, float eps, float *out, float *scratch,
+                         int tid, int team, LoomSync sync, void *sync_arg)
 {
+    if (gdn_check(key_heads, value_heads, dk, dv, width))
+        return -1;
+    if (reqs <= 0)
+        return 0;
     const int64_t key_dim = key_heads * dk, value_dim = value_heads * dv;
     const int64_t conv_dim = 2 * key_dim + value_dim, past = width - 1;
     // proj's row: [q k v (conv_dim) | z (value_dim) | b (value_heads) | a (value_heads)]
-    if (dk > 1024 || dv > 1024)
-        return -1;
-    float *y = malloc(sizeof(float) * (size_t)(reqs * conv_dim));
-    if (!y)
-        return -1;
+    float *y = scratch;
     const int64_t block = 256;  // channels a task
     const int64_t blocks = (conv_dim + block - 1) / block;
     const int64_t group = value_heads / key_heads;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < reqs * blocks; t++) {
-            const int64_t r = t / blocks, c0 = (t % blocks) * block;
-            const int64_t c1 = c0 + block < conv_dim ? c0 + block : conv_dim;
-            const float *x = proj + r * proj_ld;
-            float *win = conv_state + slots[r] * conv_dim * past;
-            for (int64_t c = c0; c < c1; c++) {
-                float *w = win + c * past;
-                const float *k = conv_w + c * width;
-                float acc = x[c] * k[past];
-                for (int64_t j = 0; j < past; j++)
-                    acc += w[j] * k[j];
-                for (int64_t j = 0; j + 1 < past; j++)
-                    w[j] = w[j + 1];
-                if (past > 0)
-                    w[past - 1] = x[c];
-                y[r * conv_dim + c] = silu(acc);
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < reqs * value_heads; t++) {
-            float q[dk], k[dk], pred[dv], o[dv];
-            const int64_t r = t / value_heads, h = t % value_heads;
-            const int64_t kh = tiled ? h % key_heads : h / group;
-            const float *yr = y + r * conv_dim;
-            const float *row = proj + r * proj_ld;
-            l2norm(yr + kh * dk, dk, 1.0f / sqrtf((float)dk), q);
-            l2norm(yr + key_dim + kh * dk, dk, 1.0f, k);
-            const float *v = yr + 2 * key_dim + h * dv;
-            const float *z = row + conv_dim + h * dv;
-            const float b = row[conv_dim + value_dim + h];
-            const float a = row[conv_dim + value_dim + value_heads + h];
-            const float decay = expf(-expf(a_log[h]) * softplus(a + dt_bias[h]));
-            const float beta = 1.0f / (1.0f + expf(-b));
-            float *s = ssm_state + (slots[r] * value_heads + h) * dk * dv;
-            for (int64_t j = 0; j < dv; j++)
-                pred[j] = 0.0f;
-            for (int64_t i = 0; i < dk; i++) {  // S *= decay; pred = S^T k
-                float *si = s + i * dv;
-                const float ki = k[i];
-                for (int64_t j = 0; j < dv; j++) {
-                    si[j] *= decay;
-                    pred[j] += si[j] * ki;
-                }
-            }
-            for (int64_t j = 0; j < dv; j++) {
-                pred[j] = (v[j] - pred[j]) * beta;  // the delta written
-                o[j] = 0.0f;
-            }
-            for (int64_t i = 0; i < dk; i++) {  // S += k delta^T; o = S^T q
-                float *si = s + i * dv;
-                const float ki = k[i], qi = q[i];
-                for (int64_t j = 0; j < dv; j++) {
-                    si[j] += ki * pred[j];
-                    o[j] += si[j] * qi;
-                }
-            }
-            float ss = 0.0f;  // the gated RMSNorm
-            for (int64_t j = 0; j < dv; j++)
-                ss += o[j] * o[j];
-            const float rn = 1.0f / sqrtf(ss / (float)dv + eps);
-            float *dst = out + r * value_dim + h * dv;
-            for (int64_t j = 0; j < dv; j++)
-                dst[j] = norm_w[j] * (o[j] * rn) * silu(z[j]);
+    int64_t lo, hi;
+    share(reqs * blocks, tid, team, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t r = t / blocks, c0 = (t % blocks) * block;
+        const int64_t c1 = c0 + block < conv_dim ? c0 + block : conv_dim;
+        const float *x = proj + r * proj_ld;
+        float *win = conv_state + slots[r] * conv_dim * past;
+        for (int64_t c = c0; c < c1; c++) {
+            float *w = win + c * past;
+            const float *k = conv_w + c * width;
+            float acc = x[c] * k[past];
+            for (int64_t j = 0; j < past; j++)
+                acc += w[j] * k[j];
+            for (int64_t j = 0; j + 1 < past; j++)
+                w[j] = w[j + 1];
+            if (past > 0)
+                w[past - 1] = x[c];
+            y[r * conv_dim + c] = silu(acc);
         }
     }
-    free(y);
+    sync(sync_arg);
+    share(reqs * value_heads, tid, team, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        float q[dk], k[dk], pred[dv], o[dv];
+        const int64_t r = t / value_heads, h = t % value_heads;
+        const int64_t kh = tiled ? h % key_heads : h / group;
+        const float *yr = y + r * conv_dim;
+        const float *row = proj + r * proj_ld;
+        l2norm(yr + kh * dk, dk, 1.0f / sqrtf((float)dk), q);
+        l2norm(yr + key_dim + kh * dk, dk, 1.0f, k);
+        const float *v = yr + 2 * key_dim + h * dv;
+        const float *z = row + conv_dim + h * dv;
+        const float b = row[conv_dim + value_dim + h];
+        const float a = row[conv_dim + value_dim + value_heads + h];
+        const float decay = expf(-expf(a_log[h]) * softplus(a + dt_bias[h]));
+        const float beta = 1.0f / (1.0f + expf(-b));
+        float *s = ssm_state + (slots[r] * value_heads + h) * dk * dv;
+        for (int64_t j = 0; j < dv; j++)
+            pred[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {  // S *= decay; pred = S^T k
+            float *si = s + i * dv;
+            const float ki = k[i];
+            for (int64_t j = 0; j < dv; j++) {
+                si[j] *= decay;
+                pred[j] += si[j] * ki;
+            }
+        }
+        for (int64_t j = 0; j < dv; j++) {
+            pred[j] = (v[j] - pred[j]) * beta;  // the delta written
+            o[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < dk; i++) {  // S += k delta^T; o = S^T q
+            float *si = s + i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < dv; j++) {
+                si[j] += ki * pred[j];
+                o[j] += si[j] * qi;
+            }
+        }
+        float ss = 0.0f;  // the gated RMSNorm
+        for (int64_t j = 0; j < dv; j++)
+            ss += o[j] * o[j];
+        const float rn = 1.0f / sqrtf(ss / (float)dv + eps);
+        float *dst = out + r * value_dim + h * dv;
+        for (int64_t j = 0; j < dv; j++)
+            dst[j] = norm_w[j] * (o[j] * rn) * silu(z[j]);
+    }
+    sync(sync_arg);
+    return 0;
+}
+
+// Returns 0, or -1 (nothing written) where its scratch cannot be allocated or a head is wider
+// than 1024.
+int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots, int64_t reqs,
+                        float *conv_state, const float *conv_w, float *ssm_state,
+                        const float *a_log, const float *dt_bias, const float *norm_w,
+                        int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
+                        int64_t width, int tiled, float eps, float *out, int num_threads)
+{
+    if (gdn_check(key_heads, value_heads, dk, dv, width))
+        return -1;
+    if (reqs <= 0)
+        return 0;
+    const int64_t n = loom_gdn_scratch_floats(reqs, key_heads, value_heads, dk, dv);
+    float *scratch = malloc(sizeof(float) * (size_t)n);
+    if (!scratch)
+        return -1;
+#pragma omp parallel num_threads(num_threads)
+    loom_gdn_decode_team(proj, proj_ld, slots, reqs, conv_state, conv_w, ssm_state, a_log,
+                         dt_bias, norm_w, key_heads, value_heads, dk, dv, width, tiled, eps,
+                         out, scratch, omp_get_thread_num(), omp_get_num_threads(), omp_sync,
+                         NULL);
+    free(scratch);
     return 0;
 }

@@ -120,6 +120,16 @@ void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, i
     }
 }
 
+// x[t, i] *= sigmoid(g[t, i]) = 1 / (1 + exp(-g)); x, g [n, d] (Qwen3.5's gated attention
+// output, in the module path and the stack alike).
+void loom_sigmoid_mul_f32(float *x, const float *g, int64_t n, int64_t d, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (n >= PAR_MIN_TOKENS)
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < d; i++)
+            x[t * d + i] *= 1.0f / (1.0f + expf(-g[t * d + i]));
+}
+
 // n fp32 values -> fp16, rounded to nearest even (as torch's .half()).
 static inline void f32_to_f16(const float *src, int64_t n, uint16_t *dst)
 {

@@ -49,6 +49,8 @@ void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64
                            float eps, int num_threads);
 // out [n, d] = silu(gate) * up of gate_up [n, 2 d].
 void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
+// x [n, d] *= sigmoid(g [n, d]), elementwise.
+void loom_sigmoid_mul_f32(float *x, const float *g, int64_t n, int64_t d, int num_threads);
 // Rotates q and k in place in qkv [n, stride] (heads side by side: num_heads q, kv_heads k,
 // kv_heads v, each D wide) by table rows [positions] ([cos, cos, -sin, sin] each D / 2), then
 // writes k and v to the caches at `slots`.
@@ -73,6 +75,15 @@ void loom_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t n, int64_t
 void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out,
                       int num_threads);
 
+// ---- recurrent mixers' decode steps (gated_delta.c, mamba2.c, shortconv.c) ---------------
+// Each `*_team` form is called by every thread of a caller's team with the same arguments
+// (tid 0..team-1): each phase's items split statically (items [n tid / team, n (tid + 1) /
+// team)), `sync(sync_arg)` (the caller's barrier) called by every thread between dependent
+// phases and once at the end. A failed check returns the same value in every thread before
+// any sync. `scratch` holds the `*_scratch_floats` floats (caller-provided, shared by the
+// team). The `*_f32` forms allocate that scratch and run the team form in an OpenMP region.
+typedef void (*LoomSync)(void *arg);
+
 // Gated DeltaNet's decode step for `reqs` one-token requests, in place on their state slots
 // (gated_delta.c); out [reqs, value_heads * dv]. 0, or -1 with nothing written.
 int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots, int64_t reqs,
@@ -80,6 +91,14 @@ int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots
                         const float *a_log, const float *dt_bias, const float *norm_w,
                         int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
                         int64_t width, int tiled, float eps, float *out, int num_threads);
+int64_t loom_gdn_scratch_floats(int64_t reqs, int64_t key_heads, int64_t value_heads,
+                                int64_t dk, int64_t dv);
+int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
+                         int64_t reqs, float *conv_state, const float *conv_w, float *ssm_state,
+                         const float *a_log, const float *dt_bias, const float *norm_w,
+                         int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
+                         int64_t width, int tiled, float eps, float *out, float *scratch,
+                         int tid, int team, LoomSync sync, void *sync_arg);
 // Mamba2's decode step for `reqs` one-token requests, in place on their state slots
 // (mamba2.c): proj rows [z | x B C | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max]
 // (dt_max may be +inf); out [reqs, heads * head_dim]. 0, or -1 with nothing written.
@@ -90,6 +109,27 @@ int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *sl
                            int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size,
                            int64_t width, int64_t norm_groups, float eps, float dt_min,
                            float dt_max, float *out, int num_threads);
+int64_t loom_mamba2_scratch_floats(int64_t reqs, int64_t heads, int64_t head_dim,
+                                   int64_t groups, int64_t state_size);
+int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
+                            int64_t reqs, float *conv_state, const float *conv_w,
+                            const float *conv_b, float *ssm_state, const float *dt_bias,
+                            const float *a_log, const float *d, const float *norm_w,
+                            int64_t heads, int64_t head_dim, int64_t groups,
+                            int64_t state_size, int64_t width, int64_t norm_groups, float eps,
+                            float dt_min, float dt_max, float *out, float *scratch, int tid,
+                            int team, LoomSync sync, void *sync_arg);
+// LFM2's short convolution's decode step (shortconv.c): proj rows [b | c | h] (H each),
+// window_state [slots, H, width - 1] (oldest first), conv_w [H, width], conv_b [H] or NULL;
+// out [reqs, H] = c * (conv(b * h) + conv_b). No scratch. 0, or -1 with nothing written.
+int loom_shortconv_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
+                              int64_t reqs, float *window_state, const float *conv_w,
+                              const float *conv_b, int64_t H, int64_t width, float *out,
+                              int num_threads);
+int loom_shortconv_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
+                               int64_t reqs, float *window_state, const float *conv_w,
+                               const float *conv_b, int64_t H, int64_t width, float *out,
+                               int tid, int team, LoomSync sync, void *sync_arg);
 
 // ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
 // W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):
@@ -326,6 +366,27 @@ typedef struct LoomMoeQ8 {
     int64_t max_rows;
 } LoomMoeQ8;
 
+// A hybrid layer's token mixer with a state per request, run in place of attention on steps
+// where every request has one token (a decode step; loom/layers/recurrent.py):
+//   p = h Win^T (+ in_b);  y = the mixer's decode step (p; each request's state slot,
+//   updated);  a = y Wout^T (+ out_b)
+// kind LOOM_MIXER_GDN (Gated DeltaNet: key_heads, value_heads, dk, dv, tiled, conv_w, a_log,
+// dt_bias, norm_w), LOOM_MIXER_MAMBA2 (heads = value_heads, head_dim = dv, groups = key_heads,
+// state = dk, norm_groups, conv_w, conv_b, dt_bias, a_log, d, norm_w, dt_min, dt_max) or
+// LOOM_MIXER_SHORTCONV (conv_w, conv_b). states: [slots, ...] each, as the module keeps them.
+enum { LOOM_MIXER_GDN = 1, LOOM_MIXER_MAMBA2 = 2, LOOM_MIXER_SHORTCONV = 3 };
+typedef struct {
+    LoomLinearQ8 in_proj, out_proj;
+    const float *in_b, *out_b;    // their biases, or NULL
+    int64_t kind, proj_n, out_k;  // in_proj's outputs, out_proj's inputs
+    float *conv_state, *ssm_state;
+    const float *conv_w, *conv_b, *a_log, *dt_bias, *d, *norm_w;
+    int64_t key_heads, value_heads, dk, dv, width, norm_groups, tiled;
+    float eps, dt_min, dt_max;
+    float *scratch;  // the step's (the *_scratch_floats of its kind, for max_rows rows)
+    int64_t max_rows;
+} LoomMixerQ8;
+
 // One decoder layer, in the order it runs:
 //   h = in_norm(hidden (+= last output));  qkv = h Wqkv^T (+ qkv_b);
 //   [q, k heads = q_norm, k_norm (each head)];  rotate q, k by rope_table; write k, v;
@@ -348,6 +409,9 @@ typedef struct {
     int32_t act;     // LOOM_ACT_*
     int32_t qk_norm_full;  // q_norm over all of q ([num_heads D]), k_norm all of k (OLMo 2)
     const LoomMoeQ8 *moe;  // NULL: the dense MLP (gu, d); else this instead
+    // attention's output times sigmoid(h Wgate^T) before Wo (Qwen3.5's), or NULL
+    const LoomLinearQ8 *gate;
+    const LoomMixerQ8 *mixer;  // a hybrid's mixer in place of attention (qkv .. o), or NULL
 } LoomLayerQ8;
 
 // Router logits [M, E] (overwritten by the softmax's probabilities) -> each token's top_k
@@ -380,6 +444,7 @@ int loom_decoder_forward_q8(
     const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
     const int64_t *query_start_loc, int64_t num_reqs, int64_t tile_tokens, float *buf_h,
     float *buf_qkv, float *buf_attn, float *buf_gu, float *buf_act, const LoomHeadQ8 *head,
-    const int64_t *keep, int64_t num_keep, int nt, int kv_type, int kernel);
+    const int64_t *keep, int64_t num_keep, const int64_t *state_slots, int nt, int kv_type,
+    int kernel);
 
 #endif  // LOOM_H

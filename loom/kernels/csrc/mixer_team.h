@@ -1,0 +1,27 @@
+// What the recurrent mixers' decode steps share (gated_delta.c, mamba2.c, shortconv.c): the
+// activations their torch paths apply, a thread's share of a phase's items in a team, and the
+// barrier their OpenMP forms pass as the team's sync (loom.h's LoomSync).
+#ifndef LOOM_MIXER_TEAM_H
+#define LOOM_MIXER_TEAM_H
+
+#include <math.h>
+#include <stdint.h>
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// items [lo, hi) of n for thread tid of team
+static inline void share(int64_t n, int tid, int team, int64_t *lo, int64_t *hi)
+{
+    *lo = n * tid / team;
+    *hi = n * (tid + 1) / team;
+}
+
+static inline void omp_sync(void *arg)
+{
+    (void)arg;
+#pragma omp barrier
+}
+
+#endif  // LOOM_MIXER_TEAM_H
