@@ -236,6 +236,9 @@ class StateSnapshots:
             self.store.popitem(last=False)
         self.store[key] = [t[slot].clone() for t in self.tensors]
 
+    def drop(self, key: object) -> None:
+        self.store.pop(key, None)
+
     def restore(self, key: object, slot: int) -> None:
         snapshot = self.store[key]
         self.store.move_to_end(key)

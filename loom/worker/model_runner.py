@@ -47,6 +47,9 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     state_slot: int = -1  # its states' slot in a hybrid model's linear layers (-1: none)
+    # the key of the newest states it kept past its prompt (a hybrid's: StateSnapshots), the
+    # one of those it keeps
+    reply_key: object = None
 
 
 class ModelRunner:
@@ -184,6 +187,23 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def _keep_states(self, keys: dict[str, object], states: list[CachedRequestState],
+                     computed: list[int], num_sched: list[int]) -> None:
+        """Each request's states where its step ended on a block boundary (`keys`), for later
+        prefix hits: at its prompt's last boundary, and past its prompt only the newest (a
+        next turn's prompt holds the whole reply; the older ones of a long reply would fill
+        the budget and push out other requests' prompts)."""
+        assert self.snapshots is not None
+        for s, c, n in zip(states, computed, num_sched):
+            key = keys.get(s.req_id)
+            if key is None:
+                continue
+            self.snapshots.save(key, s.state_slot)
+            if c + n > s.num_prompt_tokens:
+                if s.reply_key is not None and s.reply_key != key:
+                    self.snapshots.drop(s.reply_key)
+                s.reply_key = key
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One forward and sampling step. A request whose own inputs fail (preparing, sampling,
         prompt logprobs) is reported in `failed` and the others go on; an exception raised
@@ -235,10 +255,7 @@ class ModelRunner:
                 hidden, logits = self.model.forward_logits(  # [num_tokens, h], [sampling, V]
                     ids_t, pos_t, rows, only_rows=not all_rows)
         if so.state_keys and self.snapshots is not None:  # states at a block boundary
-            for s in states:
-                key = so.state_keys.get(s.req_id)
-                if key is not None:
-                    self.snapshots.save(key, s.state_slot)
+            self._keep_states(so.state_keys, states, computed, num_sched)
         self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[Logprobs] | None] = [None] * len(req_ids)

@@ -175,3 +175,15 @@ def test_shortconv_c_decode_step_equals_the_torch_path() -> None:
         for param in mixer.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.5)
     _check_c_decode_step(mixer, 3 * 64, g)
+
+
+def test_a_reply_keeps_only_its_newest_states(hybrid) -> None:
+    """Past its prompt a request keeps only the states at its newest block boundary (each new
+    one replaces the last): a 20-token prompt and 60 tokens out keep the prompt's last
+    boundary's states (16) and the reply's newest (64), not 32 and 48 too."""
+    llm = LLM(str(hybrid), dtype="float32")
+    snapshots = llm.engine.runner.snapshots
+    prompt = smollm2_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 4)
+    llm.generate([{"prompt_token_ids": prompt[:20]}],
+                 SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    assert len(snapshots.store) == 2
