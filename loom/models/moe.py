@@ -172,7 +172,7 @@ def experts_refusal(c: ModelConfig) -> str | None:
     """What of a model's mixtures of experts the C stack cannot run (None: all of it): an
     expert's (or the shared expert's) width its linears cannot take (its down projection's
     inputs, on the int8 grid or K-quant blocks only in multiples of 32), a router other than
-    softmax, an ungated shared expert."""
+    softmax."""
     if not c.num_experts:
         return None
     for what, width in (("experts", c.moe_intermediate_size),
@@ -182,8 +182,6 @@ def experts_refusal(c: ModelConfig) -> str | None:
                     f"multiples of {GROUP})")
     if c.moe_router != "softmax":
         return f"{c.architecture}'s {c.moe_router} expert router"
-    if c.shared_expert_intermediate_size and not c.shared_expert_gated:
-        return f"{c.architecture}'s ungated shared expert"
     return None
 
 

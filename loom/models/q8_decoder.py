@@ -121,7 +121,8 @@ class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
             block.experts[0].intermediate_size,
             *((none, none, none) if shared is None else (
                 LinearQ8.of(shared.gate_up_proj), LinearQ8.of(shared.down_proj),
-                LinearQ8.of(block.shared_expert_gate))),
+                none if block.shared_expert_gate is None
+                else LinearQ8.of(block.shared_expert_gate))),
             0 if shared is None else shared.intermediate_size, None, 0)
 
     def widest(self) -> int:
@@ -207,7 +208,8 @@ def _linears(parts: dict) -> list[nn.Module]:
     if moe is None:
         return [*first, parts["gate_up"], parts["down"], *gate]
     shared = [] if moe.shared_expert is None else [
-        moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj, moe.shared_expert_gate]
+        moe.shared_expert.gate_up_proj, moe.shared_expert.down_proj,
+        *([] if moe.shared_expert_gate is None else [moe.shared_expert_gate])]
     return [*first, moe.gate, *(m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)),
             *shared, *gate]
 

@@ -27,8 +27,8 @@ STEPS = 12  # greedy decode steps of the mixed batch
 
 
 def _on_grid(folder: Path) -> Path:
-    """Rewrite the checkpoint's linear weights as their int8-grid values (Q8Groups: groups of
-    32, q * scale + min) and the embeddings / head as fp16 values: what Loom's int8 load keeps
+    """Rewrite the checkpoint's linear weights (stacked experts' each) as their int8-grid values
+    (Q8Groups: groups of 32, q * scale + min) and the embeddings / head as fp16 values: what Loom's int8 load keeps
     (a mixture of experts' router and shared-expert gate, `*gate.weight`, stay fp32)."""
     path = folder / "model.safetensors"
     weights = load_file(path)
@@ -37,6 +37,9 @@ def _on_grid(folder: Path) -> Path:
             weights[name] = w.half().float()
         elif w.dim() == 2 and w.shape[1] % 32 == 0 and not name.endswith("gate.weight"):
             weights[name] = Q8Groups(*quantize_groups(w)).dequantize().contiguous()
+        elif w.dim() == 3 and w.shape[2] % 32 == 0:  # experts stacked (Granite's): each's
+            weights[name] = torch.stack([Q8Groups(*quantize_groups(e)).dequantize()
+                                         for e in w]).contiguous()
     save_file(weights, path, metadata={"format": "pt"})
     return folder
 

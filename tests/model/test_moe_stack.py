@@ -1,10 +1,11 @@
 """Mixtures of experts on the one-call C decoder stack (decoder_q8.c's MoE op: the router, the
 top-k route, each active expert's gated MLP over its tokens' rows, the weighted sum, the shared
-expert behind its gate): tiny Qwen3-MoE (a dense layer among the sparse ones), Qwen2-MoE (its
-shared expert) and Mixtral in one mixed paged batch. On int8-grid weights with the fp32 kernels
-the stack's logits are transformers' to fp32 tolerance and its greedy tokens transformers';
-with this CPU's default kernels, and with K-quant experts from GGUF, the per-module path gives
-the stack's bits."""
+expert behind its gate, or ungated): tiny Qwen3-MoE (a dense layer among the sparse ones),
+Qwen2-MoE (its shared expert), Mixtral, Granite 3's and Granite 4.0-H's (Mamba2 layers, an
+ungated shared expert; its decode steps) in one mixed paged batch. On int8-grid weights with
+the fp32 kernels the stack's logits are transformers' to fp32 tolerance and its greedy tokens
+transformers'; with this CPU's default kernels, and with K-quant experts from GGUF, the
+per-module path gives the stack's bits."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.tiny_models import make_tiny_model
 
 # the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have (the
 # tiny default, 48, the stack refuses: MoeForCausalLM.c_stack_refusal)
-SHAPES = {"qwen2-moe": dict(shared_expert_intermediate_size=64)}
+SHAPES = {"qwen2-moe": dict(shared_expert_intermediate_size=64),
+          "granite4-h-moe": dict(shared_intermediate_size=64)}
 
 
 def stack_and_module(loaded) -> tuple[tuple, tuple, list, list]:
@@ -45,7 +47,8 @@ def _same_bits(stack, module, stack_rows, module_rows) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "granite-moe",
+                                  "granite4-h-moe"])
 def test_moe_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     require_cpu_kernels()
     folder = _on_grid(make_tiny_model(name, tmp_path / name, **SHAPES.get(name, {})))

@@ -435,14 +435,15 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
             return rc;
         start += es.M;
     }
+    const int gated = X->shared_inter && X->shared_gate.w;  // (Granite's is ungated)
     if (X->shared_inter) {
         if ((rc = gated_mlp(s, t, L->act, s->buf_h, H, X->shared_inter, &X->shared_gu,
                             &X->shared_d, b.gu, b.act, b.shared)) ||
-            (rc = linear(s, t, s->buf_h, H, &X->shared_gate, NULL, 1, b.gate)))
+            (gated && (rc = linear(s, t, s->buf_h, H, &X->shared_gate, NULL, 1, b.gate))))
             return rc;
     }
     const float *shared = X->shared_inter ? b.shared : NULL;
-    const float *gate = X->shared_inter ? b.gate : NULL;
+    const float *gate = gated ? b.gate : NULL;
     int64_t r0, r1;
     if (!t)  // op by op: every row on the step's threads
         loom_moe_combine_f32(b.rows, b.pair_weight, b.token_pairs, M, k, H, shared, gate,
@@ -726,8 +727,9 @@ static int team_past_few(int q8, int kq, int kernel)
 // and the shared expert's three (gate_up, down, its gate); then attention's output gate.
 static int64_t layer_linears(const LoomLayerQ8 *L)
 {
-    return (L->moe ? 3 + 2 * L->moe->num_experts + (L->moe->shared_inter ? 3 : 0) : 4) +
-           (L->gate != NULL);
+    const LoomMoeQ8 *X = L->moe;
+    const int64_t shared = !X || !X->shared_inter ? 0 : X->shared_gate.w ? 3 : 2;
+    return (X ? 3 + 2 * X->num_experts + shared : 4) + (L->gate != NULL);
 }
 
 static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int64_t i,

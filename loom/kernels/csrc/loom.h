@@ -359,7 +359,8 @@ typedef struct LoomMoeQ8 {
     LoomLinearQ8 router;                     // [num_experts, H]
     const LoomLinearQ8 *gu, *d;              // [num_experts] each: [2 inter, H], [H, inter]
     int64_t num_experts, top_k, norm_topk, inter;
-    LoomLinearQ8 shared_gu, shared_d, shared_gate;  // [2 shared_inter, H], [H, ..], [1, H]
+    // [2 shared_inter, H], [H, ..], [1, H] (shared_gate.w NULL: ungated, Granite's)
+    LoomLinearQ8 shared_gu, shared_d, shared_gate;
     int64_t shared_inter;                    // 0: no shared expert
     // scratch for up to max_rows tokens, loom_moe_scratch_bytes(max_rows, ...) bytes, 64-aligned
     void *buf;
