@@ -72,7 +72,9 @@ SIGNATURES = {
                _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                _ptr, _i64, _ptr, _int, _int, _int]
     ),
-    "loom_moe_route_f32": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr]),
+    "loom_moe_route_f32": (
+        _int, [_ptr, _i64, _i64, _i64, _int, _ptr, _f32, _ptr, _ptr, _ptr, _ptr]
+    ),
     "loom_moe_combine_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]),
     "loom_moe_scratch_bytes": (_i64, [_i64, _i64, _i64, _i64, _i64]),
     "loom_linear_f32": (None, [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int]),

@@ -90,8 +90,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [num_tokens, num_experts]
-        if cpu_ops.usable(logits) and x.is_contiguous() and not self.sigmoid:  # (C: softmax)
-            return self._forward_c(x, logits)
+        if cpu_ops.usable(logits) and x.is_contiguous() and self.groups == 1:
+            return self._forward_c(x, logits)  # (C: no group limiting)
         weights, experts = self.route(logits)  # [num_tokens, top_k]
         flat = experts.reshape(-1)  # [num_tokens * top_k] (token, slot) pairs
         order = torch.argsort(flat, stable=True)  # grouped by expert
@@ -116,8 +116,11 @@ class SparseMoeBlock(nn.Module):
         pair_token = torch.empty(m * k, dtype=torch.int64)  # grouped by expert
         pair_weight = torch.empty(m * k)
         token_pairs = torch.empty((m, k), dtype=torch.int64)  # each token's pairs
+        bias = self.expert_bias.float().contiguous() if self.sigmoid else None
         rc = lib.loom_moe_route_f32(logits.data_ptr(), m, len(self.experts), k,
-                                    int(self.norm_topk_prob), counts.data_ptr(),
+                                    int(self.norm_topk_prob),
+                                    None if bias is None else bias.data_ptr(),
+                                    self.scaling if self.sigmoid else 1.0, counts.data_ptr(),
                                     pair_token.data_ptr(), pair_weight.data_ptr(),
                                     token_pairs.data_ptr())
         if rc != 0:
@@ -171,8 +174,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 def experts_refusal(c: ModelConfig) -> str | None:
     """What of a model's mixtures of experts the C stack cannot run (None: all of it): an
     expert's (or the shared expert's) width its linears cannot take (its down projection's
-    inputs, on the int8 grid or K-quant blocks only in multiples of 32), a router other than
-    softmax."""
+    inputs, on the int8 grid or K-quant blocks only in multiples of 32), group-limited
+    routing."""
     if not c.num_experts:
         return None
     for what, width in (("experts", c.moe_intermediate_size),
@@ -180,8 +183,8 @@ def experts_refusal(c: ModelConfig) -> str | None:
         if width % GROUP:
             return (f"{c.architecture}'s {what} of width {width} (its int8 kernels take "
                     f"multiples of {GROUP})")
-    if c.moe_router != "softmax":
-        return f"{c.architecture}'s {c.moe_router} expert router"
+    if c.moe_groups > 1:
+        return f"{c.architecture}'s group-limited expert router"
     return None
 
 

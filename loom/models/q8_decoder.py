@@ -103,7 +103,8 @@ class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
                 ("d", ctypes.POINTER(LinearQ8))] + [
         (name, ctypes.c_int64) for name in ("num_experts", "top_k", "norm_topk", "inter")] + [
         (name, LinearQ8) for name in ("shared_gu", "shared_d", "shared_gate")] + [
-        ("shared_inter", ctypes.c_int64), ("buf", ctypes.c_void_p), ("max_rows", ctypes.c_int64)]
+        ("shared_inter", ctypes.c_int64), ("buf", ctypes.c_void_p), ("max_rows", ctypes.c_int64),
+        ("bias", ctypes.c_void_p), ("scale", ctypes.c_float)]
 
     @classmethod
     def of(cls, block: nn.Module) -> MoeQ8:
@@ -123,7 +124,9 @@ class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
                 LinearQ8.of(shared.gate_up_proj), LinearQ8.of(shared.down_proj),
                 none if block.shared_expert_gate is None
                 else LinearQ8.of(block.shared_expert_gate))),
-            0 if shared is None else shared.intermediate_size, None, 0)
+            0 if shared is None else shared.intermediate_size, None, 0,
+            block.expert_bias.data_ptr() if block.sigmoid else None,
+            block.scaling if block.sigmoid else 1.0)
 
     def widest(self) -> int:
         """The wider of its experts' and its shared expert's MLPs."""

@@ -1,8 +1,9 @@
 """Mixtures of experts on the one-call C decoder stack (decoder_q8.c's MoE op: the router, the
 top-k route, each active expert's gated MLP over its tokens' rows, the weighted sum, the shared
 expert behind its gate, or ungated): tiny Qwen3-MoE (a dense layer among the sparse ones),
-Qwen2-MoE (its shared expert), Mixtral, Granite 3's and Granite 4.0-H's (Mamba2 layers, an
-ungated shared expert; its decode steps) in one mixed paged batch. On int8-grid weights with
+Qwen2-MoE (its shared expert), Mixtral, Granite 3's, Granite 4.0-H's (Mamba2 layers, an
+ungated shared expert; its decode steps) and LFM2-MoE's (a sigmoid router with a choice bias
+and a scaling factor; short convolutions) in one mixed paged batch. On int8-grid weights with
 the fp32 kernels the stack's logits are transformers' to fp32 tolerance and its greedy tokens
 transformers'; with this CPU's default kernels, and with K-quant experts from GGUF, the
 per-module path gives the stack's bits."""
@@ -48,7 +49,7 @@ def _same_bits(stack, module, stack_rows, module_rows) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "granite-moe",
-                                  "granite4-h-moe"])
+                                  "granite4-h-moe", "lfm2-moe"])
 def test_moe_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     require_cpu_kernels()
     folder = _on_grid(make_tiny_model(name, tmp_path / name, **SHAPES.get(name, {})))

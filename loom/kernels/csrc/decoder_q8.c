@@ -276,24 +276,30 @@ static int attention(const Step *s, Team *t, const LoomLayerQ8 *L)
 // (loom/models/moe.py calls the exported forms), so both give the same bits.
 
 int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int norm_topk,
-                       int64_t *counts, int64_t *pair_token, float *pair_weight,
-                       int64_t *token_pairs)
+                       const float *bias, float scale, int64_t *counts, int64_t *pair_token,
+                       float *pair_weight, int64_t *token_pairs)
 {
     if (top_k < 1 || top_k > E) return -1;
     memset(counts, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t t = 0; t < M; t++) {  // softmax in place, the top_k into token_pairs' row
+    for (int64_t t = 0; t < M; t++) {  // scores in place, the top_k into token_pairs' row
         float *p = logits + t * E;
         int64_t *chosen = token_pairs + t * top_k;
-        float mx = p[0], sum = 0.0f;
-        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        if (bias) {  // sigmoid scores, chosen by score + bias
+            for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
+        } else {  // softmax
+            float mx = p[0], sum = 0.0f;
+            for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        }
         for (int64_t j = 0; j < top_k; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
                 for (int64_t i = 0; i < j; i++) taken |= chosen[i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+                const float c = bias ? p[e] + bias[e] : p[e];
+                if (!taken && (best < 0 || c > (bias ? p[best] + bias[best] : p[best])))
+                    best = e;
             }
             int64_t i = j;  // kept in ascending expert order
             for (; i > 0 && chosen[i - 1] > best; i--) chosen[i] = chosen[i - 1];
@@ -311,10 +317,11 @@ int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int n
         int64_t *chosen = token_pairs + t * top_k;
         float sum = 0.0f;
         for (int64_t j = 0; j < top_k; j++) sum += p[chosen[j]];
+        if (bias) sum += 1e-6f;  // (LFM2-MoE's floor)
         for (int64_t j = 0; j < top_k; j++) {
             const int64_t pos = counts[chosen[j]]++;
             pair_token[pos] = t;
-            pair_weight[pos] = norm_topk ? p[chosen[j]] / sum : p[chosen[j]];
+            pair_weight[pos] = (norm_topk ? p[chosen[j]] / sum : p[chosen[j]]) * scale;
             chosen[j] = pos;
         }
     }
@@ -419,8 +426,8 @@ static int moe(const Step *s, Team *t, const LoomLayerQ8 *L)
     int rc;
     if ((rc = linear(s, t, s->buf_h, H, &X->router, NULL, E, b.logits))) return rc;
     if (!t || t->tid == 0)
-        loom_moe_route_f32(b.logits, M, E, k, (int)X->norm_topk, b.counts, b.pair_token,
-                           b.pair_weight, b.token_pairs);
+        loom_moe_route_f32(b.logits, M, E, k, (int)X->norm_topk, X->bias, X->scale, b.counts,
+                           b.pair_token, b.pair_weight, b.token_pairs);
     sync_team(t);
     const int64_t p0 = t ? P * t->tid / t->team : 0, p1 = t ? P * (t->tid + 1) / t->team : P;
 #pragma omp parallel for num_threads(s->nt) if (!t)  // op by op: on the step's threads

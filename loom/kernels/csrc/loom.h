@@ -365,6 +365,8 @@ typedef struct LoomMoeQ8 {
     // scratch for up to max_rows tokens, loom_moe_scratch_bytes(max_rows, ...) bytes, 64-aligned
     void *buf;
     int64_t max_rows;
+    const float *bias;  // [num_experts]: a sigmoid router's choice bias (LFM2-MoE's); NULL: softmax
+    float scale;        // the weights' factor (routed_scaling_factor; 1 for softmax routers)
 } LoomMoeQ8;
 
 // A hybrid layer's token mixer with a state per request, run in place of attention on steps
@@ -415,14 +417,16 @@ typedef struct {
     const LoomMixerQ8 *mixer;  // a hybrid's mixer in place of attention (qkv .. o), or NULL
 } LoomLayerQ8;
 
-// Router logits [M, E] (overwritten by the softmax's probabilities) -> each token's top_k
-// experts and weights as the (token, expert) pairs sorted by expert, tokens ascending within
-// one: counts [E], pair_token [M top_k], pair_weight [M top_k], and token_pairs [M, top_k]
-// (each token's pairs' positions, ascending: its experts in ascending order). Returns 0; -1
-// for top_k outside 1..E.
+// Router logits [M, E] (overwritten by the softmax's probabilities; with `bias`, a sigmoid
+// router's: by the sigmoid's scores, the top_k chosen by score + bias, LFM2-MoE's) -> each
+// token's top_k experts and weights (renormalised where norm_topk: over their sum, + 1e-6 for
+// a sigmoid router; times `scale`) as the (token, expert) pairs sorted by expert, tokens
+// ascending within one: counts [E], pair_token [M top_k], pair_weight [M top_k], and
+// token_pairs [M, top_k] (each token's pairs' positions, ascending: its experts in ascending
+// order). Returns 0; -1 for top_k outside 1..E.
 int loom_moe_route_f32(float *logits, int64_t M, int64_t E, int64_t top_k, int norm_topk,
-                       int64_t *counts, int64_t *pair_token, float *pair_weight,
-                       int64_t *token_pairs);
+                       const float *bias, float scale, int64_t *counts, int64_t *pair_token,
+                       float *pair_weight, int64_t *token_pairs);
 // out [M, H] = for each token the sum over its pairs p (token_pairs' order) of pair_weight[p]
 // * y[p] (y [M top_k, H], a product then a sum each, from 0), then + sigmoid(shared_gate[t])
 // (1 where shared_gate is NULL) * shared[t] where shared [M, H] is given.
