@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from loom.kernels import cpu_kernels, cpu_ops
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # loom.h's LOOM_ACT_* order
+# loom.h's LOOM_ACT_* order (relu2: relu(x)^2 of an ungated MLP, Nemotron's ReluSquaredMLP)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
 
 
 def activation_of(hidden_act: str) -> str:

@@ -28,17 +28,24 @@ from loom.layers.recurrent import RecurrentMixer
 from loom.layers.rotary import Rope
 from loom.models.hybrid import HybridForCausalLM
 from loom.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
-from loom.models.moe import SparseMoeBlock, expert_names
+from loom.models.moe import SparseMoeBlock, expert_names, experts_refusal
 
 
 class ReluSquaredMLP(nn.Module):
-    """down(relu(up(x))^2): Nemotron's MLP, no gate."""
+    """down(relu(up(x))^2): Nemotron's MLP, no gate (the C stack's LOOM_ACT_RELU2, its `gu`
+    up alone)."""
+
+    activation = "relu2"  # (loom.layers.activation.ACTIVATIONS)
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = self.intermediate_size = intermediate_size or config.intermediate_size
         self.up_proj = Linear(config.hidden_size, inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
+
+    @property
+    def gate_up_proj(self) -> nn.Module:  # (what the stack's MLP description names `gu`)
+        return self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -89,6 +96,23 @@ class NemotronHLayer(nn.Module):
         return x, residual
 
 
+    def stack_parts(self) -> dict[str, object]:
+        """This block as the one-call C stack runs it (q8_decoder.LayerQ8; `block`: mix for
+        attention or Mamba2 alone, mlp for an MLP alone on the norm's output)."""
+        attn = None if (self.is_linear or self.is_mlp) else self.self_attn
+        mlp = self.mlp if self.is_mlp else None
+        moe = mlp if isinstance(mlp, SparseMoeBlock) else None
+        dense = mlp if isinstance(mlp, ReluSquaredMLP) else None
+        return dict(
+            in_norm=self.norm, mlp_norm=None, q_norm=None, k_norm=None, attn_out_norm=None,
+            mlp_out_norm=None, qk_norm_full=False, rope_index=self.rope_index,
+            qkv=None if attn is None else attn.qkv_proj, o=None if attn is None else attn.o_proj,
+            attn=None if attn is None else attn.attn, mixer=self.mamba if self.is_linear else None,
+            gate_up=None if dense is None else dense.up_proj,
+            down=None if dense is None else dense.down_proj, moe=moe, activation="relu2",
+            block="mlp" if self.is_mlp else "mix")
+
+
 class NemotronHModel(LlamaModel):
     layer_cls = NemotronHLayer
 
@@ -100,7 +124,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
     model_cls = NemotronHModel
 
     def c_stack_refusal(self) -> str | None:
-        return "its one-block layers (the stack's layers are attention or a mixer, then an MLP)"
+        """Its decode steps run the stack (one block a layer: loom.h's LOOM_BLOCK_*), its
+        experts as moe.py's (Nemotron 3's group-limited routing refused)."""
+        return experts_refusal(self.config)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers

@@ -96,6 +96,8 @@ class HeadQ8(ctypes.Structure):  # loom.h's LoomHeadQ8
 
 
 _NORMS = ("in_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+# loom.h's LOOM_BLOCK_*: a layer's blocks (stack_parts' `block`; Nemotron-H's layers one each)
+BLOCKS = ("both", "mix", "mlp")
 
 
 class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
@@ -174,7 +176,7 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
         ("rope_rows", ctypes.c_int64), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p)] + [(name, LinearQ8) for name in ("qkv", "o", "gu", "d")] + [
         ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("act", ctypes.c_int32), ("qk_norm_full", ctypes.c_int32),
+        ("act", ctypes.c_int32), ("qk_norm_full", ctypes.c_int32), ("block", ctypes.c_int32),
         ("moe", ctypes.POINTER(MoeQ8)), ("gate", ctypes.POINTER(LinearQ8)),
         ("mixer", ctypes.POINTER(MixerQ8))]
 
@@ -194,6 +196,7 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
             *dense[:2], 0 if attn is None else attn.sliding_window or 0,
             0.0 if attn is None else attn.scale, 0.0 if attn is None else attn.softcap or 0.0,
             ACTIVATIONS.index(parts["activation"]), int(parts["qk_norm_full"]),
+            BLOCKS.index(parts.get("block", "both")),
             None if moe is None else ctypes.pointer(MoeQ8.of(moe)),
             None if gate is None else ctypes.pointer(LinearQ8.of(gate)),
             None if mixer is None else ctypes.pointer(MixerQ8.of(mixer)),
@@ -203,11 +206,13 @@ class LayerQ8(ctypes.Structure):  # loom.h's LoomLayerQ8
 def _linears(parts: dict) -> list[nn.Module]:
     """A layer's linears: qkv, o (a hybrid's mixer's in_proj and out_proj), then the dense
     MLP's gate_up and down, or its mixture of experts' router, experts' and shared expert's
-    (and its gate); then attention's output gate, if any."""
-    mixer, moe = parts.get("mixer"), parts.get("moe")
-    first = ([parts["qkv"], parts["o"]] if mixer is None
+    (and its gate); then attention's output gate, if any (a one-block layer's: its block's)."""
+    mixer, moe, block = parts.get("mixer"), parts.get("moe"), parts.get("block", "both")
+    first = ([] if block == "mlp" else [parts["qkv"], parts["o"]] if mixer is None
              else [mixer.in_proj, mixer.out_proj])
     gate = [] if parts.get("gate") is None else [parts["gate"]]
+    if block == "mix":
+        return [*first, *gate]
     if moe is None:
         return [*first, parts["gate_up"], parts["down"], *gate]
     shared = [] if moe.shared_expert is None else [
@@ -272,8 +277,8 @@ class Q8Decoder:
         self.head_dim = attn0.head_dim
         self.hidden = model.norm.weight.shape[0]
         # the dense MLPs' width (0 where every layer's MLP is a mixture of experts)
-        self.inter = max((getattr(layer.mlp, "intermediate_size", 0) for layer in model.layers),
-                         default=0)
+        self.inter = max((getattr(getattr(layer, "mlp", None), "intermediate_size", 0)
+                          for layer in model.layers), default=0)
         self.eps = model.norm.eps
         self.tile_tokens = cpu_kernel.tile_tokens(self.num_heads, self.kv_heads, self.head_dim)
         embed = model.embed_tokens

@@ -87,7 +87,7 @@ def _mixed_batch(loaded, vocab: int) -> tuple[dict[str, list[int]], dict[str, to
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
                                   "phi3-partial", "smollm3", "granite", "glm4", "olmo2",
                                   "exaone4", "gemma", "granite4", "qwen3_5", "lfm2",
-                                  "granite4-h"])
+                                  "granite4-h", "nemotron-h"])
 def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name, monkeypatch) -> None:
     """Llama, Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norms), Gemma 3 (q/k norms, four norms
     a layer, GELU-tanh, scaled embeddings, sliding and global layers with their own RoPE
@@ -98,8 +98,9 @@ def test_int8_stack_matches_transformers_on_grid_weights(tmp_path, name, monkeyp
     sliding layer, a full one without RoPE), Gemma 1 (Llama's layer, Gemma's norms and MLP),
     Granite 4.0's dense transformer (Granite's layer under Granite 4.0's names), and the
     hybrids' decode steps (Qwen3.5: Gated DeltaNet, gated attention with a partial rotary;
-    LFM2: short convolutions; Granite 4.0-H: Mamba2, attention without positions; their
-    prompts run layer by layer): the C stack runs each, its logits
+    LFM2: short convolutions; Granite 4.0-H: Mamba2, attention without positions; Nemotron-H:
+    one block a layer, relu^2 MLPs; their prompts run layer by layer): the C stack runs each,
+    its logits
     are transformers' on the same weights, its tokens transformers' greedy ones, and the
     module path gives its bits."""
     require_cpu_kernels()

@@ -2,11 +2,12 @@
 top-k route, each active expert's gated MLP over its tokens' rows, the weighted sum, the shared
 expert behind its gate, or ungated): tiny Qwen3-MoE (a dense layer among the sparse ones),
 Qwen2-MoE (its shared expert), Mixtral, Granite 3's, Granite 4.0-H's (Mamba2 layers, an
-ungated shared expert; its decode steps) and LFM2-MoE's (a sigmoid router with a choice bias
-and a scaling factor; short convolutions) in one mixed paged batch. On int8-grid weights with
-the fp32 kernels the stack's logits are transformers' to fp32 tolerance and its greedy tokens
-transformers'; with this CPU's default kernels, and with K-quant experts from GGUF, the
-per-module path gives the stack's bits."""
+ungated shared expert; its decode steps), LFM2-MoE's (a sigmoid router with a choice bias
+and a scaling factor; short convolutions) and Nemotron-H's (relu^2 experts, one block a
+layer) in one mixed paged batch. On int8-grid weights with the fp32 kernels the stack's
+logits are transformers' to fp32 tolerance and its greedy tokens transformers'; with this
+CPU's default kernels, and with K-quant experts from GGUF, the per-module path gives the
+stack's bits."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from tests.tiny_models import make_tiny_model
 # the shared expert's width a multiple of 32 (the int8 grid's groups), as real models have (the
 # tiny default, 48, the stack refuses: MoeForCausalLM.c_stack_refusal)
 SHAPES = {"qwen2-moe": dict(shared_expert_intermediate_size=64),
-          "granite4-h-moe": dict(shared_intermediate_size=64)}
+          "granite4-h-moe": dict(shared_intermediate_size=64),
+          # (routing without groups: the stack's; Nemotron 3 Nano's has one group)
+          "nemotron-h-moe": dict(moe_shared_expert_intermediate_size=64, n_group=1,
+                                 topk_group=1)}
 
 
 def stack_and_module(loaded) -> tuple[tuple, tuple, list, list]:
@@ -49,7 +53,7 @@ def _same_bits(stack, module, stack_rows, module_rows) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "granite-moe",
-                                  "granite4-h-moe", "lfm2-moe"])
+                                  "granite4-h-moe", "lfm2-moe", "nemotron-h-moe"])
 def test_moe_stack_matches_transformers_on_grid_weights(tmp_path, name) -> None:
     require_cpu_kernels()
     folder = _on_grid(make_tiny_model(name, tmp_path / name, **SHAPES.get(name, {})))

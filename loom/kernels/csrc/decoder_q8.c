@@ -393,24 +393,32 @@ static int64_t moe_inter(const LoomMoeQ8 *X)
     return X->inter > X->shared_inter ? X->inter : X->shared_inter;
 }
 
-// act(gate) * up of gu [rows, 2 I] into act [rows, I]: a small op over s->M rows.
+// act(gate) * up of gu [rows, 2 I] into act [rows, I] (LOOM_ACT_RELU2: relu(up)^2 of gu
+// [rows, I], as torch's relu then square): a small op over s->M rows.
 static void gated(const Step *s, Team *t, int act, const float *gu, float *out, int64_t I)
 {
     int64_t r0, r1;
     const int nt = small_op_rows(s, t, &r0, &r1);
-    if (nt)
+    if (nt && act == LOOM_ACT_RELU2) {
+        for (int64_t i = r0 * I; i < r1 * I; i++) {
+            const float v = gu[i] > 0.0f ? gu[i] : 0.0f;
+            out[i] = v * v;
+        }
+    } else if (nt)
         (act == LOOM_ACT_GELU_TANH ? loom_gelu_tanh_mul_f32 : loom_silu_mul_f32)(
             gu + r0 * 2 * I, out + r0 * I, r1 - r0, I, nt);
     sync_team(t);
 }
 
-// A gated MLP over s->M rows of x: y = (act(x Wg^T) * x Wu^T) Wd^T (LlamaMLP.forward).
+// A gated MLP over s->M rows of x: y = (act(x Wg^T) * x Wu^T) Wd^T (LlamaMLP.forward); with
+// LOOM_ACT_RELU2 y = relu(x Wu^T)^2 Wd^T (Nemotron's).
 static int gated_mlp(const Step *s, Team *t, int act, const float *x, int64_t H, int64_t I,
                      const LoomLinearQ8 *gu, const LoomLinearQ8 *d, float *buf_gu,
                      float *buf_act, float *y)
 {
     int rc;
-    if ((rc = linear(s, t, x, H, gu, NULL, 2 * I, buf_gu))) return rc;
+    if ((rc = linear(s, t, x, H, gu, NULL, act == LOOM_ACT_RELU2 ? I : 2 * I, buf_gu)))
+        return rc;
     gated(s, t, act, buf_gu, buf_act, I);
     return linear(s, t, buf_act, I, d, NULL, H, y);
 }
@@ -487,9 +495,6 @@ static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
     return 0;
 }
 
-// The last layer's rows that go on past attention (s->keep; the rest feed nothing but their
-// own K and V, written by then): row keep[r] of buf_h and of hidden moved to row r, and the
-// step's rows cut to them. Rows only move up (keep ascends), on thread 0.
 // ---- a hybrid's mixers (loom.h's LoomMixerQ8), on decode steps (a token a request): in_proj
 // into buf_qkv, the mixer's decode step into buf_attn, out_proj into buf_h. In a team the
 // kernels' team forms (their phases split between the threads, the team's barrier between
@@ -543,6 +548,9 @@ static int mixer(const Step *s, Team *t, const LoomMixerQ8 *X)
     return linear(s, t, s->buf_attn, X->out_k, &X->out_proj, X->out_b, s->H, s->buf_h);
 }
 
+// The last layer's rows that go on past attention (s->keep; the rest feed nothing but their
+// own K and V, written by then): row keep[r] of buf_h and of hidden moved to row r, and the
+// step's rows cut to them. Rows only move up (keep ascends), on thread 0.
 static void keep_rows(Step *s, Team *t)
 {
     if (!t || t->tid == 0)
@@ -576,6 +584,18 @@ static int run_layers(Step *s, Team *t)
                                       s->eps, nt);
             sync_team(t);
         }
+        if (L->block == LOOM_BLOCK_MLP) {  // an MLP alone, on the input norm's output
+            if (last && s->keep && s->num_keep == 0) {
+                s->M = 0;
+                return 0;
+            }
+            if (last && s->keep) keep_rows(s, t);
+            if ((rc = L->moe ? moe(s, t, L)
+                             : gated_mlp(s, t, L->act, s->buf_h, H, s->I, &L->gu, &L->d,
+                                         s->buf_gu, s->buf_act, s->buf_h)))
+                return rc;
+            continue;
+        }
         if (L->mixer) {  // a hybrid's mixer: every row's state moves, then as below
             if ((rc = mixer(s, t, L->mixer))) return rc;
             if (last && s->keep && s->num_keep == 0) {
@@ -583,7 +603,7 @@ static int run_layers(Step *s, Team *t)
                 return 0;
             }
             if (last && s->keep) keep_rows(s, t);
-            if ((rc = mlp(s, t, L))) return rc;
+            if (L->block == LOOM_BLOCK_BOTH && (rc = mlp(s, t, L))) return rc;
             continue;
         }
         if ((rc = linear(s, t, s->buf_h, H, &L->qkv, L->qkv_b, s->qkv_n, s->buf_qkv)))
@@ -616,7 +636,7 @@ static int run_layers(Step *s, Team *t)
         }
         if ((rc = linear(s, t, s->buf_attn, s->q_n, &L->o, NULL, H, s->buf_h))) return rc;
         if (last && s->keep) keep_rows(s, t);
-        if ((rc = mlp(s, t, L))) return rc;
+        if (L->block == LOOM_BLOCK_BOTH && (rc = mlp(s, t, L))) return rc;
     }
     return 0;
 }
@@ -736,7 +756,9 @@ static int64_t layer_linears(const LoomLayerQ8 *L)
 {
     const LoomMoeQ8 *X = L->moe;
     const int64_t shared = !X || !X->shared_inter ? 0 : X->shared_gate.w ? 3 : 2;
-    return (X ? 3 + 2 * X->num_experts + shared : 4) + (L->gate != NULL);
+    const int64_t mix = L->block == LOOM_BLOCK_MLP ? 0 : 2;
+    const int64_t mlp = L->block == LOOM_BLOCK_MIX ? 0 : X ? 1 + 2 * X->num_experts + shared : 2;
+    return mix + mlp + (L->gate != NULL);
 }
 
 static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int64_t i,
@@ -744,8 +766,12 @@ static const LoomLinearQ8 *layer_linear(const Step *s, const LoomLayerQ8 *L, int
 {
     const LoomMoeQ8 *X = L->moe;
     const LoomMixerQ8 *R = L->mixer;
+    if (L->gate && i == layer_linears(L) - 1) {
+        *K = s->H;
+        return L->gate;
+    }
+    if (L->block == LOOM_BLOCK_MLP) i += 2;  // (no attention, no mixer)
     *K = i == 1 ? (R ? R->out_k : s->q_n) : s->H;
-    if (L->gate && i == layer_linears(L) - 1) return L->gate;
     if (i < 2) return R ? (i == 0 ? &R->in_proj : &R->out_proj) : i == 0 ? &L->qkv : &L->o;
     if (!X) {
         if (i == 3) *K = s->I;

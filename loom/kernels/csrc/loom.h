@@ -347,7 +347,11 @@ typedef struct {
     float *logits;
 } LoomHeadQ8;
 
-enum { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1 };  // act(gate) * up
+// act(gate) * up; LOOM_ACT_RELU2: relu(up)^2, no gate (Nemotron's MLP: gu holds up alone)
+enum { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1, LOOM_ACT_RELU2 = 2 };
+// A layer's blocks: attention (or a mixer) then an MLP, each after its norm (the others');
+// attention or a mixer alone; an MLP alone on the input norm's output (Nemotron-H's)
+enum { LOOM_BLOCK_BOTH = 0, LOOM_BLOCK_MIX = 1, LOOM_BLOCK_MLP = 2 };
 
 // A mixture-of-experts MLP (loom/models/moe.py's SparseMoeBlock), in place of a layer's dense
 // one: r = softmax(h Wr^T); each token's top_k experts by r (ties: the lower index), their
@@ -411,6 +415,7 @@ typedef struct {
     float softcap;   // of the scaled scores (cap * tanh(s / cap)), 0 for none
     int32_t act;     // LOOM_ACT_*
     int32_t qk_norm_full;  // q_norm over all of q ([num_heads D]), k_norm all of k (OLMo 2)
+    int32_t block;         // LOOM_BLOCK_*
     const LoomMoeQ8 *moe;  // NULL: the dense MLP (gu, d); else this instead
     // attention's output times sigmoid(h Wgate^T) before Wo (Qwen3.5's), or NULL
     const LoomLinearQ8 *gate;
