@@ -9,7 +9,9 @@ values: the same bits, without Python between ~300 kernel calls a step. It appli
 layer's linears are int8 on Loom's kernel or GGUF K-quant blocks (KQuantLinear, its parts in
 their own formats: LinearQ8's kinds; a mixture of experts' router, experts and shared expert
 among them: MoeQ8), activations are fp32 on the CPU and attention runs on the C kernel; the
-model's c_stack_refusal names what it cannot run. Its
+model's c_stack_refusal names what it cannot run. A hybrid's layers with a state per request
+run their mixers' C decode steps in the call (MixerQ8), on decode steps only (`usable`: a
+token a request; its prompts run layer by layer). Its
 linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
 fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample

@@ -400,7 +400,9 @@ typedef struct {
 //   a = attention(q; window, scale, softcap) Wo^T;  [a = attn_out_norm(a)];
 //   h = mlp_norm(hidden += a);  m = (act(h Wg^T) * h Wu^T) Wd^T;  [m = mlp_out_norm(m)]
 // and m is the next layer's (or the final norm's) `last output`. A NULL in_norm or mlp_norm
-// is no norm (h = hidden: OLMo 2's layers).
+// is no norm (h = hidden: OLMo 2's layers). A hybrid's layer may run its `mixer` in place of
+// qkv .. Wo (decode steps), and `block` may keep one of the two blocks alone (Nemotron-H's:
+// attention or the mixer, its output the `last output`; or the MLP on in_norm's h).
 typedef struct {
     const float *in_norm, *mlp_norm;            // [H] or NULL
     const float *q_norm, *k_norm;               // [D] each (qk_norm_full: all of q, of k), or NULL
