@@ -160,12 +160,13 @@ def _sampling_rows(loaded) -> list[torch.Tensor]:
     return got
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2", "qwen3_5", "nemotron-h"])
 def test_default_kernels_stack_matches_module_path(tmp_path, name) -> None:
     """With this CPU's default kernels (bf16 past 8 rows and VNNI for decode where it has
-    them) the stack, prompts and decode in one OpenMP region, gives the module path's bits,
-    in a mixed batch and where only the sampling rows go past the last layer's attention
-    (Gemma 2: the final-logit soft cap on the head the C call runs)."""
+    them) the stack, prompts and decode in one OpenMP region (a hybrid's decode steps),
+    gives the module path's bits, in a mixed batch and where only the sampling rows go past
+    the last layer's attention (Gemma 2: the final-logit soft cap on the head the C call
+    runs)."""
     require_cpu_kernels()
     loaded = load_model(resolve_model(str(make_tiny_model(name, tmp_path / name))), "float32",
                         quantization="int8")
