@@ -49,32 +49,38 @@ def recurrent_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
 
 def chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
             c: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """n tokens of one request: x [n, H, P], dt [n, H], a [H], b, c [n, H, N]; state [H, P, N]
-    updated in place. Returns y [n, H, P] (D x not added).
+    """n tokens of one request: x [n, H, P], dt [n, H], a [H], b, c [n, G, N] (head h reads
+    group h // (H / G)); state [H, P, N] updated in place. Returns y [n, H, P] (D x not added).
 
     Within a chunk, with L_i the running sum of dt A over the chunk: y_i = sum_{j <= i}
     exp(L_i - L_j) (c_i . b_j) dt_j x_j + exp(L_i) S_0 c_i, and the state it ends with
-    exp(L_last) S_0 + sum_j exp(L_last - L_j) dt_j x_j b_j^T."""
+    exp(L_last) S_0 + sum_j exp(L_last - L_j) dt_j x_j b_j^T. The products c_i . b_j are a
+    group's, once for its heads."""
     n = x.shape[0]
     size = min(CHUNK, n)
     pad = -n % size
-    x, b, c = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (x, b, c))  # [H, N', d]
+    x, b, c = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (x, b, c))  # [H|G, N', d]
     dt = F.pad(dt.transpose(0, 1), (0, pad))  # [H, N'] (padded steps: dt 0, no effect)
-    heads, chunks = x.shape[0], x.shape[1] // size
-    x, b, c = (t.reshape(heads, chunks, size, -1) for t in (x, b, c))
+    heads, groups, chunks = x.shape[0], b.shape[0], x.shape[1] // size
+    x, b, c = (t.reshape(t.shape[0], chunks, size, -1) for t in (x, b, c))
     dt = dt.reshape(heads, chunks, size)
+    group = torch.arange(heads, device=x.device) // (heads // groups)
     cum = (dt * a[:, None, None]).cumsum(-1)  # [H, C, size]
     lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     xdt = x * dt[..., None]  # [H, C, size, P]
-    inner = (c @ b.transpose(-1, -2)) * decay  # [H, C, size, size]
+    inner = (c @ b.transpose(-1, -2))[group] * decay  # [H, C, size, size]
+    b, c = b[group], c[group]  # [H, C, size, N]
     out = inner @ xdt  # the chunk's own tokens
     c_decayed = c * cum.exp()[..., None]
     x_decayed = xdt * (cum[..., -1:] - cum).exp()[..., None]
     last = cum[..., -1].exp()  # [H, C]
+    writes = x_decayed.transpose(-1, -2) @ b  # [H, C, P, N]: what each chunk adds to the state
+    starts = torch.empty_like(writes)  # the state each chunk starts from
     for k in range(chunks):
-        out[:, k] += c_decayed[:, k] @ state.transpose(-1, -2)  # [H, size, P]
-        state.mul_(last[:, k, None, None]).add_(x_decayed[:, k].transpose(-1, -2) @ b[:, k])
+        starts[:, k] = state
+        state.mul_(last[:, k, None, None]).add_(writes[:, k])
+    out += c_decayed @ starts.transpose(-1, -2)  # [H, C, size, P]: the earlier chunks' part
     return out.reshape(heads, chunks * size, -1)[:, :n].transpose(0, 1)
 
 
@@ -169,7 +175,7 @@ class Mamba2Mixer(RecurrentMixer):
         xs, b, c = xbc.split([self.inner, G * N, G * N], dim=-1)
         xs = xs.reshape(-1, heads, P)
         group = torch.arange(heads, device=proj.device) // (heads // G)  # each head's group
-        b, c = b.reshape(-1, G, N)[:, group], c.reshape(-1, G, N)[:, group]  # [T, H, N]
+        b, c = b.reshape(-1, G, N), c.reshape(-1, G, N)  # [T, G, N]
         dt = F.softplus(dt + self.dt_bias.float())
         if s.time_step_min > 0.0 or s.time_step_max != float("inf"):
             dt = dt.clamp(s.time_step_min, s.time_step_max)
@@ -180,7 +186,8 @@ class Mamba2Mixer(RecurrentMixer):
             rows = torch.from_numpy(starts[:-1][one]).to(proj.device)
             index = torch.from_numpy(slots[one]).to(proj.device)
             state = ssm_state[index]
-            y[rows] = recurrent_step(xs[rows], dt[rows], a, b[rows], c[rows], state)
+            y[rows] = recurrent_step(xs[rows], dt[rows], a, b[rows][:, group],
+                                     c[rows][:, group], state)
             ssm_state[index] = state
         for r in np.flatnonzero(~one):
             lo, hi, slot = int(starts[r]), int(starts[r + 1]), int(slots[r])

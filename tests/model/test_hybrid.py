@@ -40,19 +40,22 @@ def test_chunked_form_equals_the_recurrence() -> None:
 
 
 def test_mamba2_chunked_form_equals_the_recurrence() -> None:
-    """Mamba2's: 150 tokens (three chunks, the last one padded) from a nonzero state."""
+    """Mamba2's: 150 tokens (three chunks, the last one padded) from a nonzero state, B and C
+    in two groups of two heads."""
     g = torch.Generator().manual_seed(0)
     n, heads, p, s = 150, 4, 8, 16
     x = torch.randn(n, heads, p, generator=g)
     dt = torch.rand(n, heads, generator=g) * 0.5
     a = -torch.rand(heads, generator=g) - 0.1
-    b, c = torch.randn(n, heads, s, generator=g), torch.randn(n, heads, s, generator=g)
+    b, c = torch.randn(n, 2, s, generator=g), torch.randn(n, 2, s, generator=g)
     start = torch.randn(heads, p, s, generator=g)
     state = start.clone()
     out = mamba2.chunked(x, dt, a, b, c, state)
     ref_state = start.clone()[None]
-    ref = torch.stack([mamba2.recurrent_step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1],
-                                             c[t:t + 1], ref_state)[0] for t in range(n)])
+    group = torch.tensor([0, 0, 1, 1])
+    ref = torch.stack([mamba2.recurrent_step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1, group],
+                                             c[t:t + 1, group], ref_state)[0]
+                       for t in range(n)])
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.allclose(state, ref_state[0], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(state, start, atol=1e-2)
