@@ -35,7 +35,7 @@ from loom.layers.gated_delta import GatedDeltaNet
 from loom.layers.linear import Linear
 from loom.layers.mamba2 import Mamba2Mixer
 from loom.layers.norm import RMSNorm
-from loom.layers.recurrent import RecurrentMixer, ShortConv
+from loom.layers.recurrent import DepthwiseConv, RecurrentMixer, ShortConv
 from loom.layers.rotary import Rope
 from loom.models.llama import (
     LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
@@ -133,6 +133,15 @@ class HybridForCausalLM(LlamaForCausalLM):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's tensors under Loom's names (the subclasses' maps), a depthwise
+        convolution's [channels, 1, width] weight as its module holds it, [channels, width]."""
+        convs = {f"{name}.weight" for name, m in self.named_modules()
+                 if isinstance(m, DepthwiseConv)}
+        super().load_weights(
+            (name, w.reshape(w.shape[0], -1) if name in convs and w.dim() == 3 else w)
+            for name, w in weights)
+
     def recurrent_layers(self) -> list[RecurrentMixer]:
         """The layers holding a state per request (the model runner binds their slots)."""
         return [layer.recurrent for layer in self.model.layers if layer.is_linear]
@@ -197,7 +206,7 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Qwen3.5's tensors as the layers hold them: (1 + w) norms folded (the linear layers'
     output norm is plain w), each head's q rows and gate rows of q_proj apart (q_proj and
-    o_gate), the convolution's [channels, 1, width] weight squeezed; the multi-token
+    o_gate); the multi-token
     prediction head (`mtp.`), which Loom does not run, left out."""
     D, heads = config.head_dim, config.num_attention_heads
     first = (torch.arange(heads)[:, None] * 2 * D + torch.arange(D)).reshape(-1)
@@ -206,8 +215,6 @@ def _checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mod
             continue
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             w = w.float() + 1.0
-        elif name.endswith("linear_attn.conv1d.weight"):
-            w = w.reshape(w.shape[0], -1)
         elif config.attn_output_gate and ".self_attn.q_proj." in name:
             for part, index in (("q_proj", first), ("o_gate", first + D)):
                 yield name.replace(".q_proj.", f".{part}."), select_rows(w, index)
@@ -249,15 +256,13 @@ _LFM2_EXPERT = re.compile(r"(\.mlp\.experts\.\d+)\.(w1|w3|w2)\.")
 
 def _lfm2_weights(weights: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """LFM2's tensors under Llama's names; its convolution's [channels, 1, width] squeezed."""
+    """LFM2's tensors under Llama's names."""
     for name, w in weights:
         if name == "model.embedding_norm.weight":
             name = "model.norm.weight"
         for old, new in _LFM2_NAMES.items():
             name = name.replace(old, new)
         name = _LFM2_EXPERT.sub(lambda m: f"{m[1]}.{_LFM2_MLP[m[2]]}.", name)
-        if name.endswith(".conv.conv.weight"):
-            w = w.reshape(w.shape[0], -1)
         yield name, w
 
 
@@ -279,7 +284,7 @@ def _granite_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelC
     """Granite's tensors under Loom's names: shared_mlp's input_linear ([gate; up] rows) and
     output_linear as the layer's MLP, or its mixture's shared expert; the mixture's router
     (router.layer) as mlp.gate, its stacked experts' input_linear / output_linear as
-    gate_up_proj / down_proj (split by expert_names); the convolution's weight squeezed."""
+    gate_up_proj / down_proj (split by expert_names)."""
     mlp = ".mlp.shared_expert." if config.num_experts else ".mlp."
     names = {".shared_mlp.input_linear.": f"{mlp}gate_up_proj.",
              ".shared_mlp.output_linear.": f"{mlp}down_proj.",
@@ -289,6 +294,4 @@ def _granite_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelC
     for name, w in weights:
         for old, new in names.items():
             name = name.replace(old, new)
-        if name.endswith(".mamba.conv1d.weight"):
-            w = w.reshape(w.shape[0], -1)
         yield name, w

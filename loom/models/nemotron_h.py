@@ -144,7 +144,7 @@ def _nemotron_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Model
     """Nemotron-H's tensors under Loom's names: backbone. as model., each block's `mixer` as
     the layer's module (mamba, self_attn or mlp), the final norm norm_f as norm, the router's
     e_score_correction_bias as expert_bias and shared_experts as shared_expert; the
-    convolution's weight squeezed; the multi-token prediction head (`mtp.`) left out."""
+    multi-token prediction head (`mtp.`) left out."""
     kinds = np.full(config.num_hidden_layers, "self_attn", dtype=object)
     kinds[list(config.linear_layers)] = "mamba"
     kinds[list(config.mlp_only_layers)] = "mlp"
@@ -160,6 +160,4 @@ def _nemotron_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Model
             name = ".".join(parts)
         name = name.replace(".gate.e_score_correction_bias", ".expert_bias").replace(
             ".shared_experts.", ".shared_expert.")
-        if name.endswith(".mamba.conv1d.weight"):
-            w = w.reshape(w.shape[0], -1)
         yield name, w
