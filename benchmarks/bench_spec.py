@@ -11,7 +11,11 @@ per prompt the median of `--repeats` runs counts. For each workload: tok/s witho
 the acceptance rate (overall and per draft position), the draft tokens a verify step and whether
 the outputs are identical (they must be). `--prediction` adds the copy-heavy prompts with a
 prediction (OpenAI's predicted outputs: the text each quotes or edits, as an editor would send it)
-on a third engine without `--speculative-config`.
+on a third engine without `--speculative-config`. `--self-prediction N` adds a workload that
+needs no real weights (random-weight shapes of large models, hybrids): the copy-heavy prompts,
+each with the base engine's own reply as its prediction, every N-th token of it changed (an
+edit the reply departs from): how fast verify steps turn known text into tokens, an upper
+bound for edits of that density.
 
     .venv/bin/python benchmarks/bench_spec.py --out benchmarks/results/spec-<date>-<machine>.json \
         --plot benchmarks/results/spec-<date>-<machine>.png
@@ -103,7 +107,7 @@ def run_one(llm, prompt: str, max_tokens: int, prediction: str | None = None
 
 
 def measure(engines: dict, prompts: list[str], max_tokens: int, repeats: int,
-            predictions: list[str] | None = None) -> dict:
+            predictions: list | None = None) -> dict:
     """Per engine: outputs, tokens and the sum over prompts of the median seconds; the engines
     run each prompt in turn (the order reversed every repeat). The engine labelled
     "prediction" gets each prompt's prediction."""
@@ -148,6 +152,11 @@ def main() -> None:
                     help="also run the copy-heavy prompts with a prediction (the text they "
                     "quote or edit; OpenAI's predicted outputs) on the engine without "
                     "--speculative-config")
+    ap.add_argument("--self-prediction", type=int, default=0, metavar="N",
+                    help="also run the copy-heavy prompts with the base engine's reply as "
+                    "their prediction, every N-th token changed (workload 'self')")
+    ap.add_argument("--workloads", default="copy,chat",
+                    help="of copy, chat (comma-separated; 'self' comes with --self-prediction)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the batch-invariant fp32 kernels instead of Loom's defaults")
     ap.add_argument("--out", default=None, help="write the results here (JSON)")
@@ -156,7 +165,9 @@ def main() -> None:
     args = ap.parse_args()
     from loom.engine.llm import LLM
 
-    workloads = {"copy": COPY, "chat": CHAT}
+    workloads = {name: {"copy": COPY, "chat": CHAT}[name] for name in args.workloads.split(",")}
+    if args.self_prediction:
+        workloads["self"] = COPY
     if args.smoke:
         workloads = {name: prompts[:1] for name, prompts in workloads.items()}
         args.max_tokens, args.repeats = 16, 1
@@ -171,16 +182,22 @@ def main() -> None:
     for llm in engines.values():
         run_one(llm, CHAT[0], 8)  # warm-up
     results: dict[str, dict] = {}
-    if args.prediction:  # an engine as "base" (predictions need no config), its own cache
+    predictions = {"copy": COPY_SOURCES} if args.prediction else {}
+    if args.self_prediction:  # the base engine's replies, every N-th token changed
+        n = args.self_prediction
+        predictions["self"] = [
+            [t + 1 if (j + 1) % n == 0 else t
+             for j, t in enumerate(run_one(engines["base"], p, args.max_tokens)[0])]
+            for p in workloads["self"]]
+    if predictions:  # an engine as "base" (predictions need no config), its own cache
         engines["prediction"] = LLM(args.model, batch_invariant=args.batch_invariant)
         run_one(engines["prediction"], CHAT[0], 8)
     for name, prompts in workloads.items():
         before = _stats(engines["ngram"])
         before_pred = _stats(engines["prediction"]) if "prediction" in engines else None
-        runs = engines if name == "copy" else {k: v for k, v in engines.items()
-                                               if k != "prediction"}
-        r = measure(runs, prompts, args.max_tokens, args.repeats,
-                    COPY_SOURCES if name == "copy" else None)
+        runs = engines if name in predictions else {k: v for k, v in engines.items()
+                                                    if k != "prediction"}
+        r = measure(runs, prompts, args.max_tokens, args.repeats, predictions.get(name))
         st = _delta(before, _stats(engines["ngram"]))
         base_tps = r["base"]["tokens"] / r["base"]["seconds"]
         spec_tps = r["ngram"]["tokens"] / r["ngram"]["seconds"]
@@ -225,6 +242,7 @@ def main() -> None:
         "machine": machine(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
         "kernels": "batch-invariant" if args.batch_invariant else "default",
         "speculative_config": config, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "self_prediction_every": args.self_prediction or None,
         "workloads": results,
     })
     if args.plot:

@@ -62,6 +62,9 @@ class AttentionMetadata:
     # [num_reqs] each request's state slot in a hybrid model's linear layers (the model
     # runner's; loom/layers/gated_delta.py); None: no persistent states this step.
     state_slots: np.ndarray | None = None
+    # [num_reqs] int8: the requests of a speculative verify step whose states the step reads
+    # but does not write (their kept rows commit after verification); None: none
+    state_dry: np.ndarray | None = None
 
     # Derived on first use, for the torch reference backend (shared by all layers; the C kernels
     # need none of them).

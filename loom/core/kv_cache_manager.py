@@ -180,15 +180,26 @@ class KVCacheManager:
 
         if self.enable_caching:
             request.enable_block_hashing(self.block_size)  # no-op once the scheduler did it
-            num_cached = self.num_cached_block.get(request.request_id, 0)
-            num_full = min(num_total_tokens // self.block_size, len(request.block_hashes))
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(
-                    req_blocks, request.block_hashes, request.all_token_ids,
-                    num_cached, num_full, self.block_size,
-                )
-                self.num_cached_block[request.request_id] = num_full
+            self._cache_full(request, num_total_tokens)
         return new_blocks
+
+    def _cache_full(self, request: Request, num_tokens: int) -> None:
+        """Offer the prefix cache the request's full blocks among its first `num_tokens` whose
+        hashes are known (its tokens'), past those offered already."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(
+                self.req_to_blocks[request.request_id], request.block_hashes,
+                request.all_token_ids, num_cached, num_full, self.block_size,
+            )
+            self.num_cached_block[request.request_id] = num_full
+
+    def cache_computed(self, request: Request) -> None:
+        """Offer the prefix cache the request's full blocks of computed tokens not offered yet:
+        a verify step's, whose draft tokens had no hashes when their blocks were allocated."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full(request, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, last block first (so it is evicted first)."""

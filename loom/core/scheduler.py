@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loom.block_hash import extend_block_hashes
 from loom.core.outputs import EngineCoreOutput
 from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from loom.request import CONSTRAINT_FAILED, RequestStatus
@@ -228,22 +229,34 @@ class Scheduler:
         )
 
     def _state_keys(self, step: _Step) -> dict[str, object]:
-        """req_id -> the hash of the block its step ends on, where it ends on one."""
+        """req_id -> the hash of the block its step ends on, where it ends on one; for a step
+        with a draft, of the last block that ends within it, its tokens those the draft would
+        make (the runner keeps the states there if it keeps the draft's tokens up to it)."""
         keys = {}
         for req_id, n in step.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            key = self._block_ending_at(request, request.num_computed_tokens + n)
+            c = request.num_computed_tokens
+            draft = step.spec_tokens.get(req_id)
+            end = c + n if draft is None else (c + n) // self.block_size * self.block_size
+            key = self._block_ending_at(request, end, draft) if end > c else None
             if key is not None:
                 keys[req_id] = key
         return keys
 
-    def _block_ending_at(self, request: Request, end: int) -> object:
-        """The hash of the request's block that ends at token `end`, or None where no full
-        block does."""
+    def _block_ending_at(self, request: Request, end: int, draft: list[int] | None = None
+                         ) -> object:
+        """The hash of the request's block that ends at token `end` (its tokens then `draft`:
+        a block the draft completes), or None where no full block does."""
         bs = self.block_size
-        if end % bs == 0 and 0 < end // bs <= len(request.block_hashes):
+        if end % bs or end <= 0:
+            return None
+        if end // bs <= len(request.block_hashes):
             return request.block_hashes[end // bs - 1]
-        return None
+        if not draft or end > request.num_tokens + len(draft):
+            return None
+        hashes = list(request.block_hashes)
+        extend_block_hashes(hashes, request.all_token_ids + draft, bs, request.extra_keys)
+        return hashes[end // bs - 1]
 
     def _to_boundary(self, request: Request, num_new: int, start: int | None = None) -> int:
         """`num_new` tokens from `start` (default: the request's computed ones), cut to end on
@@ -460,6 +473,8 @@ class Scheduler:
             if i is None:
                 continue
             output = self._apply_sampled(request, runner_output, i, start)
+            if draft:  # the blocks its kept draft filled, hashed only now
+                self.kv_cache_manager.cache_computed(request)
             if output is None:
                 continue
             outputs.append(output)

@@ -26,15 +26,9 @@ def spec_decoder(args: EngineArgs, max_model_len: int, target: ModelConfig, bloc
     """The scheduler's SpecDecoder for args.speculative_config; loads the draft model of method
     "draft_model". Without a config, one for requests with a prediction alone (OpenAI's
     predicted outputs); None with tensor or pipeline parallelism (a prediction then goes
-    unused: it only ever changes speed), or for a hybrid model (its linear layers' states
-    cannot roll back a rejected draft). Warns where the target's CPU `kernels` make a verify
+    unused: it only ever changes speed). Warns where the target's CPU `kernels` make a verify
     step's bits differ from one-row steps' (docs/speculative.md, "Kernels")."""
     config = SpeculativeConfig.parse(args.speculative_config)
-    if target is not None and target.linear_layers:  # (a rejected draft would stay in states)
-        if config is not None:
-            raise ConfigError("speculative decoding does not run hybrid models "
-                              "(layers with a state per request) yet")
-        return None
     parallel = args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
     # a prediction's drafts: up to the rows whose verify step keeps one-row steps' bits
     most = DECODE_ROWS - 1 if kernels is None or not kernels.same_bits_past_8 else 2 * DECODE_ROWS

@@ -86,28 +86,50 @@ def rope_write_kv_(
     )
 
 
+def _mixer_rows(proj: torch.Tensor, slots: np.ndarray, starts: np.ndarray | None,
+                dry: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None,
+                                                 np.ndarray | None]:
+    """A mixer decode step's rows (contiguous), slots, starts and dry flags as its C kernel
+    reads them (starts None: a row a request)."""
+    index = np.ascontiguousarray(slots, dtype=np.int64)
+    if starts is not None:
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        assert len(starts) == len(index) + 1 and starts[-1] == proj.shape[0]
+    else:
+        assert proj.shape[0] == len(index)
+    if dry is not None:
+        dry = np.ascontiguousarray(dry, dtype=np.int8)
+        assert len(dry) == len(index)
+    return proj.contiguous(), index, starts, dry
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
 def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
                conv_w: torch.Tensor, ssm_state: torch.Tensor, a_log: torch.Tensor,
                dt_bias: torch.Tensor, norm_w: torch.Tensor, key_heads: int, value_heads: int,
-               dk: int, dv: int, tiled: bool, eps: float) -> torch.Tensor:
-    """Gated DeltaNet's decode step (csrc/gated_delta.c) for one-token requests: proj [R,
-    conv_dim + value_dim + 2 value_heads] fp32 (in_proj's rows), their state slots; the
-    states [slots, ...] (fp32, contiguous) updated in place. Returns [R, value_heads * dv]."""
-    proj = proj.contiguous()
-    reqs = proj.shape[0]
-    out = torch.empty(reqs, value_heads * dv)
-    index = np.ascontiguousarray(slots, dtype=np.int64)
+               dk: int, dv: int, tiled: bool, eps: float, starts: np.ndarray | None = None,
+               dry: np.ndarray | None = None, out: bool = True) -> torch.Tensor | None:
+    """Gated DeltaNet's decode step (csrc/gated_delta.c): proj [rows, conv_dim + value_dim + 2
+    value_heads] fp32 (in_proj's rows), request r's rows [starts[r], starts[r + 1]) one after
+    another (starts None: a row a request) on its state slot; the states [slots, ...] (fp32,
+    contiguous) updated in place but for `dry` requests'. Returns [rows, value_heads * dv]
+    (None: `out` False, the states alone move)."""
+    proj, index, starts, dry = _mixer_rows(proj, slots, starts, dry)
+    y = torch.empty(proj.shape[0], value_heads * dv) if out else None
     f32 = [t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)]
     assert conv_state.is_contiguous() and ssm_state.is_contiguous()
     status = cpu_kernels().loom_gdn_decode_f32(
-        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, conv_state.data_ptr(),
-        f32[0].data_ptr(), ssm_state.data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(),
-        f32[3].data_ptr(), key_heads, value_heads, dk, dv, conv_w.shape[1], int(tiled), eps,
-        out.data_ptr(), torch.get_num_threads())
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, len(index), _ptr(starts), _ptr(dry),
+        conv_state.data_ptr(), f32[0].data_ptr(), ssm_state.data_ptr(), f32[1].data_ptr(),
+        f32[2].data_ptr(), f32[3].data_ptr(), key_heads, value_heads, dk, dv, conv_w.shape[1],
+        int(tiled), eps, None if y is None else y.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"Gated DeltaNet decode step failed ({status}: no memory for its "
                            f"scratch, or a head wider than 1024: {dk}, {dv})")
-    return out
+    return y
 
 
 def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
@@ -115,45 +137,47 @@ def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tenso
                   dt_bias: torch.Tensor, a_log: torch.Tensor, d: torch.Tensor,
                   norm_w: torch.Tensor, heads: int, head_dim: int, groups: int,
                   state_size: int, norm_groups: int, eps: float, dt_min: float,
-                  dt_max: float) -> torch.Tensor:
-    """Mamba2's decode step (csrc/mamba2.c) for one-token requests: proj [R, inner + conv_dim +
-    heads] fp32 (in_proj's rows: z, x B C, dt), their state slots; the states [slots, ...]
-    (fp32, contiguous) updated in place. Returns the gated, normed y [R, heads * head_dim]."""
-    proj = proj.contiguous()
-    reqs = proj.shape[0]
-    out = torch.empty(reqs, heads * head_dim)
-    index = np.ascontiguousarray(slots, dtype=np.int64)
+                  dt_max: float, starts: np.ndarray | None = None,
+                  dry: np.ndarray | None = None, out: bool = True) -> torch.Tensor | None:
+    """Mamba2's decode step (csrc/mamba2.c): proj [rows, inner + conv_dim + heads] fp32
+    (in_proj's rows: z, x B C, dt), each request's rows one after another as gdn_decode's;
+    the states [slots, ...] (fp32, contiguous) updated in place but for `dry` requests'.
+    Returns the gated, normed y [rows, heads * head_dim] (None: `out` False)."""
+    proj, index, starts, dry = _mixer_rows(proj, slots, starts, dry)
+    y = torch.empty(proj.shape[0], heads * head_dim) if out else None
     f32 = [t.float().contiguous() for t in (conv_w, dt_bias, a_log, d, norm_w)]
     bias = None if conv_b is None else conv_b.float().contiguous()
     assert conv_state.is_contiguous() and ssm_state.is_contiguous()
     status = cpu_kernels().loom_mamba2_decode_f32(
-        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, conv_state.data_ptr(),
-        f32[0].data_ptr(), None if bias is None else bias.data_ptr(), ssm_state.data_ptr(),
-        f32[1].data_ptr(), f32[2].data_ptr(), f32[3].data_ptr(), f32[4].data_ptr(), heads,
-        head_dim, groups, state_size, conv_w.shape[1], norm_groups, eps, dt_min, dt_max,
-        out.data_ptr(), torch.get_num_threads())
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, len(index), _ptr(starts), _ptr(dry),
+        conv_state.data_ptr(), f32[0].data_ptr(), None if bias is None else bias.data_ptr(),
+        ssm_state.data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(), f32[3].data_ptr(),
+        f32[4].data_ptr(), heads, head_dim, groups, state_size, conv_w.shape[1], norm_groups,
+        eps, dt_min, dt_max, None if y is None else y.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"Mamba2 decode step failed ({status}: no memory for its scratch, "
                            f"or groups that do not divide the heads or the inner channels)")
-    return out
+    return y
 
 
 def shortconv_decode(proj: torch.Tensor, slots: np.ndarray, window_state: torch.Tensor,
-                     conv_w: torch.Tensor, conv_b: torch.Tensor | None) -> torch.Tensor:
-    """LFM2's short convolution's decode step (csrc/shortconv.c) for one-token requests: proj
-    [R, 3 H] fp32 (in_proj's rows: b, c, h), their slots in window_state [slots, H, width - 1]
-    (fp32, contiguous; updated in place). Returns c * (conv(b * h) + conv_b) [R, H]."""
-    proj = proj.contiguous()
-    reqs, hidden = proj.shape[0], conv_w.shape[0]
-    out = torch.empty(reqs, hidden)
-    index = np.ascontiguousarray(slots, dtype=np.int64)
+                     conv_w: torch.Tensor, conv_b: torch.Tensor | None,
+                     starts: np.ndarray | None = None, dry: np.ndarray | None = None,
+                     out: bool = True) -> torch.Tensor | None:
+    """LFM2's short convolution's decode step (csrc/shortconv.c): proj [rows, 3 H] fp32
+    (in_proj's rows: b, c, h), each request's rows one after another as gdn_decode's, its
+    window in window_state [slots, H, width - 1] (fp32, contiguous; updated in place but for
+    `dry` requests'). Returns c * (conv(b * h) + conv_b) [rows, H] (None: `out` False)."""
+    proj, index, starts, dry = _mixer_rows(proj, slots, starts, dry)
+    hidden = conv_w.shape[0]
+    y = torch.empty(proj.shape[0], hidden) if out else None
     weight = conv_w.float().contiguous()
     bias = None if conv_b is None else conv_b.float().contiguous()
     assert window_state.is_contiguous() and proj.shape[1] == 3 * hidden
     status = cpu_kernels().loom_shortconv_decode_f32(
-        proj.data_ptr(), proj.stride(0), index.ctypes.data, reqs, window_state.data_ptr(),
-        weight.data_ptr(), None if bias is None else bias.data_ptr(), hidden, conv_w.shape[1],
-        out.data_ptr(), torch.get_num_threads())
+        proj.data_ptr(), proj.stride(0), index.ctypes.data, len(index), _ptr(starts), _ptr(dry),
+        window_state.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        hidden, conv_w.shape[1], None if y is None else y.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"short convolution decode step failed ({status})")
-    return out
+    return y

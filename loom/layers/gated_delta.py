@@ -28,7 +28,7 @@ from loom.config import LinearAttnConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+    DRY_FLOATS, MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
@@ -159,18 +159,22 @@ class GatedDeltaNet(RecurrentMixer):
                     width=s.conv_kernel, tiled=int(s.tiled_heads), eps=self.norm.eps)
 
     def scratch_floats(self, rows: int) -> int:
-        """The C decode step's scratch for `rows` requests (the stack's)."""
+        """The C decode step's scratch for steps of `rows` rows (the stack's)."""
         s = self.shape
         return cpu_kernels().loom_gdn_scratch_floats(rows, s.num_key_heads, s.num_value_heads,
                                                       s.key_head_dim, s.value_head_dim)
 
-    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
-        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, value_dim]."""
+    def fused_rows(self) -> bool:
+        return self.shape.key_head_dim * self.shape.value_head_dim <= DRY_FLOATS
+
+    def _fused(self, proj: torch.Tensor, step: StepStates, out: bool = True
+               ) -> torch.Tensor | None:
+        """The C decode step of `step`'s requests' in_proj rows -> [rows, value_dim]."""
         s = self.shape
         return cpu_ops.gdn_decode(
             proj, step.slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
             self.dt_bias, self.norm.weight, s.num_key_heads, s.num_value_heads, s.key_head_dim,
-            s.value_head_dim, s.tiled_heads, self.norm.eps)
+            s.value_head_dim, s.tiled_heads, self.norm.eps, step.starts, step.dry, out)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed heads' output

@@ -31,7 +31,7 @@ from loom.config import MambaConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+    DRY_FLOATS, MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunked form
@@ -148,20 +148,24 @@ class Mamba2Mixer(RecurrentMixer):
                     dt_min=s.time_step_min, dt_max=s.time_step_max)
 
     def scratch_floats(self, rows: int) -> int:
-        """The C decode step's scratch for `rows` requests (the stack's)."""
+        """The C decode step's scratch for steps of `rows` rows (the stack's)."""
         s = self.shape
         return cpu_kernels().loom_mamba2_scratch_floats(rows, s.num_heads, s.head_dim,
                                                          s.num_groups, s.state_size)
 
-    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
-        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, inner]."""
+    def fused_rows(self) -> bool:
+        return self.shape.head_dim * self.shape.state_size <= DRY_FLOATS
+
+    def _fused(self, proj: torch.Tensor, step: StepStates, out: bool = True
+               ) -> torch.Tensor | None:
+        """The C decode step of `step`'s requests' in_proj rows -> [rows, inner]."""
         s = self.shape
         window_state, ssm_state = step.tensors
         return cpu_ops.mamba2_decode(
             proj, step.slots, window_state, self.conv1d.weight, self.conv1d.bias, ssm_state,
             self.dt_bias, self.A_log, self.D, self.norm.weight, s.num_heads, s.head_dim,
             s.num_groups, s.state_size, s.norm_groups, self.norm.eps, s.time_step_min,
-            s.time_step_max)
+            s.time_step_max, step.starts, step.dry, out)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed, gated output

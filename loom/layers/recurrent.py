@@ -36,15 +36,24 @@ def stack_tensors(tensors) -> bool:  # noqa: ANN001 (an iterable of tensors or N
                              and t.device.type == "cpu") for t in tensors)
 
 
+# A request's rows the C decode step runs one after another (a decode step's one, a verify
+# step's 1 + k); a request with more runs the torch path's chunked form
+FUSED_ROWS = 32
+# A dry request's head state in the C decode steps (loom.h's LOOM_MIXER_DRY_FLOATS)
+DRY_FLOATS = 65536
+
+
 @dataclass
 class StepStates:
     """One step's view of a mixer's states: each request's rows [starts[r], starts[r + 1]),
-    its slot, and the state tensors indexed by slot."""
+    its slot, the state tensors indexed by slot, and which requests are dry (a verify step's
+    drafting requests: their states read, not written; None: none)."""
 
     starts: np.ndarray  # [num_reqs + 1]
     lens: np.ndarray  # [num_reqs]
     slots: np.ndarray  # [num_reqs]
     tensors: list[torch.Tensor]
+    dry: np.ndarray | None = None  # [num_reqs] int8
 
     @property
     def one(self) -> np.ndarray:  # [num_reqs] bool: a request with one row this step
@@ -57,7 +66,8 @@ class StepStates:
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
         rows = np.repeat(self.starts[:-1][keep] - starts[:-1], lens) + np.arange(starts[-1])
-        return rows, StepStates(starts, lens, self.slots[keep], self.tensors)
+        dry = None if self.dry is None or not self.dry[keep].any() else self.dry[keep]
+        return rows, StepStates(starts, lens, self.slots[keep], self.tensors, dry)
 
 
 class RecurrentMixer(nn.Module):
@@ -66,6 +76,9 @@ class RecurrentMixer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.states: list[torch.Tensor] = []  # [slots, *shape] each; allocate_states
+        # the last verify step's dry requests' in_proj rows and their view (keep_record)
+        self.pending: tuple[torch.Tensor, StepStates] | None = None
+        self.record: torch.Tensor | None = None  # the C stack's in_proj rows of a verify step
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         raise NotImplementedError
@@ -97,26 +110,82 @@ class RecurrentMixer(nn.Module):
             index = torch.from_numpy(fresh).to(device)
             for t in self.states:
                 t[index] = 0
-        return StepStates(starts, lens, slots, self.states)
+        return StepStates(starts, lens, slots, self.states, md.state_dry)
 
+    def fused_rows(self) -> bool:
+        """Whether a dry request's head state fits the C decode step's (DRY_FLOATS)."""
+        return True
 
     def decode_split(self, proj: torch.Tensor, step: StepStates, fused, torch_path,
                      width: int) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] -> the mixer's [num_tokens, width] before its out
-        projection: `fused(rows, step)` (a C decode step) for the one-token requests on the CPU
-        in fp32 with the slots' states, `torch_path(rows, step)` for the others (a mixed step
-        as two steps of their own)."""
-        one = step.one
-        if not (one.any() and cpu_ops.usable(proj) and step.tensors is self.states):
-            return torch_path(proj, step)
-        if one.all():  # a decode-only step
+        projection: `fused(rows, step)` (a C decode step: a request's rows one after another)
+        for the requests of up to FUSED_ROWS rows on the CPU in fp32 with the slots' states,
+        `torch_path(rows, step)` for the others (a mixed step as two steps of their own). A
+        verify step's dry requests' rows are kept for `commit`."""
+        if step.dry is not None:
+            self.keep_record(proj, step)
+        few = step.lens <= FUSED_ROWS
+        if not (few.any() and cpu_ops.usable(proj) and step.tensors is self.states
+                and (step.dry is None or self.fused_rows())):
+            return self._torch_dry(proj, step, torch_path)
+        if few.all():
             return fused(proj, step)
         out = torch.empty(proj.shape[0], width)
-        for keep, run in ((one, fused), (~one, torch_path)):
+        for keep, run in ((few, fused), (~few, lambda p, st: self._torch_dry(p, st, torch_path))):
             rows, part = step.select(keep)
             index = torch.from_numpy(rows)
             out[index] = run(proj[index], part)
         return out
+
+    def _torch_dry(self, proj: torch.Tensor, step: StepStates, torch_path) -> torch.Tensor:
+        """torch_path(proj, step), a dry request's rows on copies of its states."""
+        if step.dry is None:
+            return torch_path(proj, step)
+        dry = step.dry.astype(bool)
+        out = None
+        for keep in (~dry, dry):
+            if not keep.any():
+                continue
+            rows, part = step.select(keep)
+            if keep is dry:  # its own copies, slots 0..n-1
+                index = torch.from_numpy(part.slots).to(proj.device)
+                part = StepStates(part.starts, part.lens, np.arange(len(part.lens)),
+                                  [t[index] for t in part.tensors])
+            part.dry = None
+            y = torch_path(proj[torch.from_numpy(rows).to(proj.device)], part)
+            if out is None:
+                out = y.new_empty(proj.shape[0], y.shape[1])
+            out[torch.from_numpy(rows).to(proj.device)] = y
+        assert out is not None
+        return out
+
+    def keep_record(self, proj: torch.Tensor, step: StepStates) -> None:
+        """A verify step's in_proj rows of its dry requests, and their view, for `commit`."""
+        assert step.dry is not None
+        rows, part = step.select(step.dry.astype(bool))
+        part.dry = None
+        self.pending = (proj[torch.from_numpy(rows).to(proj.device)], part)
+
+    def commit(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """The last verify step's dry requests (in its order) keep their rows [lo[r], hi[r])
+        (rows before lo[r] committed already): those run on their states (outputs dropped),
+        which then stand as one-row steps would have left them."""
+        assert self.pending is not None, "no verify step to commit"
+        proj, step = self.pending
+        some = hi > lo
+        lens = (hi - lo)[some]
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        rows = np.repeat(step.starts[:-1][some] + lo[some] - starts[:-1], lens) \
+            + np.arange(starts[-1])
+        part = StepStates(starts, lens, step.slots[some], step.tensors)
+        proj = proj[torch.from_numpy(rows).to(proj.device)]
+        if (cpu_ops.usable(proj) and part.tensors is self.states and self.fused_rows()
+                and (part.lens <= FUSED_ROWS).all()):
+            self._fused(proj, part, out=False)
+        else:
+            self._torch(proj, part)
 
 
 def state_bytes(model: nn.Module) -> int:
@@ -196,10 +265,11 @@ class ShortConv(RecurrentMixer):
     def scratch_floats(self, rows: int) -> int:
         return 0  # (none)
 
-    def _fused(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
-        """The C decode step of `step`'s one-token requests' in_proj rows -> [R, hidden]."""
+    def _fused(self, proj: torch.Tensor, step: StepStates, out: bool = True
+               ) -> torch.Tensor | None:
+        """The C decode step of `step`'s requests' in_proj rows -> [rows, hidden]."""
         return cpu_ops.shortconv_decode(proj, step.slots, step.tensors[0], self.conv.weight,
-                                        self.conv.bias)
+                                        self.conv.bias, step.starts, step.dry, out)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, 3 hidden] of `step`'s requests -> C * conv(B * x)

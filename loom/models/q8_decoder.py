@@ -32,6 +32,7 @@ from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.layers.activation import ACTIVATIONS
+from loom.layers.recurrent import FUSED_ROWS, StepStates
 from loom.layers.router import RouterLinear
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
@@ -149,7 +150,8 @@ class MixerQ8(ctypes.Structure):  # loom.h's LoomMixerQ8
         (name, ctypes.c_void_p) for name in _MIXER_PTRS] + [
         (name, ctypes.c_int64) for name in _MIXER_DIMS] + [
         (name, ctypes.c_float) for name in ("eps", "dt_min", "dt_max")] + [
-        ("scratch", ctypes.c_void_p), ("max_rows", ctypes.c_int64)]
+        ("scratch", ctypes.c_void_p), ("max_rows", ctypes.c_int64), ("dry", ctypes.c_void_p),
+        ("record", ctypes.c_void_p), ("record_rows", ctypes.c_int64)]
 
     @classmethod
     def of(cls, mixer: nn.Module) -> MixerQ8:
@@ -310,8 +312,8 @@ class Q8Decoder:
 
     def usable(self) -> bool:
         """Whether the stack runs this step (the caches' dtype and layout, checked when the
-        runner binds them; a hybrid's: decode steps alone, a token a request, each request's
-        states in its slot)."""
+        runner binds them; a hybrid's: steps of up to FUSED_ROWS tokens a request past its
+        first, each request's states in its slot: decode and verify steps)."""
         cache = self.attn0.kv_cache
         if cache is not self.cache:
             self._build(cache)
@@ -319,7 +321,9 @@ class Q8Decoder:
             md = get_forward_context().attn_metadata
             starts = md.query_starts_host
             return (md.state_slots is not None and len(starts) > 1
-                    and starts[-1] == len(starts) - 1 and bool((md.computed > 0).all()))
+                    and int(np.diff(starts).max()) <= FUSED_ROWS
+                    and bool((md.computed > 0).all())
+                    and (md.state_dry is None or all(m.fused_rows() for _, m in self.mixers)))
         return self.ok
 
     def _build(self, cache: torch.Tensor) -> None:
@@ -373,6 +377,19 @@ class Q8Decoder:
         for x, _ in self.mixers:
             x.scratch, x.max_rows = self.mixer_buf.data_ptr(), m
 
+    def _mixer_records(self, md, m: int) -> None:  # noqa: ANN001 (AttentionMetadata)
+        """A verify step's dry requests (md.state_dry) for every mixer, and each mixer's record
+        of its in_proj rows (its module's `record`, grown, never shrunk); none otherwise."""
+        dry = md.state_dry
+        for x, module in self.mixers:
+            if dry is None:
+                x.dry = x.record = None
+                continue
+            record = module.record
+            if record is None or record.shape[0] < m:
+                module.record = record = torch.empty(max(m, 16), x.proj_n)
+            x.dry, x.record, x.record_rows = dry.ctypes.data, record.data_ptr(), record.shape[0]
+
     def _scratch(self, m: int) -> list[torch.Tensor]:
         if not self.scratch or self.scratch[0].shape[0] < m:
             # a fresh allocation each step was page-faulted in again
@@ -421,6 +438,10 @@ class Q8Decoder:
         self._mixer_scratch(m)
         state_slots = (None if not self.mixers
                        else np.ascontiguousarray(md.state_slots, dtype=np.int64))
+        if self.mixers:
+            if md.state_dry is not None:
+                md.state_dry = np.ascontiguousarray(md.state_dry, dtype=np.int8)
+            self._mixer_records(md, m)
         buf_h = torch.empty((m, self.hidden))  # returned: the caller's until it lets go
         if self.embed is not None:  # looked up into x, the residual stream
             assert input_ids.dtype == torch.int64 and input_ids.is_contiguous()
@@ -456,6 +477,11 @@ class Q8Decoder:
             kv_type(self.cache), self.code,
         )
         self.team.record(m, time.perf_counter() - start)
+        if rc == 0 and self.mixers and md.state_dry is not None:  # the rows a commit runs
+            starts = md.query_starts_host
+            for _, module in self.mixers:
+                module.keep_record(module.record[:m], StepStates(
+                    starts, np.diff(starts), state_slots, module.states, md.state_dry))
         if rc == -4:  # the module path's IndexError (past the end of a table)
             for rotary in self.model.rotaries():
                 rotary.check_positions(positions)

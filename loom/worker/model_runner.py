@@ -188,21 +188,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _keep_states(self, keys: dict[str, object], states: list[CachedRequestState],
-                     computed: list[int], num_sched: list[int]) -> None:
-        """Each request's states where its step ended on a block boundary (`keys`), for later
-        prefix hits: at its prompt's last boundary, and past its prompt only the newest (a
-        next turn's prompt holds the whole reply; the older ones of a long reply would fill
-        the budget and push out other requests' prompts)."""
-        assert self.snapshots is not None
+                     computed: list[int], num_sched: list[int], skip: dict) -> None:
+        """Each request's states where its step ended on a block boundary (`keys`; requests in
+        `skip`, a verify step's drafting ones, keep theirs as they commit)."""
         for s, c, n in zip(states, computed, num_sched):
             key = keys.get(s.req_id)
-            if key is None:
-                continue
-            self.snapshots.save(key, s.state_slot)
-            if c + n > s.num_prompt_tokens:
-                if s.reply_key is not None and s.reply_key != key:
-                    self.snapshots.drop(s.reply_key)
-                s.reply_key = key
+            if key is not None and s.req_id not in skip:
+                self._save_state(s, key, c + n)
+
+    def _save_state(self, s: CachedRequestState, key: object, end: int) -> None:
+        """Request s's states now, those after its first `end` tokens, for later prefix hits:
+        at its prompt's last boundary, and past its prompt only the newest (a next turn's
+        prompt holds the whole reply; the older ones of a long reply would fill the budget and
+        push out other requests' prompts)."""
+        assert self.snapshots is not None
+        self.snapshots.save(key, s.state_slot)
+        if end > s.num_prompt_tokens:
+            if s.reply_key is not None and s.reply_key != key:
+                self.snapshots.drop(s.reply_key)
+            s.reply_key = key
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One forward and sampling step. A request whose own inputs fail (preparing, sampling,
@@ -234,6 +238,9 @@ class ModelRunner:
         if self.state_layers:
             md.state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64,
                                          count=len(states))
+            if drafts:  # a verify step: the drafting requests' states move once verified
+                md.state_dry = np.fromiter((s.req_id in drafts for s in states), dtype=np.int8,
+                                           count=len(states))
         ends = np.cumsum(num_sched)
         # A request samples when this step reaches the end of its known tokens.
         sampling = [i for i, (s, c, n) in enumerate(zip(states, computed, num_sched))
@@ -254,13 +261,16 @@ class ModelRunner:
             with set_forward_context(md):
                 hidden, logits = self.model.forward_logits(  # [num_tokens, h], [sampling, V]
                     ids_t, pos_t, rows, only_rows=not all_rows)
-        if so.state_keys and self.snapshots is not None:  # states at a block boundary
-            self._keep_states(so.state_keys, states, computed, num_sched)
         self.pooler.step(states, computed, num_sched, ends, hidden, None if all_rows else rows)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[Logprobs] | None] = [None] * len(req_ids)
         if drafts:
             logits = self._verify(logits, states, spec, so, sampled_lists, logprobs, failed)
+            if md.state_dry is not None:
+                self._commit_states(so, states, computed, num_sched, md.state_dry,
+                                    sampled_lists)
+        if so.state_keys and self.snapshots is not None:  # states at a block boundary
+            self._keep_states(so.state_keys, states, computed, num_sched, drafts)
         if sampling:
             if so.grammar_bitmask is not None:
                 self._apply_grammar(logits, [req_ids[i] for i in sampling], so)
@@ -278,6 +288,32 @@ class ModelRunner:
         if so.lookahead and not failed:
             self._decode_ahead(so.lookahead, states, md, positions, sampled_lists)
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lps, failed)
+
+    @torch.inference_mode()
+    def _commit_states(self, so: SchedulerOutput, states: list[CachedRequestState],
+                       computed: list[int], num_sched: list[int], dry: np.ndarray,
+                       sampled_lists: list[list[int]]) -> None:
+        """A hybrid's verify step ran its drafting requests' rows on copies of their states:
+        each now runs its last real token and the drafts it kept (a row per emitted token;
+        the last emitted one is the next step's input) on its states, in every mixer. Where
+        the kept rows pass the block boundary the scheduler named (state_keys: the last one
+        in the step), the states there are kept on the way."""
+        index = np.flatnonzero(dry)
+        kept = np.array([max(1, len(sampled_lists[i])) for i in index], dtype=np.int64)
+        upto, saves = kept.copy(), []
+        for n, i in enumerate(index):
+            s = states[i]
+            key = None if self.snapshots is None else so.state_keys.get(s.req_id)
+            rows = (computed[i] + num_sched[i]) // self.block_size * self.block_size - computed[i]
+            if key is not None and 0 < rows <= kept[n]:
+                upto[n] = rows
+                saves.append((s, key, computed[i] + rows))
+        for lo, hi in ((np.zeros_like(kept), upto), (upto, kept)):
+            if (hi > lo).any():
+                for layer in self.state_layers:
+                    layer.commit(lo, hi)
+            for s, key, end in saves if hi is upto else ():
+                self._save_state(s, key, end)
 
     def _decode_ahead(self, steps: int, states: list[CachedRequestState], md: AttentionMetadata,
                       positions: np.ndarray, sampled_lists: list[list[int]]) -> None:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from loom import LLM, SamplingParams
-from loom.config import ConfigError
 from loom.layers import mamba2
 from loom.layers.gated_delta import chunked, l2norm, recurrent_step
 from loom.layers.recurrent import StepStates, state_bytes
@@ -95,9 +94,77 @@ def test_engine_matches_transformers(hybrid) -> None:
         assert list(out.outputs[0].token_ids) == want, len(prompt)
 
 
-def test_what_states_cannot_follow_is_refused(hybrid) -> None:
-    with pytest.raises(ConfigError, match="speculative decoding does not run hybrid"):
-        LLM(str(hybrid), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+# row_cost 0: a request drafts its k tokens whenever the lookup finds them, in any batch
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1, "disable_by_batch_size": None, "row_cost": 0.0}
+
+
+def test_speculation_gives_the_same_greedy_tokens(hybrid) -> None:
+    """Drafts from predictions (each request's reply with two tokens changed: drafts kept and
+    rejected, the states then moved by the kept rows alone) and n-gram lookup, four requests
+    at once in 32-token prefill chunks, one of them without drafts (logprobs), a cache small
+    enough to preempt, and a repeated prompt (a prefix hit): each request's greedy tokens
+    equal decoding one token at a time."""
+    tokenizer = smollm2_tokenizer()
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    prompts = [{"prompt_token_ids": ids[: 9 + 17 * r]} for r in range(5)]
+    prompts.append(prompts[2])
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                             logprobs=1 if i == 3 else None) for i in range(len(prompts))]
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              num_gpu_blocks_override=12)
+    want = [list(o.outputs[0].token_ids) for o in LLM(str(hybrid), **kw).generate(prompts, params)]
+    for p, reply in zip(params, want):
+        p.prediction = reply[:9] + [reply[9] + 1] + reply[10:20] + [reply[20] + 1] + reply[21:]
+    llm = LLM(str(hybrid), speculative_config=NGRAM, **kw)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    stats = llm.engine.scheduler.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4-h"])
+def test_speculation_on_the_c_stack(tmp_path, name, monkeypatch) -> None:
+    """int8 weights (batch-invariant kernels: a verify step's rows get one-row steps' bits):
+    the one-call C stack runs the verify steps, each mixer's rows one after another on copies
+    of the drafting requests' states, then commits the kept rows; greedy tokens equal
+    decoding one token at a time."""
+    from loom.attention.forward_context import get_forward_context
+    from loom.models.q8_decoder import Q8Decoder
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    tokenizer = smollm2_tokenizer()
+    folder = make_tiny_chat_model(name, tmp_path / name, tokenizer, vocab_size=len(tokenizer))
+    verify_steps = []
+    forward = Q8Decoder.forward
+    monkeypatch.setattr(Q8Decoder, "forward", lambda *a, **k: verify_steps.append(
+        get_forward_context().attn_metadata.state_dry is not None) or forward(*a, **k))
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    prompts = [{"prompt_token_ids": ids[: 9 + 17 * r]} for r in range(3)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    kw = dict(dtype="float32", quantization="int8", batch_invariant=True)
+    base = LLM(str(folder), **kw)
+    want = [list(o.outputs[0].token_ids) for o in base.generate(prompts, params)]
+    for p, reply in zip(params, want):
+        p.prediction = reply[:7] + [reply[7] + 1] + reply[8:]
+    verify_steps.clear()
+    llm = LLM(str(folder), speculative_config=NGRAM, **kw)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    assert sum(verify_steps) > 0
+    stats = llm.engine.scheduler.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert got == want
+    # a second turn hits the prefix cache up to the reply's last boundary: its states were
+    # kept mid-step, where a verify step's kept rows passed it
+    second = prompts[1]["prompt_token_ids"] + want[1] + tokenizer.encode(" And then?")
+    cache = llm.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    hits = cache.hits
+    turn = [{"prompt_token_ids": second}], SamplingParams(max_tokens=8, temperature=0.0)
+    again = llm.generate(*turn)[0].outputs[0].token_ids
+    assert cache.hits - hits == (26 + 24 - 1) // 16 * 16
+    assert list(again) == list(base.generate(*turn)[0].outputs[0].token_ids)
 
 
 def test_prefix_hits_start_from_the_kept_states(hybrid) -> None:
@@ -147,6 +214,67 @@ def _check_c_decode_step(mixer, width: int, g: torch.Generator) -> None:
         assert not torch.allclose(t[[4, 0, 2]], first[[4, 0, 2]], atol=1e-2)
 
 
+def _check_verify_rows(mixer, width: int, g: torch.Generator) -> None:
+    """A verify step: requests of 5, 1 and 3 rows in slots 4, 0 and 2, the first and last dry
+    (their rows on copies of their states), then a commit of their first 2 and 3 rows: the C
+    decode step's outputs and states are the bits of one-row steps (slot 0 moved by its row,
+    slots 4 and 2 by their kept rows, the others untouched); the torch path's the same within
+    rounding."""
+    mixer.allocate_states(6, torch.device("cpu"))
+    mixer.states = [torch.randn(t.shape, generator=g) for t in mixer.states]
+    start = [t.clone() for t in mixer.states]
+    starts, slots = np.array([0, 5, 6, 9]), np.array([4, 0, 2])
+    dry = np.array([1, 0, 1], dtype=np.int8)
+    proj = torch.randn(9, width, generator=g)
+    with torch.no_grad():
+        one_rows, after = [], {}  # one-row steps, and each slot's states after its kept rows
+        for r, slot in enumerate(slots):
+            for i, row in enumerate(range(starts[r], starts[r + 1])):
+                step = StepStates(np.arange(2), np.ones(1, dtype=np.int64), slots[r:r + 1],
+                                  mixer.states)
+                one_rows.append(mixer._fused(proj[row:row + 1], step))
+                if i + 1 == (2, 1, 3)[r]:
+                    after[int(slot)] = [t[slot].clone() for t in mixer.states]
+        for t, first in zip(mixer.states, start):
+            t.copy_(first)
+        step = StepStates(starts, np.diff(starts), slots, mixer.states, dry)
+        got = mixer.decode_split(proj, step, mixer._fused, mixer._torch, one_rows[0].shape[1])
+        assert torch.equal(got, torch.cat(one_rows))
+        for t, first, i in zip(mixer.states, start, range(2)):
+            assert torch.equal(t[[4, 2, 1, 3, 5]], first[[4, 2, 1, 3, 5]])  # dry: untouched
+            assert torch.equal(t[0], after[0][i])
+        mixer.commit(np.zeros(2, dtype=np.int64), np.array([1, 1]))
+        mixer.commit(np.array([1, 1]), np.array([2, 3]))  # (in two parts: the same)
+        for t, first, i in zip(mixer.states, start, range(2)):
+            assert torch.equal(t[4], after[4][i]) and torch.equal(t[2], after[2][i])
+            assert torch.equal(t[[1, 3, 5]], first[[1, 3, 5]])
+        for t, first in zip(mixer.states, start):  # the torch path, from the same start
+            t.copy_(first)
+        got = mixer._torch_dry(proj, step, mixer._torch)
+        assert torch.allclose(got, torch.cat(one_rows), rtol=1e-4, atol=1e-4)
+        for t, first, i in zip(mixer.states, start, range(2)):
+            assert torch.equal(t[[4, 2]], first[[4, 2]])
+            assert torch.allclose(t[0], after[0][i], rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_c_decode_step_equals_the_torch_path() -> None:
+    """Gated DeltaNet's C decode step (csrc/gated_delta.c) against _torch: two value heads a
+    key head, width 4."""
+    from loom.config import LinearAttnConfig
+    from loom.layers.gated_delta import GatedDeltaNet
+    from tests.cpu_kernels import require_cpu_kernels
+
+    require_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    mixer = GatedDeltaNet(64, LinearAttnConfig(2, 4, 16, 8, 4), 1e-6)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+    width = mixer.conv_dim + mixer.value_dim + 2 * 4
+    _check_c_decode_step(mixer, width, g)
+    _check_verify_rows(mixer, width, g)
+
+
 def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
     """Mamba2's C decode step (csrc/mamba2.c) against _torch: groups of heads sharing B and C,
     a conv bias, two norm groups, dt clamped below."""
@@ -163,6 +291,7 @@ def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
             param.copy_(torch.randn(param.shape, generator=g) * 0.5)
         mixer.dt_bias[::2] = -6.0  # (these heads' dt mostly clamped to time_step_min)
     _check_c_decode_step(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
+    _check_verify_rows(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
 
 
 def test_shortconv_c_decode_step_equals_the_torch_path() -> None:
@@ -178,6 +307,7 @@ def test_shortconv_c_decode_step_equals_the_torch_path() -> None:
         for param in mixer.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.5)
     _check_c_decode_step(mixer, 3 * 64, g)
+    _check_verify_rows(mixer, 3 * 64, g)
 
 
 def test_a_reply_keeps_only_its_newest_states(hybrid) -> None:

@@ -92,7 +92,9 @@ typedef struct {
     const int64_t *positions, *slots, *block_tables, *tiles;
     const int64_t *keep;  // NULL, or the rows the last layer's MLP runs on (ascending)
     int64_t num_keep;
-    const int64_t *state_slots;  // [M]: each request's state slot (a hybrid's mixers)
+    const int64_t *state_slots;  // [num_reqs]: each request's state slot (a hybrid's mixers)
+    const int64_t *query_starts;  // [num_reqs + 1]: each request's rows
+    int64_t num_reqs;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16, 3 int16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
                               // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
@@ -495,11 +497,12 @@ static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
     return 0;
 }
 
-// ---- a hybrid's mixers (loom.h's LoomMixerQ8), on decode steps (a token a request): in_proj
-// into buf_qkv, the mixer's decode step into buf_attn, out_proj into buf_h. In a team the
-// kernels' team forms (their phases split between the threads, the team's barrier between
-// them); op by op their OpenMP forms, which run the team forms: the same bits either way, and
-// the module path's (loom/layers/recurrent.py: RecurrentMixer.decode_split).
+// ---- a hybrid's mixers (loom.h's LoomMixerQ8), on steps of a few tokens a request (decode
+// and verify steps): in_proj into buf_qkv (or the mixer's `record`), the mixer's decode step
+// over each request's rows into buf_attn, out_proj into buf_h. In a team the kernels' team
+// forms (their phases split between the threads, the team's barrier between them); op by op
+// their OpenMP forms, which run the team forms: the same bits either way, and the module
+// path's (loom/layers/recurrent.py: RecurrentMixer.decode_split).
 
 static void team_barrier(void *arg)
 {
@@ -509,39 +512,41 @@ static void team_barrier(void *arg)
 static int mixer(const Step *s, Team *t, const LoomMixerQ8 *X)
 {
     int rc;
-    if ((rc = linear(s, t, s->buf_h, s->H, &X->in_proj, X->in_b, X->proj_n, s->buf_qkv)))
+    float *p = X->record ? X->record : s->buf_qkv;  // (a verify step's: kept for its commit)
+    if ((rc = linear(s, t, s->buf_h, s->H, &X->in_proj, X->in_b, X->proj_n, p)))
         return rc;
-    const float *p = s->buf_qkv;
-    const int64_t *slots = s->state_slots, M = s->M;
+    const int64_t *slots = s->state_slots, *starts = s->query_starts, R = s->num_reqs;
+    const int8_t *dry = X->dry;
     float *y = s->buf_attn;
     const int tid = t ? t->tid : 0, team = t ? t->team : 1;
     if (X->kind == LOOM_MIXER_GDN)
-        rc = t ? loom_gdn_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                      X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
+        rc = t ? loom_gdn_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                      X->conv_w, X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
                                       X->key_heads, X->value_heads, X->dk, X->dv, X->width,
                                       (int)X->tiled, X->eps, y, X->scratch, tid, team,
                                       team_barrier, t)
-               : loom_gdn_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                     X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
+               : loom_gdn_decode_f32(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                     X->conv_w, X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
                                      X->key_heads, X->value_heads, X->dk, X->dv, X->width,
                                      (int)X->tiled, X->eps, y, s->nt);
     else if (X->kind == LOOM_MIXER_MAMBA2)
-        rc = t ? loom_mamba2_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                         X->conv_b, X->ssm_state, X->dt_bias, X->a_log, X->d,
-                                         X->norm_w, X->value_heads, X->dv, X->key_heads, X->dk,
-                                         X->width, X->norm_groups, X->eps, X->dt_min,
-                                         X->dt_max, y, X->scratch, tid, team, team_barrier, t)
-               : loom_mamba2_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                        X->conv_b, X->ssm_state, X->dt_bias, X->a_log, X->d,
-                                        X->norm_w, X->value_heads, X->dv, X->key_heads, X->dk,
-                                        X->width, X->norm_groups, X->eps, X->dt_min, X->dt_max,
-                                        y, s->nt);
+        rc = t ? loom_mamba2_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                         X->conv_w, X->conv_b, X->ssm_state, X->dt_bias,
+                                         X->a_log, X->d, X->norm_w, X->value_heads, X->dv,
+                                         X->key_heads, X->dk, X->width, X->norm_groups, X->eps,
+                                         X->dt_min, X->dt_max, y, X->scratch, tid, team,
+                                         team_barrier, t)
+               : loom_mamba2_decode_f32(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                        X->conv_w, X->conv_b, X->ssm_state, X->dt_bias,
+                                        X->a_log, X->d, X->norm_w, X->value_heads, X->dv,
+                                        X->key_heads, X->dk, X->width, X->norm_groups, X->eps,
+                                        X->dt_min, X->dt_max, y, s->nt);
     else if (X->kind == LOOM_MIXER_SHORTCONV)
-        rc = t ? loom_shortconv_decode_team(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                            X->conv_b, s->H, X->width, y, tid, team,
+        rc = t ? loom_shortconv_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                            X->conv_w, X->conv_b, s->H, X->width, y, tid, team,
                                             team_barrier, t)
-               : loom_shortconv_decode_f32(p, X->proj_n, slots, M, X->conv_state, X->conv_w,
-                                           X->conv_b, s->H, X->width, y, s->nt);
+               : loom_shortconv_decode_f32(p, X->proj_n, slots, R, starts, dry, X->conv_state,
+                                           X->conv_w, X->conv_b, s->H, X->width, y, s->nt);
     else
         rc = -1;
     if (rc) return rc;
@@ -811,8 +816,9 @@ static int check_inputs(const Step *s, const LoomEmbedQ8 *embed, const LoomHeadQ
         if (X && (!X->buf || s->M > X->max_rows || X->top_k < 1 || X->top_k > X->num_experts))
             return -1;  // its scratch too small, or a bad top_k
         if (R && (!s->state_slots || (R->kind != LOOM_MIXER_SHORTCONV &&
-                                      (!R->scratch || s->M > R->max_rows))))
-            return -1;  // no slots, or its scratch too small
+                                      (!R->scratch || s->M > R->max_rows))
+                  || (R->record && s->M > R->record_rows)))
+            return -1;  // no slots, or its scratch or record too small
     }
     for (int64_t t = 0; t < s->M; t++) {
         if (s->positions[t] < 0 || s->positions[t] >= rope_rows) return -4;
@@ -923,10 +929,10 @@ static int run_step(const Step s, const LoomEmbedQ8 *embed, const float *final_n
 // mixers' in_proj too, buf_attn as their out_proj's inputs, buf_gu as heads D where attention
 // has an output gate). kv_type: what the caches hold (0 fp32, 1 fp16, 2 int8). Request r owns
 // tokens query_start_loc[r] .. query_start_loc[r + 1] - 1; attention runs in tiles of at most
-// tile_tokens of one request's tokens. state_slots [M]: each request's state slot, for layers
-// with a mixer (steps of a token a request only). Returns 0; -7 for tokens that do not add up
-// to M, -8 for a step with a mixer that is not a token a request, check_inputs' errors
-// (nothing written either way); or the first kernel's error.
+// tile_tokens of one request's tokens. state_slots [num_reqs]: each request's state slot, for
+// layers with a mixer (whose decode steps run each request's rows one after another: steps of
+// a few tokens a request). Returns 0; -7 for tokens that do not add up to M, check_inputs'
+// errors (nothing written either way); or the first kernel's error.
 //
 // The whole stack, and the head, runs in one OpenMP region instead of one per op: the linears
 // and the attention share their work out from counters (loom_linear_q8_team or
@@ -948,8 +954,6 @@ int loom_decoder_forward_q8(
     int kernel)
 {
     if (query_start_loc[num_reqs] != M) return -7;
-    for (int64_t l = 0; l < num_layers; l++)
-        if (layers[l].mixer && num_reqs != M) return -8;  // a mixer: decode steps only
     int64_t *tiles = malloc((size_t)(M > 0 ? M : 1) * 3 * sizeof(int64_t));  // <= a token each
     if (!tiles) return -2;
     const int64_t num_tiles = loom_attention_tiles(query_start_loc, num_reqs, tile_tokens, tiles);
@@ -961,7 +965,7 @@ int loom_decoder_forward_q8(
         layers, num_layers, H, I, num_heads, kv_heads, D, block_size, M, max_blocks, num_tiles,
         (num_heads + 2 * kv_heads) * D, num_heads * D, eps,
         hidden, buf_h, buf_qkv, buf_attn, buf_gu, buf_act, NULL, positions, slots, block_tables,
-        tiles, keep, num_keep, state_slots,
+        tiles, keep, num_keep, state_slots, query_start_loc, num_reqs,
         nt, kv_type, kernel,
     };
     const int rc = run_step(s, embed, final_norm, head);

@@ -76,60 +76,73 @@ void loom_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64
                       int num_threads);
 
 // ---- recurrent mixers' decode steps (gated_delta.c, mamba2.c, shortconv.c) ---------------
+// Each runs `reqs` requests' rows one after another on their state slots: request r's rows
+// [starts[r], starts[r + 1]) of proj and out (starts NULL: row r alone, a decode step).
+// `dry` [reqs] (NULL: none): a nonzero request's states are read, never written (a speculative
+// verify step's: its rows run on a copy, and a later call with its kept rows commits them);
+// a dry request's head state may hold at most LOOM_MIXER_DRY_FLOATS floats (a stack array).
+// `out` NULL: the states alone move (no outputs computed).
 // Each `*_team` form is called by every thread of a caller's team with the same arguments
 // (tid 0..team-1): each phase's items split statically (items [n tid / team, n (tid + 1) /
 // team)), `sync(sync_arg)` (the caller's barrier) called by every thread between dependent
 // phases and once at the end. A failed check returns the same value in every thread before
-// any sync. `scratch` holds the `*_scratch_floats` floats (caller-provided, shared by the
-// team). The `*_f32` forms allocate that scratch and run the team form in an OpenMP region.
+// any sync. `scratch` holds the `*_scratch_floats` floats for the call's rows (caller-provided,
+// shared by the team). The `*_f32` forms allocate that scratch and run the team form in an
+// OpenMP region.
 typedef void (*LoomSync)(void *arg);
+#define LOOM_MIXER_DRY_FLOATS 65536
 
-// Gated DeltaNet's decode step for `reqs` one-token requests, in place on their state slots
-// (gated_delta.c); out [reqs, value_heads * dv]. 0, or -1 with nothing written.
+// Gated DeltaNet's decode step, in place on the requests' state slots (gated_delta.c); out
+// [rows, value_heads * dv]. 0, or -1 with nothing written.
 int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots, int64_t reqs,
-                        float *conv_state, const float *conv_w, float *ssm_state,
-                        const float *a_log, const float *dt_bias, const float *norm_w,
-                        int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
-                        int64_t width, int tiled, float eps, float *out, int num_threads);
-int64_t loom_gdn_scratch_floats(int64_t reqs, int64_t key_heads, int64_t value_heads,
+                        const int64_t *starts, const int8_t *dry, float *conv_state,
+                        const float *conv_w, float *ssm_state, const float *a_log,
+                        const float *dt_bias, const float *norm_w, int64_t key_heads,
+                        int64_t value_heads, int64_t dk, int64_t dv, int64_t width, int tiled,
+                        float eps, float *out, int num_threads);
+int64_t loom_gdn_scratch_floats(int64_t rows, int64_t key_heads, int64_t value_heads,
                                 int64_t dk, int64_t dv);
 int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
-                         int64_t reqs, float *conv_state, const float *conv_w, float *ssm_state,
+                         int64_t reqs, const int64_t *starts, const int8_t *dry,
+                         float *conv_state, const float *conv_w, float *ssm_state,
                          const float *a_log, const float *dt_bias, const float *norm_w,
                          int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
                          int64_t width, int tiled, float eps, float *out, float *scratch,
                          int tid, int team, LoomSync sync, void *sync_arg);
-// Mamba2's decode step for `reqs` one-token requests, in place on their state slots
-// (mamba2.c): proj rows [z | x B C | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max]
-// (dt_max may be +inf); out [reqs, heads * head_dim]. 0, or -1 with nothing written.
+// Mamba2's decode step, in place on the requests' state slots (mamba2.c): proj rows [z | x B C
+// | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max] (dt_max may be +inf); out [rows,
+// heads * head_dim]. 0, or -1 with nothing written.
 int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
-                           int64_t reqs, float *conv_state, const float *conv_w,
-                           const float *conv_b, float *ssm_state, const float *dt_bias,
-                           const float *a_log, const float *d, const float *norm_w,
-                           int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size,
-                           int64_t width, int64_t norm_groups, float eps, float dt_min,
-                           float dt_max, float *out, int num_threads);
-int64_t loom_mamba2_scratch_floats(int64_t reqs, int64_t heads, int64_t head_dim,
+                           int64_t reqs, const int64_t *starts, const int8_t *dry,
+                           float *conv_state, const float *conv_w, const float *conv_b,
+                           float *ssm_state, const float *dt_bias, const float *a_log,
+                           const float *d, const float *norm_w, int64_t heads,
+                           int64_t head_dim, int64_t groups, int64_t state_size, int64_t width,
+                           int64_t norm_groups, float eps, float dt_min, float dt_max,
+                           float *out, int num_threads);
+int64_t loom_mamba2_scratch_floats(int64_t rows, int64_t heads, int64_t head_dim,
                                    int64_t groups, int64_t state_size);
 int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
-                            int64_t reqs, float *conv_state, const float *conv_w,
-                            const float *conv_b, float *ssm_state, const float *dt_bias,
-                            const float *a_log, const float *d, const float *norm_w,
-                            int64_t heads, int64_t head_dim, int64_t groups,
-                            int64_t state_size, int64_t width, int64_t norm_groups, float eps,
-                            float dt_min, float dt_max, float *out, float *scratch, int tid,
-                            int team, LoomSync sync, void *sync_arg);
+                            int64_t reqs, const int64_t *starts, const int8_t *dry,
+                            float *conv_state, const float *conv_w, const float *conv_b,
+                            float *ssm_state, const float *dt_bias, const float *a_log,
+                            const float *d, const float *norm_w, int64_t heads,
+                            int64_t head_dim, int64_t groups, int64_t state_size, int64_t width,
+                            int64_t norm_groups, float eps, float dt_min, float dt_max,
+                            float *out, float *scratch, int tid, int team, LoomSync sync,
+                            void *sync_arg);
 // LFM2's short convolution's decode step (shortconv.c): proj rows [b | c | h] (H each),
 // window_state [slots, H, width - 1] (oldest first), conv_w [H, width], conv_b [H] or NULL;
-// out [reqs, H] = c * (conv(b * h) + conv_b). No scratch. 0, or -1 with nothing written.
+// out [rows, H] = c * (conv(b * h) + conv_b). No scratch. 0, or -1 with nothing written.
 int loom_shortconv_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
-                              int64_t reqs, float *window_state, const float *conv_w,
-                              const float *conv_b, int64_t H, int64_t width, float *out,
-                              int num_threads);
+                              int64_t reqs, const int64_t *starts, const int8_t *dry,
+                              float *window_state, const float *conv_w, const float *conv_b,
+                              int64_t H, int64_t width, float *out, int num_threads);
 int loom_shortconv_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
-                               int64_t reqs, float *window_state, const float *conv_w,
-                               const float *conv_b, int64_t H, int64_t width, float *out,
-                               int tid, int team, LoomSync sync, void *sync_arg);
+                               int64_t reqs, const int64_t *starts, const int8_t *dry,
+                               float *window_state, const float *conv_w, const float *conv_b,
+                               int64_t H, int64_t width, float *out, int tid, int team,
+                               LoomSync sync, void *sync_arg);
 
 // ---- int8-grid linears: y [M, N] = x [M, K] W^T (+ bias) ------------------------------------
 // W on an 8-bit grid in groups of 32 along K, each group's fp32 scale and minimum ([N, K / 32]):
@@ -374,13 +387,16 @@ typedef struct LoomMoeQ8 {
 } LoomMoeQ8;
 
 // A hybrid layer's token mixer with a state per request, run in place of attention on steps
-// where every request has one token (a decode step; loom/layers/recurrent.py):
-//   p = h Win^T (+ in_b);  y = the mixer's decode step (p; each request's state slot,
-//   updated);  a = y Wout^T (+ out_b)
+// of a few tokens a request (decode and verify steps; loom/layers/recurrent.py):
+//   p = h Win^T (+ in_b);  y = the mixer's decode step (p; each request's rows one after
+//   another on its state slot, updated);  a = y Wout^T (+ out_b)
 // kind LOOM_MIXER_GDN (Gated DeltaNet: key_heads, value_heads, dk, dv, tiled, conv_w, a_log,
 // dt_bias, norm_w), LOOM_MIXER_MAMBA2 (heads = value_heads, head_dim = dv, groups = key_heads,
 // state = dk, norm_groups, conv_w, conv_b, dt_bias, a_log, d, norm_w, dt_min, dt_max) or
 // LOOM_MIXER_SHORTCONV (conv_w, conv_b). states: [slots, ...] each, as the module keeps them.
+// A speculative verify step's: `dry` [requests] (NULL: none) the requests whose states are read
+// only, and `record` [record_rows >= M, proj_n] (NULL: none) where p is written and kept for
+// the commit.
 enum { LOOM_MIXER_GDN = 1, LOOM_MIXER_MAMBA2 = 2, LOOM_MIXER_SHORTCONV = 3 };
 typedef struct {
     LoomLinearQ8 in_proj, out_proj;
@@ -392,6 +408,9 @@ typedef struct {
     float eps, dt_min, dt_max;
     float *scratch;  // the step's (the *_scratch_floats of its kind, for max_rows rows)
     int64_t max_rows;
+    const int8_t *dry;
+    float *record;
+    int64_t record_rows;
 } LoomMixerQ8;
 
 // One decoder layer, in the order it runs:

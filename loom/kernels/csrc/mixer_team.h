@@ -1,6 +1,7 @@
 // What the recurrent mixers' decode steps share (gated_delta.c, mamba2.c, shortconv.c): the
-// activations their torch paths apply, a thread's share of a phase's items in a team, and the
-// barrier their OpenMP forms pass as the team's sync (loom.h's LoomSync).
+// activations their torch paths apply, a thread's share of a phase's items in a team, a dry
+// request's window, and the barrier their OpenMP forms pass as the team's sync (loom.h's
+// LoomSync).
 #ifndef LOOM_MIXER_TEAM_H
 #define LOOM_MIXER_TEAM_H
 
@@ -16,6 +17,17 @@ static inline void share(int64_t n, int tid, int team, int64_t *lo, int64_t *hi)
 {
     *lo = n * tid / team;
     *hi = n * (tid + 1) / team;
+}
+
+// A channel's convolution window `w` (past floats) as a request's rows read and shift it: in
+// place, or for a dry request (`dry`: its states read, never written) a copy in `own`.
+static inline float *mixer_window(float *w, int64_t past, int dry, float *own)
+{
+    if (!dry)
+        return w;
+    for (int64_t j = 0; j < past; j++)
+        own[j] = w[j];
+    return own;
 }
 
 static inline void omp_sync(void *arg)
