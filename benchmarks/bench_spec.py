@@ -165,7 +165,8 @@ def main() -> None:
     args = ap.parse_args()
     from loom.engine.llm import LLM
 
-    workloads = {name: {"copy": COPY, "chat": CHAT}[name] for name in args.workloads.split(",")}
+    workloads = {name: {"copy": COPY, "chat": CHAT}[name]
+                 for name in args.workloads.split(",") if name}
     if args.self_prediction:
         workloads["self"] = COPY
     if args.smoke:

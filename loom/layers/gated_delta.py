@@ -7,10 +7,12 @@ g_t <= 0 and a write strength beta_t in (0, 1):
     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 
 (the delta rule: the part of v_t the state already predicts from k_t is not written again).
-Decode rows run that step, batched over requests; a longer run of tokens runs the same
-recurrence a chunk of up to 64 tokens at a time (the WY form of DeltaNet's chunkwise
-algorithm: a triangular solve per chunk, then matrix products against the state), which gives
-the same outputs up to rounding.
+On the CPU in fp32 every request's tokens run that step one after another in C
+(csrc/gated_delta.c: prompts too; a 128- or 512-token prompt of the Qwen3.5-0.8B shape took
+0.75-0.8x the chunked form's time). The torch path (_torch: every other device and dtype)
+runs one-token requests' steps batched and a longer run of tokens a chunk of up to 64 at a time
+(the WY form of DeltaNet's chunkwise algorithm: a triangular solve per chunk, then matrix
+products against the state), which gives the same outputs up to rounding.
 
 q, k and v come through a causal depthwise convolution (width `conv_kernel`, SiLU), whose last
 conv_kernel - 1 inputs are the other per-request state (both kept as loom/layers/recurrent.py
@@ -164,7 +166,7 @@ class GatedDeltaNet(RecurrentMixer):
         return cpu_kernels().loom_gdn_scratch_floats(rows, s.num_key_heads, s.num_value_heads,
                                                       s.key_head_dim, s.value_head_dim)
 
-    def fused_rows(self) -> bool:
+    def dry_fits(self) -> bool:
         return self.shape.key_head_dim * self.shape.value_head_dim <= DRY_FLOATS
 
     def _fused(self, proj: torch.Tensor, step: StepStates, out: bool = True

@@ -36,8 +36,8 @@ def stack_tensors(tensors) -> bool:  # noqa: ANN001 (an iterable of tensors or N
                              and t.device.type == "cpu") for t in tensors)
 
 
-# A request's rows the C decode step runs one after another (a decode step's one, a verify
-# step's 1 + k); a request with more runs the torch path's chunked form
+# A request's rows a mixer's C decode step runs one after another where its torch path would be
+# faster past them (RecurrentMixer.fused_rows: ShortConv's; the others' C steps run any number)
 FUSED_ROWS = 32
 # A dry request's head state in the C decode steps (loom.h's LOOM_MIXER_DRY_FLOATS)
 DRY_FLOATS = 65536
@@ -112,7 +112,11 @@ class RecurrentMixer(nn.Module):
                 t[index] = 0
         return StepStates(starts, lens, slots, self.states, md.state_dry)
 
-    def fused_rows(self) -> bool:
+    # the most rows a request the C decode step takes (one after another); past them the torch
+    # path (its chunked form)
+    fused_rows: int = 1 << 62
+
+    def dry_fits(self) -> bool:
         """Whether a dry request's head state fits the C decode step's (DRY_FLOATS)."""
         return True
 
@@ -125,9 +129,9 @@ class RecurrentMixer(nn.Module):
         verify step's dry requests' rows are kept for `commit`."""
         if step.dry is not None:
             self.keep_record(proj, step)
-        few = step.lens <= FUSED_ROWS
+        few = step.lens <= self.fused_rows
         if not (few.any() and cpu_ops.usable(proj) and step.tensors is self.states
-                and (step.dry is None or self.fused_rows())):
+                and (step.dry is None or self.dry_fits())):
             return self._torch_dry(proj, step, torch_path)
         if few.all():
             return fused(proj, step)
@@ -181,8 +185,8 @@ class RecurrentMixer(nn.Module):
             + np.arange(starts[-1])
         part = StepStates(starts, lens, step.slots[some], step.tensors)
         proj = proj[torch.from_numpy(rows).to(proj.device)]
-        if (cpu_ops.usable(proj) and part.tensors is self.states and self.fused_rows()
-                and (part.lens <= FUSED_ROWS).all()):
+        if (cpu_ops.usable(proj) and part.tensors is self.states and self.dry_fits()
+                and (part.lens <= self.fused_rows).all()):
             self._fused(proj, part, out=False)
         else:
             self._torch(proj, part)
@@ -241,6 +245,11 @@ class ShortConv(RecurrentMixer):
         self.in_proj = Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.conv = DepthwiseConv(hidden_size, width, bias)
         self.out_proj = Linear(hidden_size, hidden_size, bias=bias)
+
+    # its C step's channels run their rows in a scalar loop: past a few rows torch's conv1d
+    # was faster (a 128- and a 512-token prompt of the LFM2-1.2B shape: 615 and 2564 ms
+    # against 697 and 2683 ms all in C, Zen 4)
+    fused_rows = FUSED_ROWS
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.hidden_size, self.width - 1)]

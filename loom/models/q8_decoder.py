@@ -10,8 +10,8 @@ layer's linears are int8 on Loom's kernel or GGUF K-quant blocks (KQuantLinear, 
 their own formats: LinearQ8's kinds; a mixture of experts' router, experts and shared expert
 among them: MoeQ8), activations are fp32 on the CPU and attention runs on the C kernel; the
 model's c_stack_refusal names what it cannot run. A hybrid's layers with a state per request
-run their mixers' C decode steps in the call (MixerQ8), on decode steps only (`usable`: a
-token a request; its prompts run layer by layer). Its
+run their mixers' C decode steps in the call (MixerQ8: each request's rows one after another,
+prompts too, up to the mixers' `fused_rows` a request). Its
 linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
 fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample
@@ -32,7 +32,7 @@ from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.layers.activation import ACTIVATIONS
-from loom.layers.recurrent import FUSED_ROWS, StepStates
+from loom.layers.recurrent import StepStates
 from loom.layers.router import RouterLinear
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
@@ -306,14 +306,15 @@ class Q8Decoder:
         # a hybrid's mixers: (their descriptions, views of the layers', and their modules)
         self.mixers: list[tuple[MixerQ8, nn.Module]] = []
         self.mixer_buf: torch.Tensor | None = None
+        self.fused_rows = 0  # the most rows a request its mixers' C steps take (_build)
         self.widths: tuple[int, ...] = ()  # the scratch activations' widths
         self.head_module: torch.nn.Module | None = None  # the output projection `head` runs
         self.head: HeadQ8 | None = None
 
     def usable(self) -> bool:
         """Whether the stack runs this step (the caches' dtype and layout, checked when the
-        runner binds them; a hybrid's: steps of up to FUSED_ROWS tokens a request past its
-        first, each request's states in its slot: decode and verify steps)."""
+        runner binds them; a hybrid's: steps of up to its mixers' fused_rows a request, each
+        request's states in its slot)."""
         cache = self.attn0.kv_cache
         if cache is not self.cache:
             self._build(cache)
@@ -321,9 +322,8 @@ class Q8Decoder:
             md = get_forward_context().attn_metadata
             starts = md.query_starts_host
             return (md.state_slots is not None and len(starts) > 1
-                    and int(np.diff(starts).max()) <= FUSED_ROWS
-                    and bool((md.computed > 0).all())
-                    and (md.state_dry is None or all(m.fused_rows() for _, m in self.mixers)))
+                    and int(np.diff(starts).max()) <= self.fused_rows
+                    and (md.state_dry is None or all(m.dry_fits() for _, m in self.mixers)))
         return self.ok
 
     def _build(self, cache: torch.Tensor) -> None:
@@ -338,6 +338,7 @@ class Q8Decoder:
         self.moes = [layer.moe.contents for layer in self.layers if layer.moe]
         self.mixers = [(layer.mixer.contents, p["mixer"])
                        for layer, p in zip(self.layers, parts) if layer.mixer]
+        self.fused_rows = min((m.fused_rows for _, m in self.mixers), default=0)
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         q_n = self.num_heads * self.head_dim
         gates = any(p.get("gate") is not None for p in parts)
@@ -439,6 +440,12 @@ class Q8Decoder:
         state_slots = (None if not self.mixers
                        else np.ascontiguousarray(md.state_slots, dtype=np.int64))
         if self.mixers:
+            fresh = md.state_slots[md.computed == 0]  # (a request's first step: from zero)
+            if len(fresh):
+                index = torch.from_numpy(fresh)
+                for _, module in self.mixers:
+                    for t in module.states:
+                        t[index] = 0
             if md.state_dry is not None:
                 md.state_dry = np.ascontiguousarray(md.state_dry, dtype=np.int8)
             self._mixer_records(md, m)
