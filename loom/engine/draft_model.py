@@ -7,6 +7,11 @@ step it first computes the tokens it has not seen (the prompt, the last step's a
 sampled tokens: whatever differs from what it drafted), then k - 1 one-token steps, all
 requests in one batch per step. Rejected draft tokens simply stop counting as seen. A greedy
 draft is a point mass, so the target's verification (loom.worker.spec_verify) is exact.
+
+A hybrid draft model (Qwen3.5, LFM2, Granite 4.0-H, ...: layers with a state per request) keeps
+no draft token in what it has seen: its runner keeps a copy of the states after each
+request's known tokens (its prefix-caching snapshots, keyed per request and length), the next
+step starts from that copy and computes the tokens since (the kept drafts among them) again.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 from loom.config import CacheConfig, ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from loom.layers.recurrent import state_bytes
 from loom.loader.model_loader import load_model, resolve_dtype
 from loom.loader.resolve import resolve_model
 from loom.sampling_params import SamplingParams
@@ -50,9 +56,6 @@ class DraftModelProposer:
                             quantization=args.quantization, cpu_kernels=args.cpu_kernels,
                             batch_invariant=args.batch_invariant)
         config = loaded.config
-        if config.linear_layers:  # its states would keep the rejected drafts
-            raise ConfigError("a hybrid model (layers with a state per request) cannot be "
-                              "the draft model yet")
         if config.vocab_size != target.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({config.vocab_size} tokens) is not "
                               f"the target's ({target.vocab_size})")
@@ -67,10 +70,16 @@ class DraftModelProposer:
                         kv_cache_memory=args.kv_cache_memory,
                         num_gpu_blocks_override=args.num_gpu_blocks_override),
             config, kv_dtype, device, max_needed_tokens=2 * args.max_num_seqs * max_model_len)
+        # a hybrid's states: a slot a request, and room for a kept copy of each's
+        self.hybrid = bool(config.linear_layers)
+        slots = args.max_num_seqs if self.hybrid else 256
         self.runner = ModelRunner(loaded.model, config, (), block_size, num_blocks, kv_dtype,
-                                  device)
+                                  device, max_num_seqs=slots,
+                                  state_cache_bytes=(slots + 1) * state_bytes(loaded.model))
         self.kv = KVCacheManager(num_blocks, block_size, False, max_model_len)
         self.seen: dict[str, list[int]] = {}  # per request: the tokens its draft KV holds
+        # a hybrid's: per request, the tokens its kept states follow and their snapshot's key
+        self.kept: dict[str, tuple[list[int], object]] = {}
         self._stale: set[str] = set()  # runner states to drop at the next call
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]:
@@ -80,18 +89,33 @@ class DraftModelProposer:
             tokens = list(r.all_token_ids)
             seq = _Seq(r.request_id, _common_prefix(self.seen.get(r.request_id, []), tokens))
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
+            key = None
+            if self.hybrid:  # from its kept states, where they follow these tokens
+                kept, key = self.kept.get(r.request_id, ([], None))
+                if not (0 < len(kept) < len(tokens) and tokens[: len(kept)] == kept
+                        and key in self.runner.snapshots):
+                    kept, key = [], None
+                seq.num_computed_tokens = len(kept)
             self.kv.trim(seq, seq.num_computed_tokens)
             if self.kv.allocate_slots(seq, len(tokens) + k - 1 - seq.num_computed_tokens) is None:
                 continue  # no room in the draft cache: no draft this step
             new.append(NewRequestData(r.request_id, tokens, len(tokens), _GREEDY,
                                       self.kv.get_block_ids(r.request_id),
-                                      seq.num_computed_tokens))
+                                      seq.num_computed_tokens, state_key=key))
             ks[r.request_id], computed[r.request_id] = k, len(tokens)
             self.seen[r.request_id] = tokens
         drafts: dict[str, list[int]] = {rid: [] for rid in ks}
         so = SchedulerOutput(new, CachedRequestData(),
                              {n.req_id: len(n.token_ids) - n.num_computed_tokens for n in new},
                              0, self._stale)
+        stale = []  # kept states replaced this step, dropped once its first call restored them
+        if self.hybrid:  # the states after each request's known tokens, kept
+            so.state_keys = {n.req_id: (n.req_id, len(n.token_ids)) for n in new}
+            for n in new:
+                old = self.kept.get(n.req_id, (None, None))[1]
+                self.kept[n.req_id] = (n.token_ids, so.state_keys[n.req_id])
+                if old is not None and old != so.state_keys[n.req_id]:
+                    stale.append(old)
         self._stale = set(ks)
         for step in range(max(ks.values(), default=0)):
             if step:  # one token more for each request still drafting
@@ -103,6 +127,8 @@ class DraftModelProposer:
                 so = SchedulerOutput([], cached, dict.fromkeys(live, 1), 0, set())
             so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
             out = self.runner.execute_model(so)
+            for key in stale if step == 0 else ():
+                self.runner.snapshots.drop(key)  # type: ignore[union-attr]
             for rid, sampled in zip(out.req_ids, out.sampled_token_ids):
                 if rid not in out.failed and sampled:
                     drafts[rid].extend(sampled)
@@ -114,6 +140,9 @@ class DraftModelProposer:
         self.kv.free(_Seq(req_id, 0))
         self.seen.pop(req_id, None)
         self._stale.add(req_id)
+        kept = self.kept.pop(req_id, None)
+        if kept is not None and self.runner.snapshots is not None:
+            self.runner.snapshots.drop(kept[1])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

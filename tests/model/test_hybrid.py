@@ -124,6 +124,29 @@ def test_speculation_gives_the_same_greedy_tokens(hybrid) -> None:
     assert got == want
 
 
+def test_hybrid_draft_model(hybrid) -> None:
+    """Each hybrid as its own draft model, three requests at once, one with a logit bias (its
+    target's tokens then differ from the unbiased draft's: drafts rejected): the
+    draft's states drop its rejected drafts (it starts each step from its kept states), and
+    the greedy tokens equal decoding one token at a time."""
+    tokenizer = smollm2_tokenizer()
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    prompts = [{"prompt_token_ids": ids[: 5 + 9 * r]} for r in range(3)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                             logit_bias={ids[3]: 100.0} if r == 1 else None) for r in range(3)]
+    want = [list(o.outputs[0].token_ids)
+            for o in LLM(str(hybrid), dtype="float32").generate(prompts, params)]
+    llm = LLM(str(hybrid), dtype="float32", speculative_config={
+        "method": "draft_model", "model": str(hybrid), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None, "row_cost": 0.0})
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    stats = llm.engine.scheduler.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    drafter = llm.engine.scheduler.spec.drafter
+    assert drafter.hybrid and not drafter.kept and not drafter.runner.snapshots.store
+    assert got == want
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4-h"])
 def test_speculation_on_the_c_stack(tmp_path, name, monkeypatch) -> None:
     """int8 weights (batch-invariant kernels: a verify step's rows get one-row steps' bits):
