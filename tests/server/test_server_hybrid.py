@@ -1,7 +1,7 @@
 """A hybrid model (a tiny random Qwen3.5: linear-attention layers with a state per request)
 through `loom serve` and the official client: concurrent requests, two running at a time
 (their state slots handed on), each give what they give alone; streamed equals whole; a
-predicted output (drafts the states cannot roll back) is accepted and changes nothing."""
+predicted output drafts (its rejected tokens dropped from the states) and changes nothing."""
 
 from __future__ import annotations
 
@@ -44,11 +44,17 @@ def test_concurrent_requests_equal_alone(client: OpenAI) -> None:
     assert together == alone
 
 
-def test_stream_equals_whole_and_prediction_is_ignored(client: OpenAI) -> None:
+def test_stream_equals_whole_and_prediction_drafts(client: OpenAI) -> None:
     whole = _ask(client, PROMPTS[3])
     chunks = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=24,
         temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
-    predicted = _ask(client, PROMPTS[3], prediction={"type": "content", "content": whole})
-    assert predicted == whole
+    words = whole.split(" ")
+    edited = " ".join(words[:3] + ["zebra"] + words[4:])  # drafts kept, then some rejected
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=24,
+        temperature=0, prediction={"type": "content", "content": edited})
+    assert out.choices[0].message.content == whole
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0

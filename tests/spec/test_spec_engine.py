@@ -308,3 +308,20 @@ def test_bad_prediction_refused(make_llm, tiny) -> None:
     with pytest.raises(SamplingParamsError, match="embedding"):
         SamplingParams(max_tokens=1, pooling="last", prediction="x")
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_verified_blocks_reach_the_prefix_cache(make_llm, tiny) -> None:
+    """A reply made of verify steps to its end (its prediction: itself): the blocks its kept
+    drafts filled are offered to the prefix cache once verified, so a second turn holding the
+    reply hits up to its last full block, not only the first turn's prompt's."""
+    prompt = list(range(20, 41))
+    params = SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True)
+    llm = make_llm(tiny, block_size=4)
+    reply = _run(llm, [prompt], params)[0][0]
+    llm = make_llm(tiny, block_size=4)
+    params.prediction = reply
+    assert _run(llm, [prompt], params)[0][0] == reply
+    stats = llm.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    hits = stats.hits
+    _run(llm, [prompt + reply + [5, 6]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert stats.hits - hits == (len(prompt) + len(reply) - 1) // 4 * 4
