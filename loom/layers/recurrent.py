@@ -36,9 +36,6 @@ def stack_tensors(tensors) -> bool:  # noqa: ANN001 (an iterable of tensors or N
                              and t.device.type == "cpu") for t in tensors)
 
 
-# A request's rows a mixer's C decode step runs one after another where its torch path would be
-# faster past them (RecurrentMixer.fused_rows: ShortConv's; the others' C steps run any number)
-FUSED_ROWS = 32
 # A dry request's head state in the C decode steps (loom.h's LOOM_MIXER_DRY_FLOATS)
 DRY_FLOATS = 65536
 
@@ -113,7 +110,8 @@ class RecurrentMixer(nn.Module):
         return StepStates(starts, lens, slots, self.states, md.state_dry)
 
     # the most rows a request the C decode step takes (one after another); past them the torch
-    # path (its chunked form)
+    # path (its chunked form). Every mixer's C step runs any number now (prompts too: faster
+    # than the chunked forms, docs/models.md); a mixer whose C step is not may set a bound.
     fused_rows: int = 1 << 62
 
     def dry_fits(self) -> bool:
@@ -124,7 +122,7 @@ class RecurrentMixer(nn.Module):
                      width: int) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] -> the mixer's [num_tokens, width] before its out
         projection: `fused(rows, step)` (a C decode step: a request's rows one after another)
-        for the requests of up to FUSED_ROWS rows on the CPU in fp32 with the slots' states,
+        for the requests of up to `fused_rows` rows on the CPU in fp32 with the slots' states,
         `torch_path(rows, step)` for the others (a mixed step as two steps of their own). A
         verify step's dry requests' rows are kept for `commit`."""
         if step.dry is not None:
@@ -245,11 +243,6 @@ class ShortConv(RecurrentMixer):
         self.in_proj = Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.conv = DepthwiseConv(hidden_size, width, bias)
         self.out_proj = Linear(hidden_size, hidden_size, bias=bias)
-
-    # its C step's channels run their rows in a scalar loop: past a few rows torch's conv1d
-    # was faster (a 128- and a 512-token prompt of the LFM2-1.2B shape: 615 and 2564 ms
-    # against 697 and 2683 ms all in C, Zen 4)
-    fused_rows = FUSED_ROWS
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.hidden_size, self.width - 1)]
