@@ -145,7 +145,7 @@ class GatedDeltaNet(RecurrentMixer):
         decode step (cpu_ops.gdn_decode), the others the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
-        out = self.decode_split(proj, step, self._fused, self._torch, self.value_dim)
+        out = self.mix_rows(proj, step)
         return self.out_proj(out.to(x.dtype))
 
     def stack_fields(self) -> dict | None:

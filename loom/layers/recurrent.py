@@ -109,41 +109,27 @@ class RecurrentMixer(nn.Module):
                 t[index] = 0
         return StepStates(starts, lens, slots, self.states, md.state_dry)
 
-    # the most rows a request the C decode step takes (one after another); past them the torch
-    # path (its chunked form). Every mixer's C step runs any number now (prompts too: faster
-    # than the chunked forms, docs/models.md); a mixer whose C step is not may set a bound.
-    fused_rows: int = 1 << 62
-
     def dry_fits(self) -> bool:
         """Whether a dry request's head state fits the C decode step's (DRY_FLOATS)."""
         return True
 
-    def decode_split(self, proj: torch.Tensor, step: StepStates, fused, torch_path,
-                     width: int) -> torch.Tensor:
-        """in_proj's rows [num_tokens, ...] -> the mixer's [num_tokens, width] before its out
-        projection: `fused(rows, step)` (a C decode step: a request's rows one after another)
-        for the requests of up to `fused_rows` rows on the CPU in fp32 with the slots' states,
-        `torch_path(rows, step)` for the others (a mixed step as two steps of their own). A
-        verify step's dry requests' rows are kept for `commit`."""
+    def mix_rows(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """in_proj's rows [num_tokens, ...] -> the mixer's output before its out projection:
+        `_fused` (a C step: each request's rows one after another, the exact recurrence;
+        prompts too, faster than the chunked forms: docs/models.md) on the CPU in fp32 with the
+        slots' states, else `_torch`. A verify step's dry requests' rows are kept for
+        `commit`."""
         if step.dry is not None:
             self.keep_record(proj, step)
-        few = step.lens <= self.fused_rows
-        if not (few.any() and cpu_ops.usable(proj) and step.tensors is self.states
+        if (cpu_ops.usable(proj) and step.tensors is self.states
                 and (step.dry is None or self.dry_fits())):
-            return self._torch_dry(proj, step, torch_path)
-        if few.all():
-            return fused(proj, step)
-        out = torch.empty(proj.shape[0], width)
-        for keep, run in ((few, fused), (~few, lambda p, st: self._torch_dry(p, st, torch_path))):
-            rows, part = step.select(keep)
-            index = torch.from_numpy(rows)
-            out[index] = run(proj[index], part)
-        return out
+            return self._fused(proj, step)
+        return self._torch_dry(proj, step)
 
-    def _torch_dry(self, proj: torch.Tensor, step: StepStates, torch_path) -> torch.Tensor:
-        """torch_path(proj, step), a dry request's rows on copies of its states."""
+    def _torch_dry(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
+        """_torch(proj, step), a dry request's rows on copies of its states."""
         if step.dry is None:
-            return torch_path(proj, step)
+            return self._torch(proj, step)
         dry = step.dry.astype(bool)
         out = None
         for keep in (~dry, dry):
@@ -155,7 +141,7 @@ class RecurrentMixer(nn.Module):
                 part = StepStates(part.starts, part.lens, np.arange(len(part.lens)),
                                   [t[index] for t in part.tensors])
             part.dry = None
-            y = torch_path(proj[torch.from_numpy(rows).to(proj.device)], part)
+            y = self._torch(proj[torch.from_numpy(rows).to(proj.device)], part)
             if out is None:
                 out = y.new_empty(proj.shape[0], y.shape[1])
             out[torch.from_numpy(rows).to(proj.device)] = y
@@ -183,8 +169,7 @@ class RecurrentMixer(nn.Module):
             + np.arange(starts[-1])
         part = StepStates(starts, lens, step.slots[some], step.tensors)
         proj = proj[torch.from_numpy(rows).to(proj.device)]
-        if (cpu_ops.usable(proj) and part.tensors is self.states and self.dry_fits()
-                and (part.lens <= self.fused_rows).all()):
+        if cpu_ops.usable(proj) and part.tensors is self.states:
             self._fused(proj, part, out=False)
         else:
             self._torch(proj, part)
@@ -253,7 +238,7 @@ class ShortConv(RecurrentMixer):
         (cpu_ops.shortconv_decode), the others the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
-        y = self.decode_split(proj, step, self._fused, self._torch, self.hidden_size)
+        y = self.mix_rows(proj, step)
         return self.out_proj(y.to(x.dtype))
 
     def stack_fields(self) -> dict | None:

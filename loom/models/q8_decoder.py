@@ -11,7 +11,7 @@ their own formats: LinearQ8's kinds; a mixture of experts' router, experts and s
 among them: MoeQ8), activations are fp32 on the CPU and attention runs on the C kernel; the
 model's c_stack_refusal names what it cannot run. A hybrid's layers with a state per request
 run their mixers' C decode steps in the call (MixerQ8: each request's rows one after another,
-prompts too, up to the mixers' `fused_rows` a request). Its
+prompts too). Its
 linears run the kernels loom.kernels.dispatch gave the modules (loom.quant.int8): past 8 rows
 fp32, AMX tiles or bf16 dot products, up to 8 fp32 or VNNI. The call also looks the token ids up
 in an int8-grid embedding table and, given the output projection and the rows that sample
@@ -306,15 +306,14 @@ class Q8Decoder:
         # a hybrid's mixers: (their descriptions, views of the layers', and their modules)
         self.mixers: list[tuple[MixerQ8, nn.Module]] = []
         self.mixer_buf: torch.Tensor | None = None
-        self.fused_rows = 0  # the most rows a request its mixers' C steps take (_build)
         self.widths: tuple[int, ...] = ()  # the scratch activations' widths
         self.head_module: torch.nn.Module | None = None  # the output projection `head` runs
         self.head: HeadQ8 | None = None
 
     def usable(self) -> bool:
         """Whether the stack runs this step (the caches' dtype and layout, checked when the
-        runner binds them; a hybrid's: steps of up to its mixers' fused_rows a request, each
-        request's states in its slot)."""
+        runner binds them; a hybrid's: each request's states in its slot, and a dry request's
+        head state within the C steps' bound)."""
         cache = self.attn0.kv_cache
         if cache is not self.cache:
             self._build(cache)
@@ -322,7 +321,6 @@ class Q8Decoder:
             md = get_forward_context().attn_metadata
             starts = md.query_starts_host
             return (md.state_slots is not None and len(starts) > 1
-                    and int(np.diff(starts).max()) <= self.fused_rows
                     and (md.state_dry is None or all(m.dry_fits() for _, m in self.mixers)))
         return self.ok
 
@@ -338,7 +336,6 @@ class Q8Decoder:
         self.moes = [layer.moe.contents for layer in self.layers if layer.moe]
         self.mixers = [(layer.mixer.contents, p["mixer"])
                        for layer, p in zip(self.layers, parts) if layer.mixer]
-        self.fused_rows = min((m.fused_rows for _, m in self.mixers), default=0)
         qkv_n = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         q_n = self.num_heads * self.head_dim
         gates = any(p.get("gate") is not None for p in parts)

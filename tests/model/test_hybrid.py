@@ -261,7 +261,7 @@ def _check_verify_rows(mixer, width: int, g: torch.Generator) -> None:
         for t, first in zip(mixer.states, start):
             t.copy_(first)
         step = StepStates(starts, np.diff(starts), slots, mixer.states, dry)
-        got = mixer.decode_split(proj, step, mixer._fused, mixer._torch, one_rows[0].shape[1])
+        got = mixer.mix_rows(proj, step)
         assert torch.equal(got, torch.cat(one_rows))
         for t, first, i in zip(mixer.states, start, range(2)):
             assert torch.equal(t[[4, 2, 1, 3, 5]], first[[4, 2, 1, 3, 5]])  # dry: untouched
@@ -273,7 +273,7 @@ def _check_verify_rows(mixer, width: int, g: torch.Generator) -> None:
             assert torch.equal(t[[1, 3, 5]], first[[1, 3, 5]])
         for t, first in zip(mixer.states, start):  # the torch path, from the same start
             t.copy_(first)
-        got = mixer._torch_dry(proj, step, mixer._torch)
+        got = mixer._torch_dry(proj, step)
         assert torch.allclose(got, torch.cat(one_rows), rtol=1e-4, atol=1e-4)
         for t, first, i in zip(mixer.states, start, range(2)):
             assert torch.equal(t[[4, 2]], first[[4, 2]])

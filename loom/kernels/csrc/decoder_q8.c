@@ -502,7 +502,7 @@ static int mlp(const Step *s, Team *t, const LoomLayerQ8 *L)
 // over each request's rows into buf_attn, out_proj into buf_h. In a team the kernels' team
 // forms (their phases split between the threads, the team's barrier between them); op by op
 // their OpenMP forms, which run the team forms: the same bits either way, and the module
-// path's (loom/layers/recurrent.py: RecurrentMixer.decode_split).
+// path's (loom/layers/recurrent.py: RecurrentMixer.mix_rows).
 
 static void team_barrier(void *arg)
 {
