@@ -72,7 +72,7 @@ class DraftModelProposer:
             config, kv_dtype, device, max_needed_tokens=2 * args.max_num_seqs * max_model_len)
         # a hybrid's states: a slot a request, and room for a kept copy of each's
         self.hybrid = bool(config.linear_layers)
-        slots = args.max_num_seqs if self.hybrid else 256
+        slots = args.max_num_seqs
         self.runner = ModelRunner(loaded.model, config, (), block_size, num_blocks, kv_dtype,
                                   device, max_num_seqs=slots,
                                   state_cache_bytes=(slots + 1) * state_bytes(loaded.model))

@@ -59,10 +59,16 @@ class StepStates:
     def select(self, keep: np.ndarray) -> tuple[np.ndarray, StepStates]:
         """The requests `keep` ([num_reqs] bool) as a step of their own: their rows in this
         step (ascending), and that step's view (rows renumbered from 0)."""
-        lens = self.lens[keep]
+        return self.part(keep, np.zeros(len(self.lens), dtype=np.int64), self.lens)
+
+    def part(self, keep: np.ndarray, lo: np.ndarray, hi: np.ndarray
+             ) -> tuple[np.ndarray, StepStates]:
+        """As select, each kept request's rows [lo[r], hi[r]) of its own alone."""
+        lens = (hi - lo)[keep]
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
-        rows = np.repeat(self.starts[:-1][keep] - starts[:-1], lens) + np.arange(starts[-1])
+        rows = np.repeat(self.starts[:-1][keep] + lo[keep] - starts[:-1], lens) \
+            + np.arange(starts[-1])
         dry = None if self.dry is None or not self.dry[keep].any() else self.dry[keep]
         return rows, StepStates(starts, lens, self.slots[keep], self.tensors, dry)
 
@@ -148,11 +154,12 @@ class RecurrentMixer(nn.Module):
         assert out is not None
         return out
 
-    def keep_record(self, proj: torch.Tensor, step: StepStates) -> None:
-        """A verify step's in_proj rows of its dry requests, and their view, for `commit`."""
+    def keep_record(self, proj: torch.Tensor, step: StepStates,
+                    dry: tuple[np.ndarray, StepStates] | None = None) -> None:
+        """A verify step's in_proj rows of its dry requests, and their view (`dry`: those
+        already selected), for `commit`."""
         assert step.dry is not None
-        rows, part = step.select(step.dry.astype(bool))
-        part.dry = None
+        rows, part = dry or dry_requests(step)
         self.pending = (proj[torch.from_numpy(rows).to(proj.device)], part)
 
     def commit(self, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -161,18 +168,21 @@ class RecurrentMixer(nn.Module):
         which then stand as one-row steps would have left them."""
         assert self.pending is not None, "no verify step to commit"
         proj, step = self.pending
-        some = hi > lo
-        lens = (hi - lo)[some]
-        starts = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=starts[1:])
-        rows = np.repeat(step.starts[:-1][some] + lo[some] - starts[:-1], lens) \
-            + np.arange(starts[-1])
-        part = StepStates(starts, lens, step.slots[some], step.tensors)
+        rows, part = step.part(hi > lo, lo, hi)
+        part.tensors = self.states
         proj = proj[torch.from_numpy(rows).to(proj.device)]
-        if cpu_ops.usable(proj) and part.tensors is self.states:
+        if cpu_ops.usable(proj):
             self._fused(proj, part, out=False)
         else:
             self._torch(proj, part)
+
+
+def dry_requests(step: StepStates) -> tuple[np.ndarray, StepStates]:
+    """A verify step's dry requests as a step of their own (not dry), and their rows."""
+    assert step.dry is not None
+    rows, part = step.select(step.dry.astype(bool))
+    part.dry = None
+    return rows, part
 
 
 def state_bytes(model: nn.Module) -> int:

@@ -32,7 +32,7 @@ from loom.attention.backends import cpu_kernel
 from loom.attention.forward_context import get_forward_context
 from loom.kernels import cpu_kernels, kv_pointers, kv_type
 from loom.layers.activation import ACTIVATIONS
-from loom.layers.recurrent import StepStates
+from loom.layers.recurrent import StepStates, dry_requests
 from loom.layers.router import RouterLinear
 from loom.quant.int8 import Int8Embedding, Int8Linear
 from loom.quant.kquant import KBlocks, KQuantLinear
@@ -483,9 +483,10 @@ class Q8Decoder:
         self.team.record(m, time.perf_counter() - start)
         if rc == 0 and self.mixers and md.state_dry is not None:  # the rows a commit runs
             starts = md.query_starts_host
+            step = StepStates(starts, np.diff(starts), state_slots, [], md.state_dry)
+            dry = dry_requests(step)  # (one view for every mixer: commit binds its states)
             for _, module in self.mixers:
-                module.keep_record(module.record[:m], StepStates(
-                    starts, np.diff(starts), state_slots, module.states, md.state_dry))
+                module.keep_record(module.record[:m], step, dry)
         if rc == -4:  # the module path's IndexError (past the end of a table)
             for rotary in self.model.rotaries():
                 rotary.check_positions(positions)

@@ -308,12 +308,15 @@ class ModelRunner:
             if key is not None and 0 < rows <= kept[n]:
                 upto[n] = rows
                 saves.append((s, key, computed[i] + rows))
-        for lo, hi in ((np.zeros_like(kept), upto), (upto, kept)):
-            if (hi > lo).any():
-                for layer in self.state_layers:
-                    layer.commit(lo, hi)
-            for s, key, end in saves if hi is upto else ():
-                self._save_state(s, key, end)
+        self._commit(np.zeros_like(kept), upto)
+        for s, key, end in saves:
+            self._save_state(s, key, end)
+        self._commit(upto, kept)
+
+    def _commit(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        if (hi > lo).any():
+            for layer in self.state_layers:
+                layer.commit(lo, hi)
 
     def _decode_ahead(self, steps: int, states: list[CachedRequestState], md: AttentionMetadata,
                       positions: np.ndarray, sampled_lists: list[list[int]]) -> None:

@@ -15,7 +15,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include "loom.h"
 #include "mixer_team.h"
 
@@ -73,11 +72,12 @@ int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slot
     for (int64_t t = lo; t < hi; t++) {
         const int64_t r = t / blocks, c0 = (t % blocks) * block;
         const int64_t c1 = c0 + block < conv_dim ? c0 + block : conv_dim;
-        const int64_t i0 = starts ? starts[r] : r, i1 = starts ? starts[r + 1] : r + 1;
+        int64_t i0, i1;
+        request_rows(starts, r, &i0, &i1);
         float *win = conv_state + slots[r] * conv_dim * past;
         for (int64_t c = c0; c < c1; c++) {
             float own[past > 0 ? past : 1];  // a dry request's window, the state's untouched
-            float *w = mixer_window(win + c * past, past, dry && dry[r], own);
+            float *w = mixer_state(win + c * past, past, dry && dry[r], own);
             const float *k = conv_w + c * width;
             for (int64_t i = i0; i < i1; i++) {
                 const float xc = proj[i * proj_ld + c];
@@ -98,14 +98,12 @@ int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slot
         float q[dk], k[dk], pred[dv], o[dv];
         const int64_t r = t / value_heads, h = t % value_heads;
         const int64_t kh = tiled ? h % key_heads : h / group;
-        const int64_t i0 = starts ? starts[r] : r, i1 = starts ? starts[r + 1] : r + 1;
+        int64_t i0, i1;
+        request_rows(starts, r, &i0, &i1);
         const int d = dry && dry[r];
         float own[d ? dk * dv : 1];  // a dry request's state, the slot's untouched
-        float *s = ssm_state + (slots[r] * value_heads + h) * dk * dv;
-        if (d) {
-            memcpy(own, s, sizeof(float) * (size_t)(dk * dv));
-            s = own;
-        }
+        float *s = mixer_state(ssm_state + (slots[r] * value_heads + h) * dk * dv, dk * dv, d,
+                               own);
         for (int64_t row = i0; row < i1; row++) {
             const float *yr = y + row * conv_dim;
             const float *pr = proj + row * proj_ld;
@@ -168,7 +166,7 @@ int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots
         return -1;
     if (reqs <= 0)
         return 0;
-    const int64_t rows = starts ? starts[reqs] : reqs;
+    const int64_t rows = step_rows(starts, reqs);
     float *scratch = malloc(sizeof(float) * (size_t)loom_gdn_scratch_floats(
         rows, key_heads, value_heads, dk, dv));
     if (!scratch)

@@ -16,7 +16,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include "loom.h"
 #include "mixer_team.h"
 
@@ -55,7 +54,7 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
         return 0;
     const int64_t P = head_dim, N = state_size, inner = heads * P;
     const int64_t conv_dim = inner + 2 * groups * N, past = width - 1;
-    const int64_t rows = starts ? starts[reqs] : reqs;
+    const int64_t rows = step_rows(starts, reqs);
     // proj's row: [z (inner) | x B C (conv_dim) | dt (heads)]
     float *xbc = scratch, *y = scratch + rows * conv_dim;
     const int64_t block = 256;  // channels a task
@@ -66,11 +65,12 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
     for (int64_t t = lo; t < hi; t++) {
         const int64_t r = t / blocks, c0 = (t % blocks) * block;
         const int64_t c1 = c0 + block < conv_dim ? c0 + block : conv_dim;
-        const int64_t i0 = starts ? starts[r] : r, i1 = starts ? starts[r + 1] : r + 1;
+        int64_t i0, i1;
+        request_rows(starts, r, &i0, &i1);
         float *win = conv_state + slots[r] * conv_dim * past;
         for (int64_t c = c0; c < c1; c++) {
             float own[past > 0 ? past : 1];  // a dry request's window, the state's untouched
-            float *w = mixer_window(win + c * past, past, dry && dry[r], own);
+            float *w = mixer_state(win + c * past, past, dry && dry[r], own);
             const float *k = conv_w + c * width;
             for (int64_t i = i0; i < i1; i++) {
                 const float xc = proj[i * proj_ld + inner + c];
@@ -92,14 +92,11 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
     share(reqs * heads, tid, team, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
         const int64_t r = t / heads, h = t % heads, g = h / per_group;
-        const int64_t i0 = starts ? starts[r] : r, i1 = starts ? starts[r + 1] : r + 1;
+        int64_t i0, i1;
+        request_rows(starts, r, &i0, &i1);
         const int dr = dry && dry[r];
         float own[dr ? P * N : 1];  // a dry request's state, the slot's untouched
-        float *s = ssm_state + (slots[r] * heads + h) * P * N;
-        if (dr) {
-            memcpy(own, s, sizeof(float) * (size_t)(P * N));
-            s = own;
-        }
+        float *s = mixer_state(ssm_state + (slots[r] * heads + h) * P * N, P * N, dr, own);
         for (int64_t i = i0; i < i1; i++) {
             const float *xr = xbc + i * conv_dim;
             const float *x = xr + h * P;
@@ -161,7 +158,7 @@ int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *sl
         return -1;
     if (reqs <= 0)
         return 0;
-    const int64_t rows = starts ? starts[reqs] : reqs;
+    const int64_t rows = step_rows(starts, reqs);
     float *scratch = malloc(sizeof(float) * (size_t)loom_mamba2_scratch_floats(
         rows, heads, head_dim, groups, state_size));
     if (!scratch)

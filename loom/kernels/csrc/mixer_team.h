@@ -1,7 +1,7 @@
 // What the recurrent mixers' decode steps share (gated_delta.c, mamba2.c, shortconv.c): the
-// activations their torch paths apply, a thread's share of a phase's items in a team, a dry
-// request's window, and the barrier their OpenMP forms pass as the team's sync (loom.h's
-// LoomSync).
+// activations their torch paths apply, a thread's share of a phase's items in a team, a
+// request's rows and its states as a dry request reads them, and the barrier their OpenMP
+// forms pass as the team's sync (loom.h's LoomSync).
 #ifndef LOOM_MIXER_TEAM_H
 #define LOOM_MIXER_TEAM_H
 
@@ -19,14 +19,27 @@ static inline void share(int64_t n, int tid, int team, int64_t *lo, int64_t *hi)
     *hi = n * (tid + 1) / team;
 }
 
-// A channel's convolution window `w` (past floats) as a request's rows read and shift it: in
-// place, or for a dry request (`dry`: its states read, never written) a copy in `own`.
-static inline float *mixer_window(float *w, int64_t past, int dry, float *own)
+// A request's rows [*i0, *i1) of a step (starts NULL: row r alone), and the step's rows
+static inline void request_rows(const int64_t *starts, int64_t r, int64_t *i0, int64_t *i1)
+{
+    *i0 = starts ? starts[r] : r;
+    *i1 = starts ? starts[r + 1] : r + 1;
+}
+
+static inline int64_t step_rows(const int64_t *starts, int64_t reqs)
+{
+    return starts ? starts[reqs] : reqs;
+}
+
+// A request's state of n floats (a channel's convolution window, a head's state) as its rows
+// read and write it: in place, or for a dry request (`dry`: its states read, never written) a
+// copy in `own`.
+static inline float *mixer_state(float *x, int64_t n, int dry, float *own)
 {
     if (!dry)
-        return w;
-    for (int64_t j = 0; j < past; j++)
-        own[j] = w[j];
+        return x;
+    for (int64_t j = 0; j < n; j++)
+        own[j] = x[j];
     return own;
 }
 

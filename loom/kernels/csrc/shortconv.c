@@ -84,7 +84,8 @@ int loom_shortconv_decode_team(const float *proj, int64_t proj_ld, const int64_t
     share(n, tid, team, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
         const int64_t r = t / blocks;
-        const int64_t i0 = starts ? starts[r] : r, i1 = starts ? starts[r + 1] : r + 1;
+        int64_t i0, i1;
+        request_rows(starts, r, &i0, &i1);
         float *win = window_state + slots[r] * H * past;
         for (int64_t c0 = (t % blocks) * block, end = c0 + block < H ? c0 + block : H; c0 < end;
              c0 += LANES)
