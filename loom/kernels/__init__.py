@@ -86,11 +86,11 @@ SIGNATURES = {
     "loom_argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _int]),
     "loom_gdn_decode_f32": (
         _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
-               _i64, _i64, _i64, _i64, _int, _f32, _ptr, _int]
+               _i64, _i64, _i64, _i64, _int, _int, _f32, _ptr, _int]
     ),
     "loom_mamba2_decode_f32": (
         _int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-               _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _int]
+               _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _f32, _f32, _f32, _ptr, _int]
     ),
     "loom_gdn_scratch_floats": (_i64, [_i64, _i64, _i64, _i64, _i64]),
     "loom_mamba2_scratch_floats": (_i64, [_i64, _i64, _i64, _i64, _i64]),

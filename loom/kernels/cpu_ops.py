@@ -111,12 +111,14 @@ def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
                conv_w: torch.Tensor, ssm_state: torch.Tensor, a_log: torch.Tensor,
                dt_bias: torch.Tensor, norm_w: torch.Tensor, key_heads: int, value_heads: int,
                dk: int, dv: int, tiled: bool, eps: float, starts: np.ndarray | None = None,
-               dry: np.ndarray | None = None, out: bool = True) -> torch.Tensor | None:
+               dry: np.ndarray | None = None, out: bool = True, chunked: bool = False
+               ) -> torch.Tensor | None:
     """Gated DeltaNet's decode step (csrc/gated_delta.c): proj [rows, conv_dim + value_dim + 2
     value_heads] fp32 (in_proj's rows), request r's rows [starts[r], starts[r + 1]) one after
     another (starts None: a row a request) on its state slot; the states [slots, ...] (fp32,
     contiguous) updated in place but for `dry` requests'. Returns [rows, value_heads * dv]
-    (None: `out` False, the states alone move)."""
+    (None: `out` False, the states alone move). `chunked`: a prompt's run of rows may take
+    the chunkwise form (the same outputs up to rounding; not a dry request's, nor a commit's)."""
     proj, index, starts, dry = _mixer_rows(proj, slots, starts, dry)
     y = torch.empty(proj.shape[0], value_heads * dv) if out else None
     f32 = [t.float().contiguous() for t in (conv_w, a_log, dt_bias, norm_w)]
@@ -125,7 +127,8 @@ def gdn_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tensor,
         proj.data_ptr(), proj.stride(0), index.ctypes.data, len(index), _ptr(starts), _ptr(dry),
         conv_state.data_ptr(), f32[0].data_ptr(), ssm_state.data_ptr(), f32[1].data_ptr(),
         f32[2].data_ptr(), f32[3].data_ptr(), key_heads, value_heads, dk, dv, conv_w.shape[1],
-        int(tiled), eps, None if y is None else y.data_ptr(), torch.get_num_threads())
+        int(tiled), int(chunked), eps, None if y is None else y.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"Gated DeltaNet decode step failed ({status}: no memory for its "
                            f"scratch, or a head wider than 1024: {dk}, {dv})")
@@ -138,11 +141,13 @@ def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tenso
                   norm_w: torch.Tensor, heads: int, head_dim: int, groups: int,
                   state_size: int, norm_groups: int, eps: float, dt_min: float,
                   dt_max: float, starts: np.ndarray | None = None,
-                  dry: np.ndarray | None = None, out: bool = True) -> torch.Tensor | None:
+                  dry: np.ndarray | None = None, out: bool = True, chunked: bool = False
+                  ) -> torch.Tensor | None:
     """Mamba2's decode step (csrc/mamba2.c): proj [rows, inner + conv_dim + heads] fp32
     (in_proj's rows: z, x B C, dt), each request's rows one after another as gdn_decode's;
-    the states [slots, ...] (fp32, contiguous) updated in place but for `dry` requests'.
-    Returns the gated, normed y [rows, heads * head_dim] (None: `out` False)."""
+    the states [slots, ...] (fp32, contiguous; a head's [state_size, head_dim]) updated in
+    place but for `dry` requests'; `chunked` as gdn_decode's. Returns the gated, normed y
+    [rows, heads * head_dim] (None: `out` False)."""
     proj, index, starts, dry = _mixer_rows(proj, slots, starts, dry)
     y = torch.empty(proj.shape[0], heads * head_dim) if out else None
     f32 = [t.float().contiguous() for t in (conv_w, dt_bias, a_log, d, norm_w)]
@@ -153,7 +158,8 @@ def mamba2_decode(proj: torch.Tensor, slots: np.ndarray, conv_state: torch.Tenso
         conv_state.data_ptr(), f32[0].data_ptr(), None if bias is None else bias.data_ptr(),
         ssm_state.data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(), f32[3].data_ptr(),
         f32[4].data_ptr(), heads, head_dim, groups, state_size, conv_w.shape[1], norm_groups,
-        eps, dt_min, dt_max, None if y is None else y.data_ptr(), torch.get_num_threads())
+        int(chunked), eps, dt_min, dt_max, None if y is None else y.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"Mamba2 decode step failed ({status}: no memory for its scratch, "
                            f"or groups that do not divide the heads or the inner channels)")

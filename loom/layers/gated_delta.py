@@ -7,12 +7,13 @@ g_t <= 0 and a write strength beta_t in (0, 1):
     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 
 (the delta rule: the part of v_t the state already predicts from k_t is not written again).
-On the CPU in fp32 every request's tokens run that step one after another in C
-(csrc/gated_delta.c: prompts too; a 128- or 512-token prompt of the Qwen3.5-0.8B shape took
-0.75-0.8x the chunked form's time). The torch path (_torch: every other device and dtype)
-runs one-token requests' steps batched and a longer run of tokens a chunk of up to 64 at a time
-(the WY form of DeltaNet's chunkwise algorithm: a triangular solve per chunk, then matrix
-products against the state), which gives the same outputs up to rounding.
+On the CPU in fp32 a step's requests run in C (csrc/gated_delta.c): decode and verify rows
+token by token, a prompt's rows 8 at a time in the chunkwise form below (the state read twice
+and written once a chunk, in register-blocked products; not in batch-invariant runs, whose
+bits must not depend on where a prompt was split). The torch path (_torch: every other device
+and dtype) runs one-token requests' steps batched and a longer run of tokens a chunk of up to
+64 at a time (the WY form of DeltaNet's chunkwise algorithm: a triangular solve per chunk, then
+matrix products against the state), which gives the same outputs up to rounding.
 
 q, k and v come through a causal depthwise convolution (width `conv_kernel`, SiLU), whose last
 conv_kernel - 1 inputs are the other per-request state (both kept as loom/layers/recurrent.py
@@ -30,7 +31,8 @@ from loom.config import LinearAttnConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    DRY_FLOATS, MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+    DRY_FLOATS, MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv,
+    chunked_prompts, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
@@ -158,7 +160,8 @@ class GatedDeltaNet(RecurrentMixer):
             return None
         return dict(kind=MIXER_GDN, **tensors, key_heads=s.num_key_heads,
                     value_heads=s.num_value_heads, dk=s.key_head_dim, dv=s.value_head_dim,
-                    width=s.conv_kernel, tiled=int(s.tiled_heads), eps=self.norm.eps)
+                    width=s.conv_kernel, tiled=int(s.tiled_heads), eps=self.norm.eps,
+                    chunked=int(chunked_prompts()))
 
     def scratch_floats(self, rows: int) -> int:
         """The C decode step's scratch for steps of `rows` rows (the stack's)."""
@@ -176,7 +179,8 @@ class GatedDeltaNet(RecurrentMixer):
         return cpu_ops.gdn_decode(
             proj, step.slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
             self.dt_bias, self.norm.weight, s.num_key_heads, s.num_value_heads, s.key_head_dim,
-            s.value_head_dim, s.tiled_heads, self.norm.eps, step.starts, step.dry, out)
+            s.value_head_dim, s.tiled_heads, self.norm.eps, step.starts, step.dry, out,
+            chunked_prompts())
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed heads' output

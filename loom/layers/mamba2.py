@@ -15,11 +15,12 @@ up to 64 tokens at a time (Mamba2's state space duality: within a chunk the outp
 masked, decayed product C B^T applied to dt x, plus the decayed read of the state the chunk
 starts from), which gives the same outputs up to rounding. The recurrence runs in fp32; the
 convolution's window and S are the request's states (loom/layers/recurrent.py). On the CPU
-in fp32 a step's requests run instead as one C call a layer, each request's tokens one after
-another, prompts too (csrc/mamba2.c: the window, the state's decayed update and read, the
-gated norm, in place on the slots; a 128- or 512-token prompt of the Granite-4.0-H-1B shape
-took 0.6-0.75x the chunked form's time); _torch stays the reference and the path of every
-other device and dtype.
+in fp32 a step's requests run instead as one C call a layer (csrc/mamba2.c: the window, the
+state's decayed update and read, the gated norm, in place on the slots): decode and verify
+rows token by token, a prompt's rows 8 at a time in the chunked form (not in batch-invariant
+runs). Each head's S is stored transposed, [N, P] (the C step runs a head's channels across
+vector lanes; _torch reads it through a transposed view). _torch stays the reference and the
+path of every other device and dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from loom.config import MambaConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    DRY_FLOATS, MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
+    DRY_FLOATS, MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv,
+    chunked_prompts, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunked form
@@ -121,10 +123,11 @@ class Mamba2Mixer(RecurrentMixer):
         self.out_proj = Linear(self.inner, hidden_size, bias=shape.proj_bias)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
-        """The convolution's window [conv_dim, conv_kernel - 1] and the state space's
-        [heads, head_dim, state_size]."""
+        """The convolution's window [conv_dim, conv_kernel - 1] and the state space's, each
+        head's S stored transposed: [heads, state_size, head_dim] (the C step runs a head's
+        channels across vector lanes; _torch reads it through a transposed view)."""
         s = self.shape
-        return [(self.conv_dim, s.conv_kernel - 1), (s.num_heads, s.head_dim, s.state_size)]
+        return [(self.conv_dim, s.conv_kernel - 1), (s.num_heads, s.state_size, s.head_dim)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
@@ -147,7 +150,8 @@ class Mamba2Mixer(RecurrentMixer):
         return dict(kind=MIXER_MAMBA2, **tensors, key_heads=s.num_groups,
                     value_heads=s.num_heads, dk=s.state_size, dv=s.head_dim,
                     width=s.conv_kernel, norm_groups=s.norm_groups, eps=self.norm.eps,
-                    dt_min=s.time_step_min, dt_max=s.time_step_max)
+                    dt_min=s.time_step_min, dt_max=s.time_step_max,
+                    chunked=int(chunked_prompts()))
 
     def scratch_floats(self, rows: int) -> int:
         """The C decode step's scratch for steps of `rows` rows (the stack's)."""
@@ -167,7 +171,7 @@ class Mamba2Mixer(RecurrentMixer):
             proj, step.slots, window_state, self.conv1d.weight, self.conv1d.bias, ssm_state,
             self.dt_bias, self.A_log, self.D, self.norm.weight, s.num_heads, s.head_dim,
             s.num_groups, s.state_size, s.norm_groups, self.norm.eps, s.time_step_min,
-            s.time_step_max, step.starts, step.dry, out)
+            s.time_step_max, step.starts, step.dry, out, chunked_prompts())
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed, gated output
@@ -176,6 +180,7 @@ class Mamba2Mixer(RecurrentMixer):
         heads, P, N, G = s.num_heads, s.head_dim, s.state_size, s.num_groups
         z, xbc, dt = proj.split([self.inner, self.conv_dim, heads], dim=-1)
         window_state, ssm_state = step.tensors
+        ssm_state = ssm_state.transpose(-1, -2)  # [slots, heads, P, N] (a view)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         xbc = causal_conv(xbc, step, window_state, self.conv1d.weight.float(), bias, silu=True)
         xs, b, c = xbc.split([self.inner, G * N, G * N], dim=-1)

@@ -140,7 +140,8 @@ class MoeQ8(ctypes.Structure):  # loom.h's LoomMoeQ8
 
 _MIXER_PTRS = ("conv_state", "ssm_state", "conv_w", "conv_b", "a_log", "dt_bias", "d",
                "norm_w")
-_MIXER_DIMS = ("key_heads", "value_heads", "dk", "dv", "width", "norm_groups", "tiled")
+_MIXER_DIMS = ("key_heads", "value_heads", "dk", "dv", "width", "norm_groups", "tiled",
+               "chunked")
 
 
 class MixerQ8(ctypes.Structure):  # loom.h's LoomMixerQ8

@@ -280,9 +280,50 @@ def _check_verify_rows(mixer, width: int, g: torch.Generator) -> None:
             assert torch.allclose(t[0], after[0][i], rtol=1e-5, atol=1e-5)
 
 
-def test_gdn_c_decode_step_equals_the_torch_path() -> None:
+def _check_prompt_rows(mixer, width: int, g: torch.Generator, monkeypatch) -> None:
+    """Prompts' runs of 21, 3, 9 and 1 rows in slots 3, 0, 2 and 1 of 5: the C step's
+    chunkwise form (runs of 4 rows or more, 8 at a time: full chunks, a part chunk, a run
+    too short to chunk) gives the token-by-token form's outputs and states and _torch's within
+    rounding, with its own bits (it ran); slot 4 untouched. Batch-invariant kernels turn it
+    off."""
+    import loom.kernels
+    import loom.layers.recurrent
+
+    mixer.allocate_states(5, torch.device("cpu"))
+    start = [torch.randn(t.shape, generator=g) * 0.3 for t in mixer.states]
+    starts, slots = np.array([0, 21, 24, 33, 34]), np.array([3, 0, 2, 1])
+    step = StepStates(starts, np.diff(starts), slots, mixer.states)
+    proj = torch.randn(34, width, generator=g)
+    got = {}
+    with torch.no_grad():
+        for form in ("chunked", "tokens", "torch"):
+            for t, first in zip(mixer.states, start):
+                t.copy_(first)
+            module = type(mixer).__module__
+            monkeypatch.setattr(f"{module}.chunked_prompts", lambda: form == "chunked")
+            y = mixer._torch(proj, step) if form == "torch" else mixer._fused(proj, step)
+            got[form] = (y, [t.clone() for t in mixer.states])
+    y, states = got["chunked"]
+    for form in ("tokens", "torch"):
+        assert torch.allclose(y, got[form][0], rtol=1e-4, atol=1e-4)
+        for t, ref in zip(states, got[form][1]):
+            assert torch.allclose(t, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(y[:21], got["tokens"][0][:21])  # the chunkwise form ran
+    assert torch.equal(y[33], got["tokens"][0][33])  # (one row: token by token)
+    for t, first in zip(states, start):
+        assert torch.equal(t[4], first[4])
+    monkeypatch.undo()
+    try:
+        loom.kernels.select(batch_invariant=True)
+        assert not loom.layers.recurrent.chunked_prompts()
+    finally:
+        loom.kernels.select()
+    assert loom.layers.recurrent.chunked_prompts()
+
+
+def test_gdn_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
     """Gated DeltaNet's C decode step (csrc/gated_delta.c) against _torch: two value heads a
-    key head, width 4."""
+    key head, width 4; then heads 24 wide (a vector and a part one) for prompts."""
     from loom.config import LinearAttnConfig
     from loom.layers.gated_delta import GatedDeltaNet
     from tests.cpu_kernels import require_cpu_kernels
@@ -296,11 +337,17 @@ def test_gdn_c_decode_step_equals_the_torch_path() -> None:
     width = mixer.conv_dim + mixer.value_dim + 2 * 4
     _check_c_decode_step(mixer, width, g)
     _check_verify_rows(mixer, width, g)
+    mixer = GatedDeltaNet(64, LinearAttnConfig(2, 4, 32, 24, 4), 1e-6)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+    _check_prompt_rows(mixer, mixer.conv_dim + mixer.value_dim + 2 * 4, g, monkeypatch)
 
 
-def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
+def test_mamba2_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
     """Mamba2's C decode step (csrc/mamba2.c) against _torch: groups of heads sharing B and C,
-    a conv bias, two norm groups, dt clamped below."""
+    a conv bias, two norm groups, dt clamped below; then heads 24 wide (a vector and a part
+    one) and states of 20 for prompts."""
     from loom.config import MambaConfig
     from tests.cpu_kernels import require_cpu_kernels
 
@@ -315,6 +362,13 @@ def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
         mixer.dt_bias[::2] = -6.0  # (these heads' dt mostly clamped to time_step_min)
     _check_c_decode_step(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
     _check_verify_rows(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
+    shape = MambaConfig(num_heads=6, head_dim=24, state_size=20, num_groups=3, conv_kernel=4,
+                        conv_bias=False, norm_groups=1)
+    mixer = mamba2.Mamba2Mixer(64, shape, 1e-5)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+    _check_prompt_rows(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g, monkeypatch)
 
 
 def test_shortconv_c_decode_step_equals_the_torch_path() -> None:

@@ -523,24 +523,24 @@ static int mixer(const Step *s, Team *t, const LoomMixerQ8 *X)
         rc = t ? loom_gdn_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
                                       X->conv_w, X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
                                       X->key_heads, X->value_heads, X->dk, X->dv, X->width,
-                                      (int)X->tiled, X->eps, y, X->scratch, tid, team,
-                                      team_barrier, t)
+                                      (int)X->tiled, (int)X->chunked, X->eps, y, X->scratch,
+                                      tid, team, team_barrier, t)
                : loom_gdn_decode_f32(p, X->proj_n, slots, R, starts, dry, X->conv_state,
                                      X->conv_w, X->ssm_state, X->a_log, X->dt_bias, X->norm_w,
                                      X->key_heads, X->value_heads, X->dk, X->dv, X->width,
-                                     (int)X->tiled, X->eps, y, s->nt);
+                                     (int)X->tiled, (int)X->chunked, X->eps, y, s->nt);
     else if (X->kind == LOOM_MIXER_MAMBA2)
         rc = t ? loom_mamba2_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
                                          X->conv_w, X->conv_b, X->ssm_state, X->dt_bias,
                                          X->a_log, X->d, X->norm_w, X->value_heads, X->dv,
-                                         X->key_heads, X->dk, X->width, X->norm_groups, X->eps,
-                                         X->dt_min, X->dt_max, y, X->scratch, tid, team,
-                                         team_barrier, t)
+                                         X->key_heads, X->dk, X->width, X->norm_groups,
+                                         (int)X->chunked, X->eps, X->dt_min, X->dt_max, y,
+                                         X->scratch, tid, team, team_barrier, t)
                : loom_mamba2_decode_f32(p, X->proj_n, slots, R, starts, dry, X->conv_state,
                                         X->conv_w, X->conv_b, X->ssm_state, X->dt_bias,
                                         X->a_log, X->d, X->norm_w, X->value_heads, X->dv,
-                                        X->key_heads, X->dk, X->width, X->norm_groups, X->eps,
-                                        X->dt_min, X->dt_max, y, s->nt);
+                                        X->key_heads, X->dk, X->width, X->norm_groups,
+                                        (int)X->chunked, X->eps, X->dt_min, X->dt_max, y, s->nt);
     else if (X->kind == LOOM_MIXER_SHORTCONV)
         rc = t ? loom_shortconv_decode_team(p, X->proj_n, slots, R, starts, dry, X->conv_state,
                                             X->conv_w, X->conv_b, s->H, X->width, y, tid, team,

@@ -99,7 +99,7 @@ int loom_gdn_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots
                         const float *conv_w, float *ssm_state, const float *a_log,
                         const float *dt_bias, const float *norm_w, int64_t key_heads,
                         int64_t value_heads, int64_t dk, int64_t dv, int64_t width, int tiled,
-                        float eps, float *out, int num_threads);
+                        int chunked, float eps, float *out, int num_threads);
 int64_t loom_gdn_scratch_floats(int64_t rows, int64_t key_heads, int64_t value_heads,
                                 int64_t dk, int64_t dv);
 int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
@@ -107,19 +107,20 @@ int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slot
                          float *conv_state, const float *conv_w, float *ssm_state,
                          const float *a_log, const float *dt_bias, const float *norm_w,
                          int64_t key_heads, int64_t value_heads, int64_t dk, int64_t dv,
-                         int64_t width, int tiled, float eps, float *out, float *scratch,
-                         int tid, int team, LoomSync sync, void *sync_arg);
+                         int64_t width, int tiled, int chunked, float eps, float *out,
+                         float *scratch, int tid, int team, LoomSync sync, void *sync_arg);
 // Mamba2's decode step, in place on the requests' state slots (mamba2.c): proj rows [z | x B C
-// | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max] (dt_max may be +inf); out [rows,
-// heads * head_dim]. 0, or -1 with nothing written.
+// | dt], conv_b NULL for none, dt clamped to [dt_min, dt_max] (dt_max may be +inf), a head's
+// state [state_size, head_dim], `chunked` as Gated DeltaNet's; out [rows, heads * head_dim].
+// 0, or -1 with nothing written.
 int loom_mamba2_decode_f32(const float *proj, int64_t proj_ld, const int64_t *slots,
                            int64_t reqs, const int64_t *starts, const int8_t *dry,
                            float *conv_state, const float *conv_w, const float *conv_b,
                            float *ssm_state, const float *dt_bias, const float *a_log,
                            const float *d, const float *norm_w, int64_t heads,
                            int64_t head_dim, int64_t groups, int64_t state_size, int64_t width,
-                           int64_t norm_groups, float eps, float dt_min, float dt_max,
-                           float *out, int num_threads);
+                           int64_t norm_groups, int chunked, float eps, float dt_min,
+                           float dt_max, float *out, int num_threads);
 int64_t loom_mamba2_scratch_floats(int64_t rows, int64_t heads, int64_t head_dim,
                                    int64_t groups, int64_t state_size);
 int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
@@ -128,9 +129,9 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
                             float *ssm_state, const float *dt_bias, const float *a_log,
                             const float *d, const float *norm_w, int64_t heads,
                             int64_t head_dim, int64_t groups, int64_t state_size, int64_t width,
-                            int64_t norm_groups, float eps, float dt_min, float dt_max,
-                            float *out, float *scratch, int tid, int team, LoomSync sync,
-                            void *sync_arg);
+                            int64_t norm_groups, int chunked, float eps, float dt_min,
+                            float dt_max, float *out, float *scratch, int tid, int team,
+                            LoomSync sync, void *sync_arg);
 // LFM2's short convolution's decode step (shortconv.c): proj rows [b | c | h] (H each),
 // window_state [slots, H, width - 1] (oldest first), conv_w [H, width], conv_b [H] or NULL;
 // out [rows, H] = c * (conv(b * h) + conv_b). No scratch. 0, or -1 with nothing written.
@@ -405,6 +406,7 @@ typedef struct {
     float *conv_state, *ssm_state;
     const float *conv_w, *conv_b, *a_log, *dt_bias, *d, *norm_w;
     int64_t key_heads, value_heads, dk, dv, width, norm_groups, tiled;
+    int64_t chunked;  // GDN, Mamba2: prompts' runs of rows in the chunkwise form
     float eps, dt_min, dt_max;
     float *scratch;  // the step's (the *_scratch_floats of its kind, for max_rows rows)
     int64_t max_rows;

@@ -12,6 +12,125 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// MIX_LANES floats side by side (GCC's and clang's vector extensions: one AVX-512 register,
+// two AVX2 or four NEON ones), for the convolutions' channels and SiLU's exponentials
+#define MIX_LANES 16
+typedef float mix_vf __attribute__((vector_size(MIX_LANES * 4), aligned(4)));
+typedef int32_t mix_vi __attribute__((vector_size(MIX_LANES * 4), aligned(4)));
+
+static inline mix_vf splat(float x) { return (mix_vf){0} + x; }
+
+// exp(x) in every lane, within ~2 ulp of expf: n = round(x / ln 2), r = x - n ln 2 (ln 2 in
+// two parts), e^r by Cephes' degree-7 polynomial, times 2^n from n's exponent bits; x clamped
+// to [-87.3, 88] (no infinities: silu's uses saturate there; NaN stays NaN). libm's expf is a
+// call a value the compiler cannot vectorize without fast math.
+static inline mix_vf vexp(mix_vf x)
+{
+    const mix_vi hi = x > splat(88.0f), lo = x < splat(-87.3f);
+    x = (mix_vf)(((mix_vi)x & ~(hi | lo)) | ((mix_vi)splat(88.0f) & hi)
+                 | ((mix_vi)splat(-87.3f) & lo));
+    const mix_vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round
+    const mix_vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    mix_vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const mix_vi e = (__builtin_convertvector(n, mix_vi) + 127) << 23;
+    return p * (mix_vf)e;
+}
+
+static inline mix_vf vsilu(mix_vf x) { return x / (1.0f + vexp(-x)); }
+
+// lanes [0, n) of p (n <= MIX_LANES; the others 0), and back
+static inline mix_vf load_lanes(const float *p, int64_t n)
+{
+    mix_vf v = {0};
+    if (n == MIX_LANES)
+        __builtin_memcpy(&v, p, sizeof v);
+    else
+        for (int64_t l = 0; l < n; l++)
+            v[l] = p[l];
+    return v;
+}
+
+static inline void store_lanes(mix_vf v, int64_t n, float *p)
+{
+    if (n == MIX_LANES)
+        __builtin_memcpy(p, &v, sizeof v);
+    else
+        for (int64_t l = 0; l < n; l++)
+            p[l] = v[l];
+}
+
+// out[j] = SiLU(x[j]) for j < n, MIX_LANES at a time (in place where out is x)
+static inline void silu_rows(const float *x, int64_t n, float *out)
+{
+    for (int64_t j = 0; j < n; j += MIX_LANES) {
+        const int64_t m = n - j < MIX_LANES ? n - j : MIX_LANES;
+        store_lanes(vsilu(load_lanes(x + j, m)), m, out + j);
+    }
+}
+
+// Channels [c0, c0 + n)'s windows of `past` inputs (oldest first: win [channels, past]),
+// weights (conv_w [channels, past + 1]) and biases (conv_b, NULL: 0) transposed into lanes:
+// w[j], k[j] and bias hold channel c0 + l in lane l (lanes past n: channel c0 again, unused)
+static inline void lanes_in(const float *win, const float *conv_w, const float *conv_b,
+                            int64_t past, int64_t c0, int64_t n, mix_vf *w, mix_vf *k,
+                            mix_vf *bias)
+{
+    for (int64_t l = 0; l < MIX_LANES; l++) {
+        const int64_t c = c0 + (l < n ? l : 0);
+        for (int64_t j = 0; j < past; j++)
+            w[j][l] = win[c * past + j];
+        for (int64_t j = 0; j <= past; j++)
+            k[j][l] = conv_w[c * (past + 1) + j];
+        (*bias)[l] = conv_b ? conv_b[c] : 0.0f;
+    }
+}
+
+// The windows w (lanes_in's) back into win, channels [c0, c0 + n)
+static inline void lanes_out(const mix_vf *w, int64_t past, int64_t c0, int64_t n, float *win)
+{
+    for (int64_t l = 0; l < n; l++)
+        for (int64_t j = 0; j < past; j++)
+            win[(c0 + l) * past + j] = w[j][l];
+}
+
+// A request's rows [i0, i1) of channels [c0, c0 + n) (n <= MIX_LANES) of a causal depthwise
+// convolution and SiLU (Gated DeltaNet's over q k v, Mamba2's over x B C): row i's input of
+// channel c at x[i * x_ld + c], the channel's window of its last `past` inputs (oldest first)
+// at win[c * past], weights conv_w [channels, past + 1], conv_b NULL for no bias; out[i *
+// out_ld + c] = SiLU(sum). The channels side by side in lanes, each one's sum in the order
+// window oldest first, this row's input, the bias: a channel's bits the same whatever its
+// lane or its rows' step. A dry request's windows are not written back.
+static inline void conv_silu_lanes(const float *x, int64_t x_ld, int64_t i0, int64_t i1,
+                                   float *win, int64_t past, const float *conv_w,
+                                   const float *conv_b, int64_t c0, int64_t n, int dry,
+                                   float *out, int64_t out_ld)
+{
+    mix_vf w[past > 0 ? past : 1], k[past + 1], bias;
+    lanes_in(win, conv_w, conv_b, past, c0, n, w, k, &bias);
+    for (int64_t i = i0; i < i1; i++) {
+        const mix_vf xi = load_lanes(x + i * x_ld + c0, n);
+        mix_vf acc = {0};
+        for (int64_t j = 0; j < past; j++)
+            acc += w[j] * k[j];
+        acc += xi * k[past];
+        if (conv_b)
+            acc += bias;
+        for (int64_t j = 0; j + 1 < past; j++)
+            w[j] = w[j + 1];
+        if (past > 0)
+            w[past - 1] = xi;
+        store_lanes(vsilu(acc), n, out + i * out_ld + c0);
+    }
+    if (!dry)
+        lanes_out(w, past, c0, n, win);
+}
+
 // items [lo, hi) of n for thread tid of team
 static inline void share(int64_t n, int tid, int team, int64_t *lo, int64_t *hi)
 {
@@ -41,6 +160,89 @@ static inline float *mixer_state(float *x, int64_t n, int dry, float *own)
     for (int64_t j = 0; j < n; j++)
         own[j] = x[j];
     return own;
+}
+
+// sum_i a[i] b[i]: MIX_LANES partial sums (lane l over i = l mod MIX_LANES, in order), then
+// halves added pairwise
+static inline float dot(const float *a, const float *b, int64_t n)
+{
+    mix_vf acc = {0};
+    for (int64_t i = 0; i < n; i += MIX_LANES) {
+        const int64_t m = n - i < MIX_LANES ? n - i : MIX_LANES;
+        acc += load_lanes(a + i, m) * load_lanes(b + i, m);
+    }
+    for (int w = MIX_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            acc[l] += acc[l + w];
+    return acc[0];
+}
+
+// The chunkwise forms of prompts' runs of rows (gated_delta.c, mamba2.c): CHUNK rows at a time
+// against a head's state S [dk, dv] (dv contiguous), which is read twice and written once a
+// chunk instead of a token, in register-blocked products.
+#define CHUNK 8      // rows a chunk
+#define CHUNK_MIN 4  // a request's run of fewer rows goes token by token
+// STATE_LANES floats a vector: one AVX-512 register where the compiler targets AVX-512, else 8
+// (CHUNK of them and a few more fit AVX2's sixteen registers)
+#ifdef __AVX512F__
+#define STATE_LANES 16
+#else
+#define STATE_LANES 8
+#endif
+typedef float state_vf __attribute__((vector_size(STATE_LANES * 4), aligned(4)));
+
+// C[t] = S^T A[t] for the CHUNK rows of A [CHUNK, dk] against a state S [dk, dv]: C [CHUNK, dv].
+// A vector of S's columns is loaded once for all CHUNK rows, whose sums stay in registers.
+static inline void rows_times_state(const float *A, const float *S, int64_t dk, int64_t dv,
+                                    float *C)
+{
+    int64_t j = 0;
+    for (; j + STATE_LANES <= dv; j += STATE_LANES) {
+        state_vf acc[CHUNK];
+        for (int t = 0; t < CHUNK; t++)
+            acc[t] = (state_vf){0};
+        for (int64_t i = 0; i < dk; i++) {
+            const state_vf sv = *(const state_vf *)(S + i * dv + j);
+            for (int t = 0; t < CHUNK; t++)
+                acc[t] += A[t * dk + i] * sv;
+        }
+        for (int t = 0; t < CHUNK; t++)
+            *(state_vf *)(C + t * dv + j) = acc[t];
+    }
+    for (; j < dv; j++)
+        for (int t = 0; t < CHUNK; t++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < dk; i++)
+                acc += A[t * dk + i] * S[i * dv + j];
+            C[t * dv + j] = acc;
+        }
+}
+
+// S = g S + sum_t W[t] D[t]^T: W [CHUNK, dk], D [CHUNK, dv]; a vector of D's rows kept in
+// registers for the whole column block
+static inline void update_state(float *S, float g, const float *W, const float *D, int64_t dk,
+                         int64_t dv)
+{
+    int64_t j = 0;
+    for (; j + STATE_LANES <= dv; j += STATE_LANES) {
+        state_vf d[CHUNK];
+        for (int t = 0; t < CHUNK; t++)
+            d[t] = *(const state_vf *)(D + t * dv + j);
+        for (int64_t i = 0; i < dk; i++) {
+            state_vf *sp = (state_vf *)(S + i * dv + j);
+            state_vf x = *sp * g;
+            for (int t = 0; t < CHUNK; t++)
+                x += W[t * dk + i] * d[t];
+            *sp = x;
+        }
+    }
+    for (; j < dv; j++)
+        for (int64_t i = 0; i < dk; i++) {
+            float x = S[i * dv + j] * g;
+            for (int t = 0; t < CHUNK; t++)
+                x += W[t * dk + i] * D[t * dv + j];
+            S[i * dv + j] = x;
+        }
 }
 
 static inline void omp_sync(void *arg)

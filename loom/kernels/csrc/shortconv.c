@@ -5,9 +5,9 @@
 // depthwise convolution over the channel's last width - 1 inputs (the window, oldest first)
 // and this one (weight[:, width - 1] its multiplier). The torch path runs it as a handful of
 // small ops a layer over every request's window gathered and scattered back; here each window
-// is read and written once, in place. One parallel phase by request and channel block, 16
-// channels at a time across vector lanes. loom_shortconv_decode_team runs it inside a
-// caller's team (its items split statically, the caller's barrier after it);
+// is read and written once, in place. One parallel phase by request and channel block,
+// MIX_LANES (16) channels at a time across vector lanes. loom_shortconv_decode_team runs it
+// inside a caller's team (its items split statically, the caller's barrier after it);
 // loom_shortconv_decode_f32 is that in an OpenMP region of its own, so both give the same
 // bits.
 
@@ -16,54 +16,35 @@
 #include "loom.h"
 #include "mixer_team.h"
 
-// Channels [c0, c0 + n) (n <= LANES) over rows [i0, i1): their windows and weights transposed
-// into lanes (window j of each channel side by side) so each row's products run across the
-// channels at once; each channel's sum in the order of the one-row loop it replaced (the
-// window oldest first, then this row's input, then the bias): the same bits. A dry request's
-// windows are not written back.
-#define LANES 16
+// Channels [c0, c0 + n) (n <= MIX_LANES) over rows [i0, i1): their windows and weights
+// transposed into lanes (lanes_in: window j of each channel side by side) so each row's
+// products run across the channels at once; each channel's sum in the order of the one-row
+// loop it replaced (the window oldest first, then this row's input, then the bias). A dry
+// request's windows are not written back.
 static void conv_lanes(const float *proj, int64_t proj_ld, int64_t i0, int64_t i1, float *win,
                        const float *conv_w, const float *conv_b, int64_t H, int64_t past,
-                       int64_t width, int64_t c0, int64_t n, int dry, float *out)
+                       int64_t c0, int64_t n, int dry, float *out)
 {
-    float w[past > 0 ? past : 1][LANES], k[width][LANES], bias[LANES];
-    for (int64_t l = 0; l < LANES; l++) {
-        const int64_t c = c0 + (l < n ? l : 0);  // (lanes past n: channel c0 again, unused)
-        for (int64_t j = 0; j < past; j++)
-            w[j][l] = win[c * past + j];
-        for (int64_t j = 0; j < width; j++)
-            k[j][l] = conv_w[c * width + j];
-        bias[l] = conv_b ? conv_b[c] : 0.0f;
-    }
+    mix_vf w[past > 0 ? past : 1], k[past + 1], bias;
+    lanes_in(win, conv_w, conv_b, past, c0, n, w, k, &bias);
     for (int64_t row = i0; row < i1; row++) {
-        const float *b = proj + row * proj_ld + c0, *cg = b + H, *h = b + 2 * H;
-        float bx[LANES], acc[LANES];
-        for (int64_t l = 0; l < LANES; l++) {
-            bx[l] = b[l < n ? l : 0] * h[l < n ? l : 0];  // the convolution's input
-            acc[l] = 0.0f;
-        }
+        const float *b = proj + row * proj_ld + c0;
+        const mix_vf bx = load_lanes(b, n) * load_lanes(b + 2 * H, n);  // the input: b * h
+        mix_vf acc = {0};
         for (int64_t j = 0; j < past; j++)
-            for (int64_t l = 0; l < LANES; l++)
-                acc[l] += w[j][l] * k[j][l];
-        for (int64_t l = 0; l < LANES; l++)
-            acc[l] += bx[l] * k[past][l];
+            acc += w[j] * k[j];
+        acc += bx * k[past];
         if (conv_b)
-            for (int64_t l = 0; l < LANES; l++)
-                acc[l] += bias[l];
+            acc += bias;
         for (int64_t j = 0; j + 1 < past; j++)
-            for (int64_t l = 0; l < LANES; l++)
-                w[j][l] = w[j + 1][l];
+            w[j] = w[j + 1];
         if (past > 0)
-            for (int64_t l = 0; l < LANES; l++)
-                w[past - 1][l] = bx[l];
+            w[past - 1] = bx;
         if (out)
-            for (int64_t l = 0; l < n; l++)
-                out[row * H + c0 + l] = cg[l] * acc[l];
+            store_lanes(load_lanes(b + H, n) * acc, n, out + row * H + c0);
     }
     if (!dry)
-        for (int64_t l = 0; l < n; l++)
-            for (int64_t j = 0; j < past; j++)
-                win[(c0 + l) * past + j] = w[j][l];
+        lanes_out(w, past, c0, n, win);
 }
 
 int loom_shortconv_decode_team(const float *proj, int64_t proj_ld, const int64_t *slots,
@@ -88,9 +69,9 @@ int loom_shortconv_decode_team(const float *proj, int64_t proj_ld, const int64_t
         request_rows(starts, r, &i0, &i1);
         float *win = window_state + slots[r] * H * past;
         for (int64_t c0 = (t % blocks) * block, end = c0 + block < H ? c0 + block : H; c0 < end;
-             c0 += LANES)
-            conv_lanes(proj, proj_ld, i0, i1, win, conv_w, conv_b, H, past, width, c0,
-                       end - c0 < LANES ? end - c0 : LANES, dry && dry[r], out);
+             c0 += MIX_LANES)
+            conv_lanes(proj, proj_ld, i0, i1, win, conv_w, conv_b, H, past, c0,
+                       end - c0 < MIX_LANES ? end - c0 : MIX_LANES, dry && dry[r], out);
     }
     sync(sync_arg);
     return 0;
