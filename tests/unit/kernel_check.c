@@ -1,19 +1,13 @@
-// A few of Loom's kernels against plain loops, for builds this machine cannot load into Python
-// (the AArch64 variants, run under qemu-user by tests/unit/test_kernel_builds.py). Prints "ok".
+// A few of Loom's kernels against plain loops (the hybrids' mixer steps: their chunkwise forms
+// against token by token), for builds this machine cannot load into Python (the AArch64
+// variants, run under qemu-user by tests/unit/test_kernel_builds.py). Prints "ok".
 
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-
-int loom_linear_q8_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                       const float *scales, const float *mins, const float *bias, int64_t N,
-                       float *y, int64_t ldy, int bits, int num_threads);
-void loom_quantize_q8(const float *w, int64_t N, int64_t K, uint8_t *q, float *scales,
-                      float *mins, int num_threads);
-void loom_silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t d, int num_threads);
-void loom_add_rms_norm_f32(float *x, float *residual, const float *weight, int64_t n, int64_t d,
-                           float eps, int num_threads);
+#include <string.h>
+#include "../../loom/kernels/csrc/loom.h"  // (the ABI: its prototypes)
 
 static float rnd(void) { return (float)rand() / RAND_MAX * 2.0f - 1.0f; }
 
@@ -41,6 +35,72 @@ static int check_packed(const float *x, int M, int K, int N, const uint8_t *w, i
                 bad += !close_to(y[m * N + n], want, 1e-4);
             }
     }
+    return bad;
+}
+
+static float *rnd_array(int64_t n, float scale)
+{
+    float *a = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) a[i] = scale * rnd();
+    return a;
+}
+
+static int close_arrays(const float *a, const float *b, int64_t n, double tol)
+{
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += !close_to(a[i], b[i], tol);
+    return bad;
+}
+
+// Gated DeltaNet's and Mamba2's steps on a prompt of 21 rows (two chunks of 8 and a part one)
+// from nonzero states: the chunkwise forms (chunked 1) against token by token (chunked 0),
+// outputs and states; heads 24 wide (a vector and a part one in every build's lanes).
+static int check_mixers(void)
+{
+    enum { T = 21, KH = 2, VH = 4, DK = 16, DV = 24, W = 4 };
+    int bad = 0;
+    const int64_t slot = 0, cd = 2 * KH * DK + VH * DV, pn = cd + VH * DV + 2 * VH;
+    float *proj = rnd_array(T * pn, 1.0f), *conv_w = rnd_array(cd * W, 0.5f);
+    float *a_log = rnd_array(VH, 0.5f), *dt_bias = rnd_array(VH, 0.5f);
+    for (int h = 0; h < VH; h++) dt_bias[h] -= 4.0f;  // (slow decays: S_0's terms count)
+    float *norm_w = rnd_array(VH * DV, 1.0f), *conv0 = rnd_array(cd * (W - 1), 0.3f);
+    float *ssm0 = rnd_array(VH * DK * DV, 0.3f), *conv[2], *ssm[2], *out[2];
+    for (int c = 0; c < 2; c++) {
+        conv[c] = malloc(sizeof(float) * cd * (W - 1));
+        ssm[c] = malloc(sizeof(float) * VH * DK * DV);
+        out[c] = malloc(sizeof(float) * T * VH * DV);
+        memcpy(conv[c], conv0, sizeof(float) * cd * (W - 1));
+        memcpy(ssm[c], ssm0, sizeof(float) * VH * DK * DV);
+        const int64_t starts[2] = {0, T};
+        bad += loom_gdn_decode_f32(proj, pn, &slot, 1, starts, NULL, conv[c], conv_w, ssm[c],
+                                   a_log, dt_bias, norm_w, KH, VH, DK, DV, W, 0, c, 1e-6f,
+                                   out[c], 2) != 0;
+    }
+    bad += close_arrays(out[1], out[0], T * VH * DV, 1e-4);
+    bad += close_arrays(ssm[1], ssm[0], VH * DK * DV, 1e-4);
+    bad += close_arrays(conv[1], conv[0], cd * (W - 1), 0.0);
+    // Mamba2: heads of 24, groups of two heads sharing B and C of 20, a conv bias
+    enum { H = 6, P = 24, G = 3, N = 20 };
+    const int64_t inner = H * P, mcd = inner + 2 * G * N, mpn = inner + mcd + H;
+    float *mproj = rnd_array(T * mpn, 1.0f), *mconv_w = rnd_array(mcd * W, 0.5f);
+    float *conv_b = rnd_array(mcd, 0.5f), *m_dt_bias = rnd_array(H, 0.5f);
+    for (int h = 0; h < H; h++) m_dt_bias[h] -= 4.0f;
+    float *m_a_log = rnd_array(H, 0.5f), *d = rnd_array(H, 1.0f);
+    float *m_norm_w = rnd_array(inner, 1.0f);
+    float *mconv0 = rnd_array(mcd * (W - 1), 0.3f), *mssm0 = rnd_array(H * N * P, 0.3f);
+    for (int c = 0; c < 2; c++) {
+        conv[c] = realloc(conv[c], sizeof(float) * mcd * (W - 1));
+        ssm[c] = realloc(ssm[c], sizeof(float) * H * N * P);
+        out[c] = realloc(out[c], sizeof(float) * T * inner);
+        memcpy(conv[c], mconv0, sizeof(float) * mcd * (W - 1));
+        memcpy(ssm[c], mssm0, sizeof(float) * H * N * P);
+        const int64_t starts[2] = {0, T};
+        bad += loom_mamba2_decode_f32(mproj, mpn, &slot, 1, starts, NULL, conv[c], mconv_w,
+                                      conv_b, ssm[c], m_dt_bias, m_a_log, d, m_norm_w, H, P, G,
+                                      N, W, 1, c, 1e-5f, 0.0f, INFINITY, out[c], 2) != 0;
+    }
+    bad += close_arrays(out[1], out[0], T * inner, 1e-4);
+    bad += close_arrays(ssm[1], ssm[0], H * N * P, 1e-4);
     return bad;
 }
 
@@ -113,6 +173,7 @@ int main(void)
             bad += !close_to(h[t * D + i], wn[i] * r[t * D + i] * inv, 1e-5);
         }
     }
+    bad += check_mixers();
     printf(bad ? "FAILED: %d\n" : "ok\n", bad);
     return bad != 0;
 }
