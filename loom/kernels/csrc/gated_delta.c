@@ -28,7 +28,6 @@
 #include "loom.h"
 #include "mixer_team.h"
 
-
 // x * rsqrt(sum(x^2) + eps) times `scale`, into out (the FLA library's L2 norm)
 static void l2norm(const float *x, int64_t n, float scale, float *out)
 {

@@ -12,19 +12,27 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// MIX_LANES floats side by side (GCC's and clang's vector extensions: one AVX-512 register,
-// two AVX2 or four NEON ones), for the convolutions' channels and SiLU's exponentials
+// MIX_LANES floats side by side in one vector register (GCC's and clang's vector extensions:
+// AVX-512's 16, AVX's 8, SSE's and NEON's 4: wider generic vectors lower to spills), for the
+// convolutions' channels and SiLU's exponentials
+#if defined(__AVX512F__)
 #define MIX_LANES 16
+#elif defined(__AVX__)
+#define MIX_LANES 8
+#else
+#define MIX_LANES 4
+#endif
+#define MIX_INLINE static inline __attribute__((always_inline))
 typedef float mix_vf __attribute__((vector_size(MIX_LANES * 4), aligned(4)));
 typedef int32_t mix_vi __attribute__((vector_size(MIX_LANES * 4), aligned(4)));
 
-static inline mix_vf splat(float x) { return (mix_vf){0} + x; }
+MIX_INLINE mix_vf splat(float x) { return (mix_vf){0} + x; }
 
 // exp(x) in every lane, within ~2 ulp of expf: n = round(x / ln 2), r = x - n ln 2 (ln 2 in
 // two parts), e^r by Cephes' degree-7 polynomial, times 2^n from n's exponent bits; x clamped
 // to [-87.3, 88] (no infinities: silu's uses saturate there; NaN stays NaN). libm's expf is a
 // call a value the compiler cannot vectorize without fast math.
-static inline mix_vf vexp(mix_vf x)
+MIX_INLINE mix_vf vexp(mix_vf x)
 {
     const mix_vi hi = x > splat(88.0f), lo = x < splat(-87.3f);
     x = (mix_vf)(((mix_vi)x & ~(hi | lo)) | ((mix_vi)splat(88.0f) & hi)
@@ -42,27 +50,28 @@ static inline mix_vf vexp(mix_vf x)
     return p * (mix_vf)e;
 }
 
-static inline mix_vf vsilu(mix_vf x) { return x / (1.0f + vexp(-x)); }
+MIX_INLINE mix_vf vsilu(mix_vf x) { return x / (1.0f + vexp(-x)); }
 
-// lanes [0, n) of p (n <= MIX_LANES; the others 0), and back
-static inline mix_vf load_lanes(const float *p, int64_t n)
+// lanes [0, n) of p (n <= MIX_LANES; the others 0), and back: a whole vector one unaligned
+// load or store (a memcpy through a zeroed vector went through the stack on AVX2)
+MIX_INLINE mix_vf load_lanes(const float *p, int64_t n)
 {
-    mix_vf v = {0};
     if (n == MIX_LANES)
-        __builtin_memcpy(&v, p, sizeof v);
-    else
-        for (int64_t l = 0; l < n; l++)
-            v[l] = p[l];
+        return *(const mix_vf *)p;
+    mix_vf v = {0};
+    for (int64_t l = 0; l < n; l++)
+        v[l] = p[l];
     return v;
 }
 
-static inline void store_lanes(mix_vf v, int64_t n, float *p)
+MIX_INLINE void store_lanes(mix_vf v, int64_t n, float *p)
 {
-    if (n == MIX_LANES)
-        __builtin_memcpy(p, &v, sizeof v);
-    else
-        for (int64_t l = 0; l < n; l++)
-            p[l] = v[l];
+    if (n == MIX_LANES) {
+        *(mix_vf *)p = v;
+        return;
+    }
+    for (int64_t l = 0; l < n; l++)
+        p[l] = v[l];
 }
 
 // out[j] = SiLU(x[j]) for j < n, MIX_LANES at a time (in place where out is x)
@@ -182,14 +191,6 @@ static inline float dot(const float *a, const float *b, int64_t n)
 // chunk instead of a token, in register-blocked products.
 #define CHUNK 8      // rows a chunk
 #define CHUNK_MIN 4  // a request's run of fewer rows goes token by token
-// STATE_LANES floats a vector: one AVX-512 register where the compiler targets AVX-512, else 8
-// (CHUNK of them and a few more fit AVX2's sixteen registers)
-#ifdef __AVX512F__
-#define STATE_LANES 16
-#else
-#define STATE_LANES 8
-#endif
-typedef float state_vf __attribute__((vector_size(STATE_LANES * 4), aligned(4)));
 
 // C[t] = S^T A[t] for the CHUNK rows of A [CHUNK, dk] against a state S [dk, dv]: C [CHUNK, dv].
 // A vector of S's columns is loaded once for all CHUNK rows, whose sums stay in registers.
@@ -197,17 +198,17 @@ static inline void rows_times_state(const float *A, const float *S, int64_t dk, 
                                     float *C)
 {
     int64_t j = 0;
-    for (; j + STATE_LANES <= dv; j += STATE_LANES) {
-        state_vf acc[CHUNK];
+    for (; j + MIX_LANES <= dv; j += MIX_LANES) {
+        mix_vf acc[CHUNK];
         for (int t = 0; t < CHUNK; t++)
-            acc[t] = (state_vf){0};
+            acc[t] = (mix_vf){0};
         for (int64_t i = 0; i < dk; i++) {
-            const state_vf sv = *(const state_vf *)(S + i * dv + j);
+            const mix_vf sv = *(const mix_vf *)(S + i * dv + j);
             for (int t = 0; t < CHUNK; t++)
                 acc[t] += A[t * dk + i] * sv;
         }
         for (int t = 0; t < CHUNK; t++)
-            *(state_vf *)(C + t * dv + j) = acc[t];
+            *(mix_vf *)(C + t * dv + j) = acc[t];
     }
     for (; j < dv; j++)
         for (int t = 0; t < CHUNK; t++) {
@@ -224,13 +225,13 @@ static inline void update_state(float *S, float g, const float *W, const float *
                          int64_t dv)
 {
     int64_t j = 0;
-    for (; j + STATE_LANES <= dv; j += STATE_LANES) {
-        state_vf d[CHUNK];
+    for (; j + MIX_LANES <= dv; j += MIX_LANES) {
+        mix_vf d[CHUNK];
         for (int t = 0; t < CHUNK; t++)
-            d[t] = *(const state_vf *)(D + t * dv + j);
+            d[t] = *(const mix_vf *)(D + t * dv + j);
         for (int64_t i = 0; i < dk; i++) {
-            state_vf *sp = (state_vf *)(S + i * dv + j);
-            state_vf x = *sp * g;
+            mix_vf *sp = (mix_vf *)(S + i * dv + j);
+            mix_vf x = *sp * g;
             for (int t = 0; t < CHUNK; t++)
                 x += W[t * dk + i] * d[t];
             *sp = x;

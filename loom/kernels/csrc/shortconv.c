@@ -6,7 +6,7 @@
 // and this one (weight[:, width - 1] its multiplier). The torch path runs it as a handful of
 // small ops a layer over every request's window gathered and scattered back; here each window
 // is read and written once, in place. One parallel phase by request and channel block,
-// MIX_LANES (16) channels at a time across vector lanes. loom_shortconv_decode_team runs it
+// MIX_LANES channels at a time across vector lanes. loom_shortconv_decode_team runs it
 // inside a caller's team (its items split statically, the caller's barrier after it);
 // loom_shortconv_decode_f32 is that in an OpenMP region of its own, so both give the same
 // bits.
