@@ -31,8 +31,7 @@ from loom.config import LinearAttnConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    DRY_FLOATS, MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv,
-    chunked_prompts, stack_tensors,
+    DRY_FLOATS, MIXER_GDN, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunkwise form
@@ -161,7 +160,7 @@ class GatedDeltaNet(RecurrentMixer):
         return dict(kind=MIXER_GDN, **tensors, key_heads=s.num_key_heads,
                     value_heads=s.num_value_heads, dk=s.key_head_dim, dv=s.value_head_dim,
                     width=s.conv_kernel, tiled=int(s.tiled_heads), eps=self.norm.eps,
-                    chunked=int(chunked_prompts()))
+                    chunked=int(self.chunked))
 
     def scratch_floats(self, rows: int) -> int:
         """The C decode step's scratch for steps of `rows` rows (the stack's)."""
@@ -180,7 +179,7 @@ class GatedDeltaNet(RecurrentMixer):
             proj, step.slots, self.states[0], self.conv1d.weight, self.states[1], self.A_log,
             self.dt_bias, self.norm.weight, s.num_key_heads, s.num_value_heads, s.key_head_dim,
             s.value_head_dim, s.tiled_heads, self.norm.eps, step.starts, step.dry, out,
-            chunked_prompts())
+            self.chunked)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed heads' output

@@ -34,8 +34,7 @@ from loom.config import MambaConfig
 from loom.kernels import cpu_kernels, cpu_ops
 from loom.layers.linear import Linear
 from loom.layers.recurrent import (
-    DRY_FLOATS, MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv,
-    chunked_prompts, stack_tensors,
+    DRY_FLOATS, MIXER_MAMBA2, DepthwiseConv, RecurrentMixer, StepStates, causal_conv, stack_tensors,
 )
 
 CHUNK = 64  # tokens a chunk of the chunked form
@@ -151,7 +150,7 @@ class Mamba2Mixer(RecurrentMixer):
                     value_heads=s.num_heads, dk=s.state_size, dv=s.head_dim,
                     width=s.conv_kernel, norm_groups=s.norm_groups, eps=self.norm.eps,
                     dt_min=s.time_step_min, dt_max=s.time_step_max,
-                    chunked=int(chunked_prompts()))
+                    chunked=int(self.chunked))
 
     def scratch_floats(self, rows: int) -> int:
         """The C decode step's scratch for steps of `rows` rows (the stack's)."""
@@ -171,7 +170,7 @@ class Mamba2Mixer(RecurrentMixer):
             proj, step.slots, window_state, self.conv1d.weight, self.conv1d.bias, ssm_state,
             self.dt_bias, self.A_log, self.D, self.norm.weight, s.num_heads, s.head_dim,
             s.num_groups, s.state_size, s.norm_groups, self.norm.eps, s.time_step_min,
-            s.time_step_max, step.starts, step.dry, out, chunked_prompts())
+            s.time_step_max, step.starts, step.dry, out, self.chunked)
 
     def _torch(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] of `step`'s requests -> the normed, gated output

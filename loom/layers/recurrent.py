@@ -21,7 +21,7 @@ from torch import nn
 
 from loom.attention.forward_context import get_forward_context
 from loom.heap import zeros
-from loom.kernels import cpu_ops, kernel_choice
+from loom.kernels import cpu_ops
 from loom.layers.linear import Linear
 
 
@@ -34,14 +34,6 @@ def stack_tensors(tensors) -> bool:  # noqa: ANN001 (an iterable of tensors or N
     (None: absent)."""
     return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
                              and t.device.type == "cpu") for t in tensors)
-
-
-def chunked_prompts() -> bool:
-    """Whether the C steps may run a prompt's rows in their chunkwise forms (Gated DeltaNet's,
-    Mamba2's): not in batch-invariant runs (their bits depend on where a chunk starts, and so
-    on how the prompt was split)."""
-    choice = kernel_choice()
-    return choice is not None and not choice.batch_invariant
 
 
 # A dry request's head state in the C decode steps (loom.h's LOOM_MIXER_DRY_FLOATS)
@@ -90,6 +82,10 @@ class RecurrentMixer(nn.Module):
         # the last verify step's dry requests' in_proj rows and their view (keep_record)
         self.pending: tuple[torch.Tensor, StepStates] | None = None
         self.record: torch.Tensor | None = None  # the C stack's in_proj rows of a verify step
+        # a prompt's rows in the C step's chunkwise form (Gated DeltaNet's, Mamba2's); set at
+        # load, off in batch-invariant runs: its bits depend on where a chunk starts, and so
+        # on how the prompt was split
+        self.chunked = False
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         raise NotImplementedError

@@ -26,6 +26,7 @@ from loom.kernels import select
 from loom.kernels.dispatch import KernelChoice, KernelChoiceError
 from loom.layers.embedding import KQuantEmbedding
 from loom.layers.linear import Linear
+from loom.layers.recurrent import RecurrentMixer
 from loom.quant.base import EMBED, HEAD, QUANT_METHODS, quantize_model_, replace_module
 from loom.quant.fp16 import Fp16Linear, fp16_available
 from loom.quant.gguf_dequant import groupable
@@ -372,6 +373,9 @@ def load_model(
         # a multiple of 32, stored F32/F16 in the file) keeps the file's values in fp32
         _quantize(model, quantization, kernels, keep_float=requested is None and reader is not None)
     model.eval()
+    for module in model.modules():  # prompts in the mixers' chunkwise C forms, but for
+        if isinstance(module, RecurrentMixer):  # batch-invariant runs (recurrent.py)
+            module.chunked = kernels is not None and not kernels.batch_invariant
     if reader is not None and kernels is not None and copies_allowed():
         # not in data-parallel replicas: they share the file's pages, one copy for all
         _interleave(model, reader)

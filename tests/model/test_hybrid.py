@@ -169,6 +169,7 @@ def test_speculation_on_the_c_stack(tmp_path, name, monkeypatch) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
     kw = dict(dtype="float32", quantization="int8", batch_invariant=True)
     base = LLM(str(folder), **kw)
+    assert not any(m.chunked for m in base.engine.runner.state_layers)  # (prompts: by token)
     want = [list(o.outputs[0].token_ids) for o in base.generate(prompts, params)]
     for p, reply in zip(params, want):
         p.prediction = reply[:7] + [reply[7] + 1] + reply[8:]
@@ -202,6 +203,8 @@ def test_prefix_hits_start_from_the_kept_states(hybrid) -> None:
     first = tokenizer.encode(text)[:53]
     llm = LLM(str(hybrid), dtype="float32", max_num_batched_tokens=64)
     assert llm.engine.scheduler.kv_cache_manager.enable_caching
+    kernels = llm.engine.loaded.kernels is not None  # prompts in the C chunkwise form
+    assert all(m.chunked == kernels for m in llm.engine.runner.state_layers)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     reply = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
     second = first + list(reply) + tokenizer.encode(" And then?")
@@ -280,15 +283,11 @@ def _check_verify_rows(mixer, width: int, g: torch.Generator) -> None:
             assert torch.allclose(t[0], after[0][i], rtol=1e-5, atol=1e-5)
 
 
-def _check_prompt_rows(mixer, width: int, g: torch.Generator, monkeypatch) -> None:
+def _check_prompt_rows(mixer, width: int, g: torch.Generator) -> None:
     """Prompts' runs of 21, 3, 9 and 1 rows in slots 3, 0, 2 and 1 of 5: the C step's
-    chunkwise form (runs of 4 rows or more, 8 at a time: full chunks, a part chunk, a run
-    too short to chunk) gives the token-by-token form's outputs and states and _torch's within
-    rounding, with its own bits (it ran); slot 4 untouched. Batch-invariant kernels turn it
-    off."""
-    import loom.kernels
-    import loom.layers.recurrent
-
+    chunkwise form (`chunked`: runs of 4 rows or more, 8 at a time: full chunks, a part
+    chunk, a run too short to chunk) gives the token-by-token form's outputs and states and
+    _torch's within rounding, with its own bits (it ran); slot 4 untouched."""
     mixer.allocate_states(5, torch.device("cpu"))
     start = [torch.randn(t.shape, generator=g) * 0.3 for t in mixer.states]
     starts, slots = np.array([0, 21, 24, 33, 34]), np.array([3, 0, 2, 1])
@@ -299,8 +298,7 @@ def _check_prompt_rows(mixer, width: int, g: torch.Generator, monkeypatch) -> No
         for form in ("chunked", "tokens", "torch"):
             for t, first in zip(mixer.states, start):
                 t.copy_(first)
-            module = type(mixer).__module__
-            monkeypatch.setattr(f"{module}.chunked_prompts", lambda: form == "chunked")
+            mixer.chunked = form == "chunked"
             y = mixer._torch(proj, step) if form == "torch" else mixer._fused(proj, step)
             got[form] = (y, [t.clone() for t in mixer.states])
     y, states = got["chunked"]
@@ -312,16 +310,9 @@ def _check_prompt_rows(mixer, width: int, g: torch.Generator, monkeypatch) -> No
     assert torch.equal(y[33], got["tokens"][0][33])  # (one row: token by token)
     for t, first in zip(states, start):
         assert torch.equal(t[4], first[4])
-    monkeypatch.undo()
-    try:
-        loom.kernels.select(batch_invariant=True)
-        assert not loom.layers.recurrent.chunked_prompts()
-    finally:
-        loom.kernels.select()
-    assert loom.layers.recurrent.chunked_prompts()
 
 
-def test_gdn_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
+def test_gdn_c_decode_step_equals_the_torch_path() -> None:
     """Gated DeltaNet's C decode step (csrc/gated_delta.c) against _torch: two value heads a
     key head, width 4; then heads 24 wide (a vector and a part one) for prompts."""
     from loom.config import LinearAttnConfig
@@ -341,10 +332,10 @@ def test_gdn_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
     with torch.no_grad():
         for param in mixer.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.5)
-    _check_prompt_rows(mixer, mixer.conv_dim + mixer.value_dim + 2 * 4, g, monkeypatch)
+    _check_prompt_rows(mixer, mixer.conv_dim + mixer.value_dim + 2 * 4, g)
 
 
-def test_mamba2_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
+def test_mamba2_c_decode_step_equals_the_torch_path() -> None:
     """Mamba2's C decode step (csrc/mamba2.c) against _torch: groups of heads sharing B and C,
     a conv bias, two norm groups, dt clamped below; then heads 24 wide (a vector and a part
     one) and states of 20 for prompts."""
@@ -368,7 +359,7 @@ def test_mamba2_c_decode_step_equals_the_torch_path(monkeypatch) -> None:
     with torch.no_grad():
         for param in mixer.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.5)
-    _check_prompt_rows(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g, monkeypatch)
+    _check_prompt_rows(mixer, mixer.inner + mixer.conv_dim + shape.num_heads, g)
 
 
 def test_shortconv_c_decode_step_equals_the_torch_path() -> None:
