@@ -142,8 +142,7 @@ class GatedDeltaNet(RecurrentMixer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
         tokens (a step without state slots, a memory-profiling one, starts every request from
-        zero and keeps nothing). On the CPU in fp32 the one-token requests take the fused C
-        decode step (cpu_ops.gdn_decode), the others the torch path."""
+        zero and keeps nothing); mix_rows picks the C step or the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
         out = self.mix_rows(proj, step)

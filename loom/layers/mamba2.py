@@ -130,9 +130,8 @@ class Mamba2Mixer(RecurrentMixer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's states advance by its
-        tokens (a step without state slots starts every request from zero, keeps nothing). On
-        the CPU in fp32 the one-token requests take the fused C decode step
-        (cpu_ops.mamba2_decode), the others the torch path."""
+        tokens (a step without state slots starts every request from zero, keeps nothing);
+        mix_rows picks the C step or the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
         out = self.mix_rows(proj, step)

@@ -125,8 +125,8 @@ class RecurrentMixer(nn.Module):
 
     def mix_rows(self, proj: torch.Tensor, step: StepStates) -> torch.Tensor:
         """in_proj's rows [num_tokens, ...] -> the mixer's output before its out projection:
-        `_fused` (a C step: each request's rows one after another, the exact recurrence;
-        prompts too, faster than the chunked forms: docs/models.md) on the CPU in fp32 with the
+        `_fused` (a C step: each request's rows one after another, token by token, a prompt's
+        in the chunkwise form where `chunked`: docs/models.md) on the CPU in fp32 with the
         slots' states, else `_torch`. A verify step's dry requests' rows are kept for
         `commit`."""
         if step.dry is not None:
@@ -248,8 +248,7 @@ class ShortConv(RecurrentMixer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; each request's window advances by
-        its tokens. On the CPU in fp32 the one-token requests take the C decode step
-        (cpu_ops.shortconv_decode), the others the torch path."""
+        its tokens; mix_rows picks the C step or the torch path."""
         proj = self.in_proj(x).float()
         step = self.step_states(x.device)
         y = self.mix_rows(proj, step)

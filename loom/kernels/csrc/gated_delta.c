@@ -58,6 +58,18 @@ typedef struct {
     const float *norm_w;
 } Head;
 
+// Row `row`'s q and k for the head (L2-normed, q also scaled by dk^-1/2) and its write
+// strength beta; returns its log decay g <= 0 (both forms read a row so)
+static float gdn_row(const Head *hd, int64_t row, float *q, float *k, float *beta)
+{
+    const float *yr = hd->y + row * hd->conv_dim;
+    const float *ba = hd->proj + row * hd->proj_ld + hd->conv_dim + hd->value_dim;  // b, a
+    l2norm(yr + hd->kh * hd->dk, hd->dk, 1.0f / sqrtf((float)hd->dk), q);
+    l2norm(yr + hd->key_dim + hd->kh * hd->dk, hd->dk, 1.0f, k);
+    *beta = 1.0f / (1.0f + expf(-ba[hd->h]));
+    return -hd->a_exp * softplus(ba[hd->value_heads + hd->h] + hd->dt_bias);
+}
+
 // The chunkwise form for rows [c0, c0 + n) (n <= CHUNK) of a head on its state S. With g_t the
 // log decays, cum_t their running sum over the chunk and G_ts = exp(cum_t - cum_s) (t >= s),
 // the recurrence's writes are
@@ -73,12 +85,8 @@ static void gdn_chunk(const Head *hd, int64_t c0, int n, float *S, float *out)
     memset(K, 0, sizeof K);
     memset(D, 0, sizeof D);
     for (int t = 0; t < n; t++) {
-        const float *yr = hd->y + (c0 + t) * cd, *pr = hd->proj + (c0 + t) * hd->proj_ld;
-        l2norm(yr + hd->kh * dk, dk, 1.0f / sqrtf((float)dk), Q + t * dk);
-        l2norm(yr + hd->key_dim + hd->kh * dk, dk, 1.0f, K + t * dk);
-        c += -hd->a_exp * softplus(pr[cd + vd + hd->value_heads + hd->h] + hd->dt_bias);
+        c += gdn_row(hd, c0 + t, Q + t * dk, K + t * dk, beta + t);
         cum[t] = c;
-        beta[t] = 1.0f / (1.0f + expf(-pr[cd + vd + hd->h]));
     }
     rows_times_state(K, S, dk, dv, P);
     rows_times_state(Q, S, dk, dv, R);
@@ -180,24 +188,18 @@ int loom_gdn_decode_team(const float *proj, int64_t proj_ld, const int64_t *slot
         float own[d ? dk * dv : 1];  // a dry request's state, the slot's untouched
         float *s = mixer_state(ssm_state + (slots[r] * value_heads + h) * dk * dv, dk * dv, d,
                                own);
+        const Head hd = {y, proj, conv_dim, proj_ld, key_dim, value_dim, value_heads, dk, dv,
+                         kh, h, expf(a_log[h]), dt_bias[h], eps, norm_w};
         if (chunked && !d && out && i1 - i0 >= CHUNK_MIN) {
-            const Head hd = {y, proj, conv_dim, proj_ld, key_dim, value_dim, value_heads, dk, dv,
-                             kh, h, expf(a_log[h]), dt_bias[h], eps, norm_w};
             for (int64_t c0 = i0; c0 < i1; c0 += CHUNK)
                 gdn_chunk(&hd, c0, i1 - c0 < CHUNK ? (int)(i1 - c0) : CHUNK, s, out);
             continue;
         }
         for (int64_t row = i0; row < i1; row++) {
-            const float *yr = y + row * conv_dim;
-            const float *pr = proj + row * proj_ld;
-            l2norm(yr + kh * dk, dk, 1.0f / sqrtf((float)dk), q);
-            l2norm(yr + key_dim + kh * dk, dk, 1.0f, k);
-            const float *v = yr + 2 * key_dim + h * dv;
-            const float *z = pr + conv_dim + h * dv;
-            const float b = pr[conv_dim + value_dim + h];
-            const float a = pr[conv_dim + value_dim + value_heads + h];
-            const float decay = expf(-expf(a_log[h]) * softplus(a + dt_bias[h]));
-            const float beta = 1.0f / (1.0f + expf(-b));
+            float beta;
+            const float decay = expf(gdn_row(&hd, row, q, k, &beta));
+            const float *v = y + row * conv_dim + 2 * key_dim + h * dv;
+            const float *z = proj + row * proj_ld + conv_dim + h * dv;
             for (int64_t j = 0; j < dv; j++)
                 pred[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {  // S *= decay; pred = S^T k

@@ -39,6 +39,14 @@ typedef struct {
     float a, dt_bias, dt_min, dt_max, d;  // -exp(A_log[h]), and the head's others
 } Head;
 
+// Row `row`'s time step for the head: softplus(dt + dt_bias), clamped to [dt_min, dt_max]
+static float mamba2_dt(const Head *hd, int64_t row)
+{
+    const float dt = softplus(hd->proj[row * hd->proj_ld + hd->inner + hd->conv_dim + hd->h]
+                              + hd->dt_bias);
+    return dt < hd->dt_min ? hd->dt_min : dt > hd->dt_max ? hd->dt_max : dt;
+}
+
 // The chunkwise form (state space duality) for rows [c0, c0 + n) (n <= CHUNK) of a head on its
 // state S [N, P], writing y. With l_t = dt_t A, cum_t their running sum over the chunk and
 // G_ts = exp(cum_t - cum_s) (t >= s): y_t = exp(cum_t) S_0^T C_t + sum_{s<=t} G_ts dt_s
@@ -54,9 +62,7 @@ static void mamba2_chunk(const Head *hd, int64_t c0, int n, float *S, float *y)
     memset(W, 0, sizeof W);
     memset(X, 0, sizeof X);
     for (int t = 0; t < n; t++) {
-        const float *xr = hd->xbc + (c0 + t) * cd;
-        float dt = softplus(hd->proj[(c0 + t) * hd->proj_ld + inner + cd + hd->h] + hd->dt_bias);
-        dt = dt < hd->dt_min ? hd->dt_min : dt > hd->dt_max ? hd->dt_max : dt;
+        const float *xr = hd->xbc + (c0 + t) * cd, dt = mamba2_dt(hd, c0 + t);
         c += dt * hd->a;
         cum[t] = c;
         dts[t] = dt;
@@ -139,9 +145,9 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
         const int dr = dry && dry[r];
         float own[dr ? P * N : 1];  // a dry request's state, the slot's untouched
         float *s = mixer_state(ssm_state + (slots[r] * heads + h) * P * N, P * N, dr, own);
+        const Head hd = {xbc, proj, conv_dim, proj_ld, inner, groups, P, N, h, g,
+                         -expf(a_log[h]), dt_bias[h], dt_min, dt_max, d[h]};
         if (chunked && !dr && out && i1 - i0 >= CHUNK_MIN) {
-            const Head hd = {xbc, proj, conv_dim, proj_ld, inner, groups, P, N, h, g,
-                             -expf(a_log[h]), dt_bias[h], dt_min, dt_max, d[h]};
             for (int64_t c0 = i0; c0 < i1; c0 += CHUNK)
                 mamba2_chunk(&hd, c0, i1 - c0 < CHUNK ? (int)(i1 - c0) : CHUNK, s, y);
             continue;
@@ -150,9 +156,7 @@ int loom_mamba2_decode_team(const float *proj, int64_t proj_ld, const int64_t *s
             const float *xr = xbc + i * conv_dim;
             const float *x = xr + h * P;
             const float *b = xr + inner + g * N, *c = xr + inner + (groups + g) * N;
-            float dt = softplus(proj[i * proj_ld + inner + conv_dim + h] + dt_bias[h]);
-            dt = dt < dt_min ? dt_min : dt > dt_max ? dt_max : dt;
-            const float decay = expf(dt * -expf(a_log[h]));
+            const float dt = mamba2_dt(&hd, i), decay = expf(dt * hd.a);
             float *yh = y + i * inner + h * P;
             // S = decay S + dt x B^T; y = S C + D x: S stored [N, P], a vector of P's
             // channels at a time, each one's sum over n in order

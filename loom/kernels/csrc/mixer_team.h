@@ -1,14 +1,13 @@
 // What the recurrent mixers' decode steps share (gated_delta.c, mamba2.c, shortconv.c): the
-// activations their torch paths apply, a thread's share of a phase's items in a team, a
-// request's rows and its states as a dry request reads them, and the barrier their OpenMP
-// forms pass as the team's sync (loom.h's LoomSync).
+// activations their torch paths apply (SiLU across vector lanes), the convolutions' lanes, the
+// chunkwise forms' products, a thread's share of a phase's items in a team, a request's rows
+// and its states as a dry request reads them, and the barrier their OpenMP forms pass as the
+// team's sync (loom.h's LoomSync).
 #ifndef LOOM_MIXER_TEAM_H
 #define LOOM_MIXER_TEAM_H
 
 #include <math.h>
 #include <stdint.h>
-
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -108,13 +107,30 @@ static inline void lanes_out(const mix_vf *w, int64_t past, int64_t c0, int64_t 
             win[(c0 + l) * past + j] = w[j][l];
 }
 
+// One row of the convolution across lanes: the sum in the order window oldest first, this
+// row's input xi times k[past], the bias (NULL: none), the same for every channel whatever its
+// lane or its rows' step; the window then shifted to end with xi
+MIX_INLINE mix_vf conv_row(mix_vf *w, const mix_vf *k, const mix_vf *bias, int64_t past,
+                           mix_vf xi)
+{
+    mix_vf acc = {0};
+    for (int64_t j = 0; j < past; j++)
+        acc += w[j] * k[j];
+    acc += xi * k[past];
+    if (bias)
+        acc += *bias;
+    for (int64_t j = 0; j + 1 < past; j++)
+        w[j] = w[j + 1];
+    if (past > 0)
+        w[past - 1] = xi;
+    return acc;
+}
+
 // A request's rows [i0, i1) of channels [c0, c0 + n) (n <= MIX_LANES) of a causal depthwise
 // convolution and SiLU (Gated DeltaNet's over q k v, Mamba2's over x B C): row i's input of
 // channel c at x[i * x_ld + c], the channel's window of its last `past` inputs (oldest first)
 // at win[c * past], weights conv_w [channels, past + 1], conv_b NULL for no bias; out[i *
-// out_ld + c] = SiLU(sum). The channels side by side in lanes, each one's sum in the order
-// window oldest first, this row's input, the bias: a channel's bits the same whatever its
-// lane or its rows' step. A dry request's windows are not written back.
+// out_ld + c] = SiLU(sum) (conv_row's). A dry request's windows are not written back.
 static inline void conv_silu_lanes(const float *x, int64_t x_ld, int64_t i0, int64_t i1,
                                    float *win, int64_t past, const float *conv_w,
                                    const float *conv_b, int64_t c0, int64_t n, int dry,
@@ -123,17 +139,8 @@ static inline void conv_silu_lanes(const float *x, int64_t x_ld, int64_t i0, int
     mix_vf w[past > 0 ? past : 1], k[past + 1], bias;
     lanes_in(win, conv_w, conv_b, past, c0, n, w, k, &bias);
     for (int64_t i = i0; i < i1; i++) {
-        const mix_vf xi = load_lanes(x + i * x_ld + c0, n);
-        mix_vf acc = {0};
-        for (int64_t j = 0; j < past; j++)
-            acc += w[j] * k[j];
-        acc += xi * k[past];
-        if (conv_b)
-            acc += bias;
-        for (int64_t j = 0; j + 1 < past; j++)
-            w[j] = w[j + 1];
-        if (past > 0)
-            w[past - 1] = xi;
+        const mix_vf acc = conv_row(w, k, conv_b ? &bias : NULL, past,
+                                    load_lanes(x + i * x_ld + c0, n));
         store_lanes(vsilu(acc), n, out + i * out_ld + c0);
     }
     if (!dry)
@@ -197,53 +204,38 @@ static inline float dot(const float *a, const float *b, int64_t n)
 static inline void rows_times_state(const float *A, const float *S, int64_t dk, int64_t dv,
                                     float *C)
 {
-    int64_t j = 0;
-    for (; j + MIX_LANES <= dv; j += MIX_LANES) {
+    for (int64_t j = 0; j < dv; j += MIX_LANES) {
+        const int64_t m = dv - j < MIX_LANES ? dv - j : MIX_LANES;
         mix_vf acc[CHUNK];
         for (int t = 0; t < CHUNK; t++)
             acc[t] = (mix_vf){0};
         for (int64_t i = 0; i < dk; i++) {
-            const mix_vf sv = *(const mix_vf *)(S + i * dv + j);
+            const mix_vf sv = load_lanes(S + i * dv + j, m);
             for (int t = 0; t < CHUNK; t++)
                 acc[t] += A[t * dk + i] * sv;
         }
         for (int t = 0; t < CHUNK; t++)
-            *(mix_vf *)(C + t * dv + j) = acc[t];
+            store_lanes(acc[t], m, C + t * dv + j);
     }
-    for (; j < dv; j++)
-        for (int t = 0; t < CHUNK; t++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < dk; i++)
-                acc += A[t * dk + i] * S[i * dv + j];
-            C[t * dv + j] = acc;
-        }
 }
 
 // S = g S + sum_t W[t] D[t]^T: W [CHUNK, dk], D [CHUNK, dv]; a vector of D's rows kept in
 // registers for the whole column block
 static inline void update_state(float *S, float g, const float *W, const float *D, int64_t dk,
-                         int64_t dv)
+                                int64_t dv)
 {
-    int64_t j = 0;
-    for (; j + MIX_LANES <= dv; j += MIX_LANES) {
+    for (int64_t j = 0; j < dv; j += MIX_LANES) {
+        const int64_t m = dv - j < MIX_LANES ? dv - j : MIX_LANES;
         mix_vf d[CHUNK];
         for (int t = 0; t < CHUNK; t++)
-            d[t] = *(const mix_vf *)(D + t * dv + j);
+            d[t] = load_lanes(D + t * dv + j, m);
         for (int64_t i = 0; i < dk; i++) {
-            mix_vf *sp = (mix_vf *)(S + i * dv + j);
-            mix_vf x = *sp * g;
+            mix_vf x = load_lanes(S + i * dv + j, m) * g;
             for (int t = 0; t < CHUNK; t++)
                 x += W[t * dk + i] * d[t];
-            *sp = x;
+            store_lanes(x, m, S + i * dv + j);
         }
     }
-    for (; j < dv; j++)
-        for (int64_t i = 0; i < dk; i++) {
-            float x = S[i * dv + j] * g;
-            for (int t = 0; t < CHUNK; t++)
-                x += W[t * dk + i] * D[t * dv + j];
-            S[i * dv + j] = x;
-        }
 }
 
 static inline void omp_sync(void *arg)

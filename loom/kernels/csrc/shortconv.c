@@ -18,9 +18,8 @@
 
 // Channels [c0, c0 + n) (n <= MIX_LANES) over rows [i0, i1): their windows and weights
 // transposed into lanes (lanes_in: window j of each channel side by side) so each row's
-// products run across the channels at once; each channel's sum in the order of the one-row
-// loop it replaced (the window oldest first, then this row's input, then the bias). A dry
-// request's windows are not written back.
+// products run across the channels at once (conv_row). A dry request's windows are not
+// written back.
 static void conv_lanes(const float *proj, int64_t proj_ld, int64_t i0, int64_t i1, float *win,
                        const float *conv_w, const float *conv_b, int64_t H, int64_t past,
                        int64_t c0, int64_t n, int dry, float *out)
@@ -30,16 +29,7 @@ static void conv_lanes(const float *proj, int64_t proj_ld, int64_t i0, int64_t i
     for (int64_t row = i0; row < i1; row++) {
         const float *b = proj + row * proj_ld + c0;
         const mix_vf bx = load_lanes(b, n) * load_lanes(b + 2 * H, n);  // the input: b * h
-        mix_vf acc = {0};
-        for (int64_t j = 0; j < past; j++)
-            acc += w[j] * k[j];
-        acc += bx * k[past];
-        if (conv_b)
-            acc += bias;
-        for (int64_t j = 0; j + 1 < past; j++)
-            w[j] = w[j + 1];
-        if (past > 0)
-            w[past - 1] = bx;
+        const mix_vf acc = conv_row(w, k, conv_b ? &bias : NULL, past, bx);
         if (out)
             store_lanes(load_lanes(b + H, n) * acc, n, out + row * H + c0);
     }
