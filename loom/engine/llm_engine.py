@@ -42,9 +42,31 @@ from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# What a hybrid model's prefix caching keeps of its per-request states (copies at block
-# boundaries, the newest used kept): about 50 of Qwen3.5-0.8B's (19 MiB each)
-STATE_CACHE_BYTES = 1 << 30
+# What a hybrid model's prefix caching keeps of its per-request states by default (copies at
+# block boundaries, the newest used kept; --state-cache-memory): 13 of Qwen3.5-0.8B's (19 MiB
+# each), and at least a few requests' where one's states are larger. llama-server's checkpoints
+# are bounded by count too (--ctx-checkpoints); 1 GiB here had Loom's peak RSS at 1.40x
+# llama-server's on the Qwen3.5-0.8B shape (docs/models.md)
+STATE_CACHE_BYTES = 256 << 20
+STATE_CACHE_MIN_ENTRIES = 4
+
+
+def state_cache_bytes(args: EngineArgs, model) -> int:
+    """What a hybrid model's prefix caching may keep of its requests' states (StateSnapshots):
+    --state-cache-memory, by default STATE_CACHE_BYTES and at least STATE_CACHE_MIN_ENTRIES
+    requests' states; 0 for other models and with prefix caching off."""
+    if args.state_cache_memory is not None and args.state_cache_memory < 0:
+        raise ConfigError(f"state_cache_memory must be >= 0, got {args.state_cache_memory}")
+    per = state_bytes(model)
+    if not per or not args.enable_prefix_caching:
+        return 0
+    if args.state_cache_memory is not None:
+        return args.state_cache_memory
+    return max(STATE_CACHE_BYTES, STATE_CACHE_MIN_ENTRIES * per)
+
+
+def _no_states(key: object) -> bool:
+    return False
 
 
 class InvalidRequestError(ValueError):
@@ -171,7 +193,7 @@ class LLMEngine:
         self.scheduler.decode_steps = steps
         if args.num_scheduler_steps is None:  # by default, within a time bound
             self.scheduler.ahead_budget_s = AHEAD_BUDGET_S
-        states = STATE_CACHE_BYTES if hybrid and cache_config.enable_prefix_caching else 0
+        states = state_cache_bytes(args, loaded.model)
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device, max_num_seqs=args.max_num_seqs, state_cache_bytes=states,
@@ -179,6 +201,8 @@ class LLMEngine:
         if self.runner.snapshots is not None:  # a hybrid's hits end where its states were kept
             kv_manager.state_hit = self.runner.snapshots.__contains__
             self.scheduler.state_boundaries = True
+        elif hybrid:  # no room for states (--state-cache-memory 0): no hit
+            kv_manager.state_hit = _no_states
         if device.type == "cuda" and not args.enforce_eager and self.tensor_parallel is None:
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
         if self.tensor_parallel is not None:  # every step runs on every rank
@@ -225,7 +249,7 @@ class LLMEngine:
         # a hybrid's per-request states take their part first (one slot a running request,
         # and its prefix cache's copies)
         states = self.scheduler_config.max_num_seqs * state_bytes(loaded.model)
-        states += STATE_CACHE_BYTES if states and args.enable_prefix_caching else 0
+        states += state_cache_bytes(args, loaded.model)
         if states and free - states <= 0:
             raise ConfigError(f"the {self.scheduler_config.max_num_seqs} requests' states "
                               f"({states / 2**20:.0f} MiB) leave no memory for the KV cache: "

@@ -10,6 +10,7 @@ zero and keeps nothing. States are fp32.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -285,13 +286,30 @@ class StateSnapshots:
     `budget` bytes. The scheduler ends prefill chunks on a prompt's last block boundary and
     names the steps that end on one (SchedulerOutput.state_keys); a prefix hit is cut back to
     the last block with a snapshot, which a request's slot starts from (NewRequestData's
-    state_key)."""
+    state_key).
+
+    The copies live in one buffer of `budget // one request's states` entries allocated once
+    (an entry's states side by side; on the host its pages committed as first written), the
+    lowest free entry taken first: the memory held for them stays within the most entries in
+    use at once, where a fresh allocation a snapshot (one every block a running request
+    decodes) left the heap to grow past them."""
 
     def __init__(self, layers: list[RecurrentMixer], budget: int) -> None:
         self.tensors = [t for layer in layers for t in layer.states]  # (allocated already)
-        per = sum(layer.slot_bytes() for layer in layers)
-        self.capacity = budget // per if per else 0
-        self.store: OrderedDict[object, list[torch.Tensor]] = OrderedDict()
+        sizes = [t[0].numel() * t.element_size() for t in self.tensors]
+        per = sum(sizes)
+        self.capacity = max(budget // per, 0) if per else 0
+        self.pool: list[torch.Tensor] = []  # per state tensor, a view [capacity, its shape]
+        if self.capacity:
+            buffer = zeros((self.capacity, per), torch.uint8, self.tensors[0].device)
+            offset = 0
+            for t, size in zip(self.tensors, sizes):
+                part = buffer[:, offset:offset + size].view(t.dtype)
+                self.pool.append(part.view(self.capacity, *t.shape[1:]))
+                offset += size
+        self.free = list(range(self.capacity))  # a heap: the lowest entry first
+        self.store: OrderedDict[object, int] = OrderedDict()  # key -> entry, oldest used first
+        self.demoted: OrderedDict[object, None] = OrderedDict()  # the first to go, in order
 
     def __contains__(self, key: object) -> bool:
         return key in self.store
@@ -300,17 +318,33 @@ class StateSnapshots:
         if self.capacity <= 0:
             return
         if key in self.store:
-            self.store.move_to_end(key)
+            self._used(key)
             return
-        while len(self.store) >= self.capacity:
-            self.store.popitem(last=False)
-        self.store[key] = [t[slot].clone() for t in self.tensors]
+        if not self.free:
+            self.drop(next(iter(self.demoted or self.store)))
+        entry = heapq.heappop(self.free)
+        for dst, src in zip(self.pool, self.tensors):
+            dst[entry].copy_(src[slot])
+        self.store[key] = entry
 
     def drop(self, key: object) -> None:
-        self.store.pop(key, None)
+        entry = self.store.pop(key, None)
+        self.demoted.pop(key, None)
+        if entry is not None:
+            heapq.heappush(self.free, entry)
+
+    def demote(self, key: object) -> None:
+        """The key's snapshot among the first to go when room is needed (the demoted ones in
+        the order they were, before any other), until it is used again."""
+        if key in self.store:
+            self.demoted[key] = None
+
+    def _used(self, key: object) -> None:
+        self.store.move_to_end(key)
+        self.demoted.pop(key, None)
 
     def restore(self, key: object, slot: int) -> None:
-        snapshot = self.store[key]
-        self.store.move_to_end(key)
-        for dst, src in zip(self.tensors, snapshot):
-            dst[slot].copy_(src)
+        entry = self.store[key]
+        self._used(key)
+        for dst, src in zip(self.tensors, self.pool):
+            dst[slot].copy_(src[entry])

@@ -47,8 +47,9 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     state_slot: int = -1  # its states' slot in a hybrid model's linear layers (-1: none)
-    # the key of the newest states it kept past its prompt (a hybrid's: StateSnapshots), the
-    # one of those it keeps
+    # a hybrid's kept states (StateSnapshots): the key of those at its prompt's last boundary
+    # before its last token, and of the newest past it, the one of those it keeps
+    prompt_key: object = None
     reply_key: object = None
 
 
@@ -98,6 +99,8 @@ class ModelRunner:
                         total / max_num_seqs / 2**20)
         self.snapshots = (StateSnapshots(self.state_layers, state_cache_bytes)
                           if self.state_layers and state_cache_bytes else None)
+        if self.snapshots is not None and not self.snapshots.capacity:
+            self.snapshots = None  # (a budget under one request's states)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every
@@ -197,16 +200,24 @@ class ModelRunner:
                 self._save_state(s, key, c + n)
 
     def _save_state(self, s: CachedRequestState, key: object, end: int) -> None:
-        """Request s's states now, those after its first `end` tokens, for later prefix hits:
-        at its prompt's last boundary, and past its prompt only the newest (a next turn's
-        prompt holds the whole reply; the older ones of a long reply would fill the budget and
-        push out other requests' prompts)."""
-        assert self.snapshots is not None
-        self.snapshots.save(key, s.state_slot)
-        if end > s.num_prompt_tokens:
-            if s.reply_key is not None and s.reply_key != key:
-                self.snapshots.drop(s.reply_key)
-            s.reply_key = key
+        """Request s's states now, those after its first `end` tokens, for later prefix hits.
+        Up to its prompt's last boundary before its last token (the furthest the same prompt
+        again can hit) every boundary a step ends on is kept; past it only the newest (a next
+        turn's prompt holds the whole reply; the older ones of a long reply would fill the
+        budget and push out other requests'), and once there is one, the prompt's goes first
+        when room is needed (a next turn hits the reply's)."""
+        snapshots = self.snapshots
+        assert snapshots is not None
+        if end <= (s.num_prompt_tokens - 1) // self.block_size * self.block_size:
+            snapshots.save(key, s.state_slot)
+            s.prompt_key = key
+            return
+        if s.reply_key is not None and s.reply_key != key:
+            snapshots.drop(s.reply_key)  # (first: its room is the new one's)
+        elif s.reply_key is None and s.prompt_key is not None:
+            snapshots.demote(s.prompt_key)
+        snapshots.save(key, s.state_slot)
+        s.reply_key = key
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One forward and sampling step. A request whose own inputs fail (preparing, sampling,

@@ -388,3 +388,76 @@ def test_a_reply_keeps_only_its_newest_states(hybrid) -> None:
     llm.generate([{"prompt_token_ids": prompt[:20]}],
                  SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     assert len(snapshots.store) == 2
+
+
+def test_state_snapshots_pool() -> None:
+    """StateSnapshots keeps copies in a pool of budget // one request's states entries: a
+    restore gives back the saved states bit for bit, the oldest used goes first when room is
+    needed (a demoted one before any other), a dropped entry's room is taken again (the lowest
+    first), and a budget under one request's states keeps nothing."""
+    from types import SimpleNamespace
+
+    from loom.layers.recurrent import StateSnapshots
+
+    g = torch.Generator().manual_seed(0)
+    layer = SimpleNamespace(states=[torch.randn(4, 2, 3, generator=g),
+                                    torch.randn(4, 5, generator=g)])
+    per = 4 * (6 + 5)
+    snaps = StateSnapshots([layer], 3 * per + per - 1)
+    assert snaps.capacity == 3 and [tuple(p.shape) for p in snaps.pool] == [(3, 2, 3), (3, 5)]
+    before = [t.clone() for t in layer.states]
+    for key, slot in (("a", 0), ("b", 1), ("c", 2)):
+        snaps.save(key, slot)
+    assert [snaps.store[k] for k in "abc"] == [0, 1, 2]
+    for t in layer.states:
+        t.normal_(generator=g)
+    snaps.restore("a", 3)  # "a" used: "b" is now the oldest
+    assert all(torch.equal(t[3], b[0]) for t, b in zip(layer.states, before))
+    snaps.demote("c")
+    snaps.save("d", 1)  # room from the demoted "c", not the oldest "b"
+    assert "c" not in snaps and list(snaps.store) == ["b", "a", "d"] and snaps.store["d"] == 2
+    snaps.restore("b", 0)
+    assert all(torch.equal(t[0], b[1]) for t, b in zip(layer.states, before))
+    snaps.save("e", 2)  # no demoted one: the oldest used ("a") goes
+    assert list(snaps.store) == ["d", "b", "e"] and snaps.store["e"] == 0
+    snaps.drop("b")
+    snaps.drop("e")
+    snaps.save("f", 3)
+    assert snaps.store["f"] == 0  # the lowest free entry
+    assert all(torch.equal(p[0], t[3]) for p, t in zip(snaps.pool, layer.states))
+    assert StateSnapshots([layer], per - 1).capacity == 0
+
+
+def test_state_cache_memory_bounds_the_kept_states(hybrid) -> None:
+    """--state-cache-memory sets how many requests' states prefix caching keeps (by default
+    256 MiB, at least 4 requests'). With room for two, two conversations' first turns one
+    after the other keep both replies' newest states: a prompt's go first once its request
+    has a reply's (the oldest used, the first reply's, would go otherwise), so the first
+    conversation's second turn hits its whole first turn; 0 keeps none (no hit, the same
+    tokens)."""
+    from loom.engine.llm_engine import STATE_CACHE_BYTES, STATE_CACHE_MIN_ENTRIES
+
+    llm = LLM(str(hybrid), dtype="float32")
+    per = state_bytes(llm.engine.loaded.model)
+    assert llm.engine.runner.snapshots.capacity == max(
+        STATE_CACHE_BYTES, STATE_CACHE_MIN_ENTRIES * per) // per
+    tokenizer = smollm2_tokenizer()
+    words = tokenizer.encode(" ".join(f"w{i}" for i in range(200)))
+    firsts = [words[:40], words[50:90]]  # prompt states at 32, replies' newest at 64
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(hybrid), dtype="float32", state_cache_memory=2 * per + per // 2)
+    snapshots, stats = llm.engine.runner.snapshots, \
+        llm.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    assert snapshots.capacity == 2
+    reply = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids)
+             for p in firsts][0]
+    assert len(snapshots.store) == 2 and not snapshots.demoted
+    second = firsts[0] + reply + tokenizer.encode(" And then?")
+    hits = stats.hits
+    out = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids
+    assert stats.hits - hits == 64
+    none = LLM(str(hybrid), dtype="float32", state_cache_memory=0)
+    assert none.engine.runner.snapshots is None
+    got = none.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids
+    assert list(got) == list(out)
+    assert none.engine.scheduler.kv_cache_manager.prefix_cache_stats.hits == 0
