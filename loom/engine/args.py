@@ -128,7 +128,7 @@ class EngineArgs:
     state_cache_memory: int | None = flag(
         None, "hybrid models (Qwen3.5, LFM2, Granite 4.0-H, ...): bytes for the copies of "
               "requests' states that prefix caching keeps at block boundaries, the newest used "
-              "kept (default: 256 MiB, at least 4 requests' states; 0: none, so no prompt of "
+              "kept (default: 256 MiB, at least 8 requests' states; 0: none, so no prompt of "
               "a hybrid is reused)", CACHE)
     gpu_memory_utilization: float = flag(
         0.9, "CUDA: the share of the GPU's memory Loom takes: the weights, the peak of a "

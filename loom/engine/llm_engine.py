@@ -44,11 +44,11 @@ logger = logging.getLogger(__name__)
 
 # What a hybrid model's prefix caching keeps of its per-request states by default (copies at
 # block boundaries, the newest used kept; --state-cache-memory): 13 of Qwen3.5-0.8B's (19 MiB
-# each), and at least a few requests' where one's states are larger. llama-server's checkpoints
-# are bounded by count too (--ctx-checkpoints); 1 GiB here had Loom's peak RSS at 1.40x
-# llama-server's on the Qwen3.5-0.8B shape (docs/models.md)
+# each), and 8 requests' where one's are larger (Granite-4.0-H-1B's 56 MiB): a few
+# conversations' next turns. 1 GiB had Loom's peak RSS at 1.40x llama-server's on the
+# Qwen3.5-0.8B shape (docs/models.md)
 STATE_CACHE_BYTES = 256 << 20
-STATE_CACHE_MIN_ENTRIES = 4
+STATE_CACHE_MIN_ENTRIES = 8
 
 
 def state_cache_bytes(args: EngineArgs, model) -> int:

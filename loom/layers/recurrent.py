@@ -288,26 +288,20 @@ class StateSnapshots:
     the last block with a snapshot, which a request's slot starts from (NewRequestData's
     state_key).
 
-    The copies live in one buffer of `budget // one request's states` entries allocated once
-    (an entry's states side by side; on the host its pages committed as first written), the
-    lowest free entry taken first: the memory held for them stays within the most entries in
-    use at once, where a fresh allocation a snapshot (one every block a running request
-    decodes) left the heap to grow past them."""
+    At most `budget // one request's states` copies, each allocated when first needed and
+    then reused, never freed (the lowest free one taken first): the memory held for them stays
+    within the most in use at once, where a fresh allocation a snapshot (one every block a
+    running request decodes) left the heap to grow past them. (One buffer allocated at once
+    was tried: its pages, committed by the first copy into each, cost the first requests of a
+    Granite-4.0-H-1B ~0.7 s of page faults, where malloc hands out pages the prompts'
+    temporaries left committed.)"""
 
     def __init__(self, layers: list[RecurrentMixer], budget: int) -> None:
         self.tensors = [t for layer in layers for t in layer.states]  # (allocated already)
-        sizes = [t[0].numel() * t.element_size() for t in self.tensors]
-        per = sum(sizes)
+        per = sum(t[0].numel() * t.element_size() for t in self.tensors)
         self.capacity = max(budget // per, 0) if per else 0
-        self.pool: list[torch.Tensor] = []  # per state tensor, a view [capacity, its shape]
-        if self.capacity:
-            buffer = zeros((self.capacity, per), torch.uint8, self.tensors[0].device)
-            offset = 0
-            for t, size in zip(self.tensors, sizes):
-                part = buffer[:, offset:offset + size].view(t.dtype)
-                self.pool.append(part.view(self.capacity, *t.shape[1:]))
-                offset += size
-        self.free = list(range(self.capacity))  # a heap: the lowest entry first
+        self.entries: list[list[torch.Tensor]] = []  # a copy of each state tensor's slot
+        self.free: list[int] = []  # a heap of the entries holding nothing: the lowest first
         self.store: OrderedDict[object, int] = OrderedDict()  # key -> entry, oldest used first
         self.demoted: OrderedDict[object, None] = OrderedDict()  # the first to go, in order
 
@@ -320,11 +314,14 @@ class StateSnapshots:
         if key in self.store:
             self._used(key)
             return
-        if not self.free:
+        if not self.free and len(self.entries) < self.capacity:
+            self.entries.append([torch.empty_like(t[0]) for t in self.tensors])
+            self.free.append(len(self.entries) - 1)
+        elif not self.free:
             self.drop(next(iter(self.demoted or self.store)))
         entry = heapq.heappop(self.free)
-        for dst, src in zip(self.pool, self.tensors):
-            dst[entry].copy_(src[slot])
+        for dst, src in zip(self.entries[entry], self.tensors):
+            dst.copy_(src[slot])
         self.store[key] = entry
 
     def drop(self, key: object) -> None:
@@ -346,5 +343,5 @@ class StateSnapshots:
     def restore(self, key: object, slot: int) -> None:
         entry = self.store[key]
         self._used(key)
-        for dst, src in zip(self.tensors, self.pool):
-            dst[slot].copy_(src[entry])
+        for dst, src in zip(self.tensors, self.entries[entry]):
+            dst[slot].copy_(src)

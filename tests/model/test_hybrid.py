@@ -391,10 +391,10 @@ def test_a_reply_keeps_only_its_newest_states(hybrid) -> None:
 
 
 def test_state_snapshots_pool() -> None:
-    """StateSnapshots keeps copies in a pool of budget // one request's states entries: a
-    restore gives back the saved states bit for bit, the oldest used goes first when room is
-    needed (a demoted one before any other), a dropped entry's room is taken again (the lowest
-    first), and a budget under one request's states keeps nothing."""
+    """StateSnapshots keeps up to budget // one request's states copies: a restore gives back
+    the saved states bit for bit, the oldest used goes first when room is needed (a demoted one
+    before any other), a dropped copy's room is taken again (the lowest first, no new one
+    allocated), and a budget under one request's states keeps nothing."""
     from types import SimpleNamespace
 
     from loom.layers.recurrent import StateSnapshots
@@ -404,11 +404,12 @@ def test_state_snapshots_pool() -> None:
                                     torch.randn(4, 5, generator=g)])
     per = 4 * (6 + 5)
     snaps = StateSnapshots([layer], 3 * per + per - 1)
-    assert snaps.capacity == 3 and [tuple(p.shape) for p in snaps.pool] == [(3, 2, 3), (3, 5)]
+    assert snaps.capacity == 3 and not snaps.entries
     before = [t.clone() for t in layer.states]
     for key, slot in (("a", 0), ("b", 1), ("c", 2)):
         snaps.save(key, slot)
     assert [snaps.store[k] for k in "abc"] == [0, 1, 2]
+    assert [tuple(t.shape) for t in snaps.entries[2]] == [(2, 3), (5,)]
     for t in layer.states:
         t.normal_(generator=g)
     snaps.restore("a", 3)  # "a" used: "b" is now the oldest
@@ -423,14 +424,14 @@ def test_state_snapshots_pool() -> None:
     snaps.drop("b")
     snaps.drop("e")
     snaps.save("f", 3)
-    assert snaps.store["f"] == 0  # the lowest free entry
-    assert all(torch.equal(p[0], t[3]) for p, t in zip(snaps.pool, layer.states))
+    assert snaps.store["f"] == 0 and len(snaps.entries) == 3  # the lowest free entry
+    assert all(torch.equal(e, t[3]) for e, t in zip(snaps.entries[0], layer.states))
     assert StateSnapshots([layer], per - 1).capacity == 0
 
 
 def test_state_cache_memory_bounds_the_kept_states(hybrid) -> None:
     """--state-cache-memory sets how many requests' states prefix caching keeps (by default
-    256 MiB, at least 4 requests'). With room for two, two conversations' first turns one
+    256 MiB, at least 8 requests'). With room for two, two conversations' first turns one
     after the other keep both replies' newest states: a prompt's go first once its request
     has a reply's (the oldest used, the first reply's, would go otherwise), so the first
     conversation's second turn hits its whole first turn; 0 keeps none (no hit, the same
