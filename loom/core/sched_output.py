@@ -1,5 +1,5 @@
 """Plain data passed between the scheduler and the model runner (integers and lists only; the
-engine adds the structured-output bitmask, the one tensor)."""
+engine adds the structured-output bitmask, and a sampled draft model its distributions)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class NewRequestData:
     num_computed_tokens: int
     # A hybrid model's prefix hit: the key of the state snapshot its slot starts from
     state_key: object = None
+    # The generator its random draws take (a draft model's sampled drafts: the proposer keeps
+    # one a request across steps); None: from its seed, if any, as always
+    generator: torch.Generator | None = None
 
 
 @dataclass(slots=True)
@@ -58,6 +61,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token (their
     # count is in num_scheduled_tokens); the runner verifies them (loom.worker.spec_verify).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ... and where a draft model sampled them (a sampled request's draft), the distribution
+    # each was drawn from [len(draft), vocab]; absent: point masses (greedy, n-gram drafts)
+    spec_decode_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     # Decode steps past this one that the runner runs before returning (num_scheduler_steps):
     # every scheduled request decodes one token with the argmax alone; its KV slots are
     # allocated for 1 + lookahead tokens, and it gets 1 + lookahead sampled tokens.

@@ -27,6 +27,8 @@ from loom.core.sched_output import CachedRequestData, NewRequestData, SchedulerO
 from loom.request import CONSTRAINT_FAILED, RequestStatus
 
 if TYPE_CHECKING:
+    import torch
+
     from loom.config import SchedulerConfig
     from loom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
     from loom.core.spec_decode import SpecDecoder
@@ -99,6 +101,7 @@ class _Step:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # speculative drafts
+    spec_probs: dict[str, torch.Tensor] = field(default_factory=dict)  # sampled drafts' q
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -224,6 +227,7 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=step.spec_tokens,
+            spec_decode_probs=step.spec_probs,
             lookahead=self._lookahead(step),
             state_keys=state_keys,
         )
@@ -328,6 +332,10 @@ class Scheduler:
             if draft and (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + len(draft))) is not None:
                 step.spec_tokens[request.request_id] = draft
+                probs = None if self.spec is None else self.spec.draft_probs(
+                    request.request_id, len(draft))
+                if probs is not None:
+                    step.spec_probs[request.request_id] = probs
                 num_new += len(draft)
             else:  # no draft, or no blocks for it: never preempt for a draft
                 new_blocks = None
@@ -358,6 +366,7 @@ class Scheduler:
         victim = self._preempt_last()
         step.preempted.append(victim)
         step.spec_tokens.pop(victim.request_id, None)
+        step.spec_probs.pop(victim.request_id, None)
         return victim
 
     def _preempt_last(self) -> Request:

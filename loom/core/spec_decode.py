@@ -30,6 +30,8 @@ from loom.core.spec_adaptive import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from loom.core.sched_output import SchedulerOutput
     from loom.request import Request
 
@@ -233,6 +235,10 @@ class Drafter(Protocol):
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]: ...
 
+    def probs(self, req_id: str) -> torch.Tensor | None:
+        """The distributions the request's last draft was drawn from [k, vocab] (None: a
+        greedy draft)."""
+
     def drop(self, req_id: str) -> None: ...
 
 
@@ -361,6 +367,14 @@ class SpecDecoder:
         if not self.config.adaptive or state.probe:
             return False
         return state.alpha <= self._row_cost(state)
+
+    def draft_probs(self, req_id: str, n: int) -> torch.Tensor | None:
+        """Where a draft model sampled the request's draft this step, the distributions its
+        first n tokens were drawn from [n, vocab]; None for point masses."""
+        if self.drafter is None or req_id not in self._drafts:
+            return None
+        probs = self.drafter.probs(req_id)
+        return None if probs is None else probs[:n]
 
     def propose(self, request: Request, num_running: int, token_budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (maybe []). `token_budget`:

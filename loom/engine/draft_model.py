@@ -1,6 +1,10 @@
 """The draft-model proposer of speculative decoding (`{"method": "draft_model", "model": ...}`):
-a smaller model with the same vocabulary, run greedily by its own ModelRunner with its own KV
-cache, proposes k tokens per decoding request each step.
+a smaller model with the same vocabulary, run by its own ModelRunner with its own KV cache,
+proposes k tokens per decoding request each step: a greedy request's greedily, a sampled
+request's drawn with its temperature, top-k, top-p and min-p from a generator of the
+proposer's (one a request, seeded from the request's seed where it has one), the distribution
+of each kept for the target's rejection sampling (which then accepts a draft token d with
+probability min(1, p(d) / q(d)): the output distribution stays the target's).
 
 Per request the draft cache holds the KV of a prefix of the request's tokens (`seen`); each
 step it first computes the tokens it has not seen (the prompt, the last step's accepted and
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from loom.config import CacheConfig, ConfigError
 from loom.core.kv_cache_manager import KVCacheManager
@@ -32,13 +37,23 @@ from loom.worker.kv_cache import determine_num_blocks, kv_cache_dtype
 from loom.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
-    import torch
-
     from loom.config import ModelConfig
     from loom.engine.args import EngineArgs
     from loom.request import Request
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+_SEED_MIX = 0x9E3779B97F4A7C15  # a seeded request's draft draws: a stream apart from its own
+
+
+def _draft_params(params: SamplingParams) -> SamplingParams:
+    """What the draft model samples a request's draft with: its truncation and temperature
+    (penalties, logit_bias and the like change only the target's distribution, which the
+    rejection sampling compares against)."""
+    if params.greedy:
+        return _GREEDY
+    return SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, min_p=params.min_p, max_tokens=1,
+                          ignore_eos=True)
 
 
 @dataclass
@@ -81,6 +96,10 @@ class DraftModelProposer:
         # a hybrid's: per request, the tokens its kept states follow and their snapshot's key
         self.kept: dict[str, tuple[list[int], object]] = {}
         self._stale: set[str] = set()  # runner states to drop at the next call
+        self.runner.kept_probs = {}  # sampled drafts' distributions, per call
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}  # a sampled request's draws
+        self._probs: dict[str, torch.Tensor] = {}  # req_id -> its last draft's [k, vocab]
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]:
         """Up to num_tokens[i] greedy draft tokens for requests[i] (fewer without KV blocks)."""
@@ -99,12 +118,16 @@ class DraftModelProposer:
             self.kv.trim(seq, seq.num_computed_tokens)
             if self.kv.allocate_slots(seq, len(tokens) + k - 1 - seq.num_computed_tokens) is None:
                 continue  # no room in the draft cache: no draft this step
-            new.append(NewRequestData(r.request_id, tokens, len(tokens), _GREEDY,
+            params = _draft_params(r.sampling_params)
+            new.append(NewRequestData(r.request_id, tokens, len(tokens), params,
                                       self.kv.get_block_ids(r.request_id),
-                                      seq.num_computed_tokens, state_key=key))
+                                      seq.num_computed_tokens, state_key=key,
+                                      generator=None if params.greedy
+                                      else self._generator(r)))
             ks[r.request_id], computed[r.request_id] = k, len(tokens)
             self.seen[r.request_id] = tokens
         drafts: dict[str, list[int]] = {rid: [] for rid in ks}
+        self.runner.kept_probs = {}
         so = SchedulerOutput(new, CachedRequestData(),
                              {n.req_id: len(n.token_ids) - n.num_computed_tokens for n in new},
                              0, self._stale)
@@ -134,11 +157,30 @@ class DraftModelProposer:
                     drafts[rid].extend(sampled)
         for rid, tokens in drafts.items():
             self.seen[rid] = self.seen[rid] + tokens[:-1]  # the last one's KV is not computed
+        self._probs = {rid: torch.stack(rows[: len(drafts[rid])])
+                       for rid, rows in self.runner.kept_probs.items() if drafts.get(rid)}
         return drafts
+
+    def probs(self, req_id: str) -> torch.Tensor | None:
+        """The distributions the request's last draft (a sampled request's) was drawn from."""
+        return self._probs.get(req_id)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        """The request's draft draws, across steps: from its seed if it has one (reproducible),
+        else from torch's default generator's next draw."""
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            seed = request.sampling_params.seed
+            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(int(torch.randint(2**62, ())) if seed is None
+                            else (seed * _SEED_MIX + 1) & 0xFFFFFFFFFFFFFFFF)
+        return gen
 
     def drop(self, req_id: str) -> None:
         self.kv.free(_Seq(req_id, 0))
         self.seen.pop(req_id, None)
+        self._generators.pop(req_id, None)
+        self._probs.pop(req_id, None)
         self._stale.add(req_id)
         kept = self.kept.pop(req_id, None)
         if kept is not None and self.runner.snapshots is not None:

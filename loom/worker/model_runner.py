@@ -23,8 +23,11 @@ from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
 from loom.layers.recurrent import StateSnapshots
+from loom.kernels.cpu_ops import argmax_rows
 from loom.sample.metadata import SamplingMetadata
-from loom.sample.sampler import Sampler, compute_prompt_logprobs
+from loom.sample.penalties import apply_all
+from loom.sample.rejection import target_probs
+from loom.sample.sampler import Sampler, compute_prompt_logprobs, random_sample
 from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
 from loom.worker.cuda_graph import DecodeGraphs
@@ -97,6 +100,9 @@ class ModelRunner:
             logger.info("%d state slots of %.1f MiB (the layers with a state per request; "
                         "host memory committed as slots are first used)", max_num_seqs,
                         total / max_num_seqs / 2**20)
+        # A draft model's runner: req_id -> the distribution each sampled row was drawn from
+        # (_sample_keeping); None: sample as the target does
+        self.kept_probs: dict[str, list[torch.Tensor]] | None = None
         self.snapshots = (StateSnapshots(self.state_layers, state_cache_bytes)
                           if self.state_layers and state_cache_bytes else None)
         if self.snapshots is not None and not self.snapshots.capacity:
@@ -158,7 +164,9 @@ class ModelRunner:
         cannot be built (checked here, on its own row, so it never fails a batch)."""
         params = new.sampling_params
         gen = self.resumed_generators.pop(new.req_id, None)  # resumed after a preemption
-        if params.seed is not None and gen is None:
+        if new.generator is not None:
+            gen = new.generator
+        elif params.seed is not None and gen is None:
             gen = torch.Generator(device=self.device)
             # Any integer seeds: torch takes [0, 2**64) (a negative one as its two's complement).
             gen.manual_seed(params.seed & _SEED_MASK)
@@ -376,7 +384,8 @@ class ModelRunner:
             try:
                 tokens, logprobs[i] = verify_draft(
                     logits[start : start + num], s, so.scheduled_spec_decode_tokens[s.req_id],
-                    self.eos_token_ids, self.model_config.vocab_size, bitmask)
+                    self.eos_token_ids, self.model_config.vocab_size, bitmask,
+                    so.spec_decode_probs.get(s.req_id))
             except Exception as e:  # noqa: BLE001 - this request's error alone
                 _fail_alone(failed, s.req_id, "verifying a speculative draft", e)
                 continue
@@ -400,6 +409,8 @@ class ModelRunner:
         the request that failed."""
         if all(s.sampling_params.argmax_only for s in states):
             return [(token, None) for token in self.sampler.argmax_tokens(logits)]
+        if self.kept_probs is not None:
+            return self._sample_keeping(logits, states)
         try:
             out = self.sampler.forward(logits, self._metadata(states))
             return list(zip(out.sampled_token_ids.tolist(), out.logprobs))
@@ -416,6 +427,26 @@ class ModelRunner:
                 _fail_alone(failed, state.req_id, "sampling", e)
                 rows.append((None, None))
         return rows
+
+    def _sample_keeping(self, logits: torch.Tensor, states: list[CachedRequestState]
+                        ) -> list[tuple[int | None, Logprobs | None]]:
+        """A draft model's rows (`kept_probs` on): each random row drawn from its distribution
+        (the sampler's, normalised), which is kept (kept_probs[req_id], one a step) for the
+        target's rejection sampling; greedy rows take the argmax. No logprobs."""
+        md = self._metadata(states)
+        logits = logits.to(torch.float32, copy=True)  # [rows, vocab]
+        apply_all(logits, md)
+        argmax = argmax_rows(logits).tolist()
+        random = [j for j, s in enumerate(states) if not s.sampling_params.greedy]
+        if not random:
+            return [(token, None) for token in argmax]
+        probs = target_probs(logits, md)  # [rows, vocab] (greedy rows' unused)
+        drawn = random_sample(probs, md.generators).tolist()
+        assert self.kept_probs is not None
+        for j in random:
+            self.kept_probs.setdefault(states[j].req_id, []).append(probs[j])
+            argmax[j] = drawn[j]
+        return [(token, None) for token in argmax]
 
     def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -41,10 +41,13 @@ class _State(Protocol):
 
 def verify_draft(logits: torch.Tensor, state: _State, draft: list[int],
                  eos_token_ids: tuple[int, ...], vocab_size: int,
-                 bitmask: torch.Tensor | None = None) -> tuple[list[int], list[Logprobs] | None]:
+                 bitmask: torch.Tensor | None = None, q: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[Logprobs] | None]:
     """The tokens one request emits this step (accepted drafts, then one of its own) and, if it
     asked for them, their logprobs. logits [k + 1, vocab] (not modified); bitmask
-    [k + 1, words]: the grammar's allowed tokens at each row (None: unconstrained)."""
+    [k + 1, words]: the grammar's allowed tokens at each row (None: unconstrained); q [k, vocab]:
+    the distribution each draft token was drawn from (a sampled draft model's; None: point
+    masses)."""
     k = len(draft)
     assert logits.size(0) == k + 1
     params = state.sampling_params
@@ -66,7 +69,7 @@ def verify_draft(logits: torch.Tensor, state: _State, draft: list[int],
     apply_all(logits, md)
     # the logits the logprobs come from, before target_probs divides by the temperature
     raw = None if params.logprobs is None else logits.clone()  # [k + 1, vocab]
-    tokens = rejection_sample(target_probs(logits, md), draft, generator=state.generator)
+    tokens = rejection_sample(target_probs(logits, md), draft, q, generator=state.generator)
     if raw is None:
         return tokens, None
     targets = torch.tensor(tokens, device=raw.device)

@@ -126,6 +126,58 @@ def test_tiny_sampled_distribution_unchanged(make_llm, tiny) -> None:
     assert stat <= _chi_square_critical(df, z=3.09), (stat, df, counts)  # z(0.999) = 3.09
 
 
+@pytest.mark.slow
+def test_tiny_sampled_draft_model(make_llm, tiny, tmp_path) -> None:
+    """A sampled request's draft model samples its draft (the request's temperature), and the
+    distributions it drew from go to the rejection sampling: with the target itself as the
+    draft (q = p) nearly every draft token is kept (greedy drafts of sampled requests kept
+    only where the target drew its argmax); another model's drafts leave the output's
+    distribution as without speculation (the chi-square test above on the second token, the
+    first drafted, of 600 requests at temperature 0.3; the draft: the target with its head's
+    weights tripled, so its q is the target's distribution at a third of the temperature,
+    sharper: drafts kept and rejected, the residual drawn); a seeded request gives the same
+    tokens on two engines. (With q dropped in the verification the first part fails: 0 of
+    488 kept; the rejection sampler with q has its own test in test_spec_unit.py.)"""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    config = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3,
+              "disable_by_batch_size": None, "row_cost": 0.0}
+    llm = make_llm(tiny, speculative_config=json.dumps(config), seed=1)
+    _run(llm, _tiny_prompts(8), SamplingParams(temperature=1.0, max_tokens=24,
+                                               ignore_eos=True))
+    stats = llm.engine.scheduler.spec.stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, stats
+    assert not llm.engine.scheduler.spec.drafter._generators  # (dropped with the requests)
+    prompt = [t for t in range(255, 2, -1) if t != 200]  # as in the test above
+    prompt.insert(prompt.index(182) + 1, 200)
+    n = 600
+    params = SamplingParams(temperature=0.3, max_tokens=3, ignore_eos=True)
+    sharp = shutil.copytree(tiny, tmp_path / "sharp")
+    weights = load_file(str(Path(sharp) / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 3.0
+    save_file(weights, str(Path(sharp) / "model.safetensors"), metadata={"format": "pt"})
+    config["model"] = str(sharp)
+    counts = {}
+    for spec in (None, json.dumps(config)):
+        llm = make_llm(tiny, speculative_config=spec, seed=1, max_num_seqs=64)
+        counts[spec is not None] = Counter(o[0][1] for o in _run(llm, [prompt] * n, params))
+        if spec is not None:
+            stats = llm.engine.scheduler.spec.stats
+            assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens
+            assert stats.num_accepted_tokens < stats.num_draft_tokens
+    stat, df = _chi_square_homogeneity(counts[False], counts[True], min_count=20)
+    assert df >= 3
+    assert stat <= _chi_square_critical(df, z=3.09), (stat, df, counts)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5)
+    runs = [_run(make_llm(tiny, speculative_config=json.dumps(config)), _tiny_prompts(3),
+                 seeded) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def _chi_square_homogeneity(a: Counter, b: Counter, min_count: int) -> tuple[float, int]:
     """Two equal-sized samples: sum over outcomes of (a - b)^2 / (a + b), and its degrees of
     freedom; outcomes with fewer than `min_count` in both together pooled into one."""
