@@ -45,11 +45,12 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], q: torch.Tensor | No
     distribution at each draft position, None for point masses on `draft`."""
     k = len(draft)
     assert probs.size(0) == k + 1
-    idx = torch.tensor(draft, dtype=torch.long)
-    rows = torch.arange(k)
+    device = probs.device  # (a request's generator lives on its runner's device, as do these)
+    idx = torch.tensor(draft, dtype=torch.long, device=device)
+    rows = torch.arange(k, device=device)
     p_d = probs[rows, idx]  # [k]
-    q_d = torch.ones(k) if q is None else q[rows, idx]
-    u = torch.rand(k, generator=generator)
+    q_d = torch.ones(k, device=device) if q is None else q[rows, idx]
+    u = torch.rand(k, generator=generator, device=device)
     accepted = (u * q_d < p_d).tolist()  # u < p/q, without dividing by a q of 0
     num = accepted.index(False) if False in accepted else k
     if num == k:
