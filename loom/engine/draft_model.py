@@ -102,7 +102,8 @@ class DraftModelProposer:
         self._probs: dict[str, torch.Tensor] = {}  # req_id -> its last draft's [k, vocab]
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> dict[str, list[int]]:
-        """Up to num_tokens[i] greedy draft tokens for requests[i] (fewer without KV blocks)."""
+        """Up to num_tokens[i] draft tokens for requests[i] (fewer without KV blocks): greedy,
+        or for a sampled request drawn as it samples (their distributions: `probs`)."""
         new, ks, computed = [], {}, {}
         for r, k in zip(requests, num_tokens):
             tokens = list(r.all_token_ids)

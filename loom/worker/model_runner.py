@@ -22,8 +22,8 @@ from loom.config import ModelConfig
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
-from loom.layers.recurrent import StateSnapshots
 from loom.kernels.cpu_ops import argmax_rows
+from loom.layers.recurrent import StateSnapshots
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.penalties import apply_all
 from loom.sample.rejection import target_probs
