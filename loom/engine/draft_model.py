@@ -96,8 +96,7 @@ class DraftModelProposer:
         # a hybrid's: per request, the tokens its kept states follow and their snapshot's key
         self.kept: dict[str, tuple[list[int], object]] = {}
         self._stale: set[str] = set()  # runner states to drop at the next call
-        self.runner.kept_probs = {}  # sampled drafts' distributions, per call
-        self.device = device
+        self.runner.kept_probs = {}  # sampled drafts' distributions (reset each call)
         self._generators: dict[str, torch.Generator] = {}  # a sampled request's draws
         self._probs: dict[str, torch.Tensor] = {}  # req_id -> its last draft's [k, vocab]
 
@@ -172,7 +171,7 @@ class DraftModelProposer:
         gen = self._generators.get(request.request_id)
         if gen is None:
             seed = request.sampling_params.seed
-            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
+            gen = self._generators[request.request_id] = torch.Generator(device=self.runner.device)
             gen.manual_seed(int(torch.randint(2**62, ())) if seed is None
                             else (seed * _SEED_MIX + 1) & 0xFFFFFFFFFFFFFFFF)
         return gen

@@ -54,19 +54,16 @@ STATE_CACHE_MIN_ENTRIES = 8
 def state_cache_bytes(args: EngineArgs, model) -> int:
     """What a hybrid model's prefix caching may keep of its requests' states (StateSnapshots):
     --state-cache-memory, by default STATE_CACHE_BYTES and at least STATE_CACHE_MIN_ENTRIES
-    requests' states; 0 for other models and with prefix caching off."""
+    requests' states; 0 for other models, with prefix caching off, and where the budget holds
+    less than one request's states (a hybrid then caches no prefix: a hit needs them)."""
     if args.state_cache_memory is not None and args.state_cache_memory < 0:
         raise ConfigError(f"state_cache_memory must be >= 0, got {args.state_cache_memory}")
     per = state_bytes(model)
     if not per or not args.enable_prefix_caching:
         return 0
     if args.state_cache_memory is not None:
-        return args.state_cache_memory
+        return args.state_cache_memory if args.state_cache_memory >= per else 0
     return max(STATE_CACHE_BYTES, STATE_CACHE_MIN_ENTRIES * per)
-
-
-def _no_states(key: object) -> bool:
-    return False
 
 
 class InvalidRequestError(ValueError):
@@ -160,9 +157,10 @@ class LLMEngine:
         if (device.type == "cuda" and kv_cache_memory is None and self.tensor_parallel is None
                 and args.num_gpu_blocks_override is None):
             kv_cache_memory = self._profile_gpu_memory(args, loaded)
+        states = state_cache_bytes(args, loaded.model)
         cache_config = CacheConfig(
             block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching and (not hybrid or states > 0),
             kv_cache_memory=kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
@@ -193,7 +191,6 @@ class LLMEngine:
         self.scheduler.decode_steps = steps
         if args.num_scheduler_steps is None:  # by default, within a time bound
             self.scheduler.ahead_budget_s = AHEAD_BUDGET_S
-        states = state_cache_bytes(args, loaded.model)
         self.runner = ModelRunner(
             loaded.model, loaded.config, self.eos_token_ids, cache_config.block_size, num_blocks,
             self.kv_dtype, device, max_num_seqs=args.max_num_seqs, state_cache_bytes=states,
@@ -201,8 +198,6 @@ class LLMEngine:
         if self.runner.snapshots is not None:  # a hybrid's hits end where its states were kept
             kv_manager.state_hit = self.runner.snapshots.__contains__
             self.scheduler.state_boundaries = True
-        elif hybrid:  # no room for states (--state-cache-memory 0): no hit
-            kv_manager.state_hit = _no_states
         if device.type == "cuda" and not args.enforce_eager and self.tensor_parallel is None:
             self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
         if self.tensor_parallel is not None:  # every step runs on every rank

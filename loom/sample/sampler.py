@@ -62,17 +62,24 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Token ids [num_reqs] int64 from already-penalized logits; may modify `logits`."""
+        return Sampler.sample_keeping(logits, metadata)[0]
+
+    @staticmethod
+    def sample_keeping(logits: torch.Tensor, metadata: SamplingMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`sample`'s tokens, and the distribution its random rows were drawn from [num_reqs,
+        vocab] (compute_probs': not normalised; None when every row is greedy)."""
         # max(dim).indices (the first of ties): in C for fp32 on the CPU (argmax_rows)
         greedy = argmax_rows(logits) if not metadata.all_random else None  # [num_reqs]
         if metadata.all_greedy:
             assert greedy is not None
-            return greedy
+            return greedy, None
         probs = compute_probs(logits, metadata)  # [num_reqs, vocab]
         sampled = random_sample(probs, metadata.generators)  # [num_reqs]
         if greedy is not None:
             assert metadata.greedy_mask is not None
             sampled = torch.where(metadata.greedy_mask, greedy, sampled)
-        return sampled
+        return sampled, probs
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -22,12 +22,10 @@ from loom.config import ModelConfig
 from loom.core.sched_output import (
     Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput,
 )
-from loom.kernels.cpu_ops import argmax_rows
 from loom.layers.recurrent import StateSnapshots
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.penalties import apply_all
-from loom.sample.rejection import target_probs
-from loom.sample.sampler import Sampler, compute_prompt_logprobs, random_sample
+from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
 from loom.worker.cuda_graph import DecodeGraphs
@@ -105,8 +103,6 @@ class ModelRunner:
         self.kept_probs: dict[str, list[torch.Tensor]] | None = None
         self.snapshots = (StateSnapshots(self.state_layers, state_cache_bytes)
                           if self.state_layers and state_cache_bytes else None)
-        if self.snapshots is not None and not self.snapshots.capacity:
-            self.snapshots = None  # (a budget under one request's states)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Decode steps replay CUDA graphs (loom/worker/cuda_graph.py) from now on, where every
@@ -436,17 +432,14 @@ class ModelRunner:
         md = self._metadata(states)
         logits = logits.to(torch.float32, copy=True)  # [rows, vocab]
         apply_all(logits, md)
-        argmax = argmax_rows(logits).tolist()
-        random = [j for j, s in enumerate(states) if not s.sampling_params.greedy]
-        if not random:
-            return [(token, None) for token in argmax]
-        probs = target_probs(logits, md)  # [rows, vocab] (greedy rows' unused)
-        drawn = random_sample(probs, md.generators).tolist()
-        assert self.kept_probs is not None
-        for j in random:
-            self.kept_probs.setdefault(states[j].req_id, []).append(probs[j])
-            argmax[j] = drawn[j]
-        return [(token, None) for token in argmax]
+        tokens, probs = self.sampler.sample_keeping(logits, md)
+        if probs is not None:
+            probs = probs.div_(probs.sum(dim=-1, keepdim=True))  # (greedy rows' unused)
+            assert self.kept_probs is not None
+            for j, s in enumerate(states):
+                if not s.sampling_params.greedy:
+                    self.kept_probs.setdefault(s.req_id, []).append(probs[j])
+        return [(token, None) for token in tokens.tolist()]
 
     def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

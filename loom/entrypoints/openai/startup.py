@@ -69,4 +69,4 @@ def startup_line(engine: LLMEngine, host: str, port: int) -> str:
     return (f"Loom serves {engine.model_name} at {url} (chat page {url}/, engine view "
             f"{url}/dashboard) | model: {_weights(engine)} | kernels: {_kernels(engine)} | "
             f"KV cache: {tokens} tokens ({engine.num_blocks - 1} blocks of {block}, {kv}), "
-            f"prefix caching {'on' if engine.args.enable_prefix_caching else 'off'}")
+            f"prefix caching {'on' if engine.scheduler.kv_cache_manager.enable_caching else 'off'}")
