@@ -114,9 +114,11 @@ def test_metrics_after_traffic(server: ServerProcess) -> None:
                  "request_queue_time_seconds"):
         assert delta(f"loom:{name}_count") == 2
         assert after[f"loom:{name}_sum"] > 0
-    # a gap a step after the first token: fewer than a token's, the steps ahead of
-    # --num-scheduler-steps' CPU default (up to 4 tokens a step, within a time bound)
-    assert 2 * 1 <= delta("loom:inter_token_latency_seconds_count") < 2 * 4
+    # a gap a step after the first token: at least one a request, at most one a token after
+    # its first (fewer where steps ran ahead: --num-scheduler-steps' CPU default runs up to 4
+    # tokens a step only while decode steps are short, so how many is the machine's speed)
+    tokens = sum(u["completion_tokens"] for u in usages)
+    assert 2 <= delta("loom:inter_token_latency_seconds_count") <= tokens - 2
     assert "loom:num_preemptions_total" in after
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE loom:time_to_first_token_seconds histogram" in text
