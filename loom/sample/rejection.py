@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution Sampler.sample draws from, per row of already-penalized `logits`
     [rows, vocab] (modified), normalised: rows sum to 1."""
-    probs = compute_probs(logits, metadata)  # [rows, vocab]
+    return normalise_(compute_probs(logits, metadata))  # [rows, vocab]
+
+
+def normalise_(probs: torch.Tensor) -> torch.Tensor:
+    """`probs` [rows, vocab] (compute_probs': positive, not normalised) with each row divided by
+    its sum, in place."""
     return probs.div_(probs.sum(dim=-1, keepdim=True))
 
 

@@ -25,6 +25,7 @@ from loom.core.sched_output import (
 from loom.layers.recurrent import StateSnapshots
 from loom.sample.metadata import SamplingMetadata
 from loom.sample.penalties import apply_all
+from loom.sample.rejection import normalise_
 from loom.sample.sampler import Sampler, compute_prompt_logprobs
 from loom.sampling_params import SamplingParams
 from loom.structured.backend import apply_token_bitmask
@@ -433,12 +434,12 @@ class ModelRunner:
         logits = logits.to(torch.float32, copy=True)  # [rows, vocab]
         apply_all(logits, md)
         tokens, probs = self.sampler.sample_keeping(logits, md)
-        if probs is not None:
-            probs = probs.div_(probs.sum(dim=-1, keepdim=True))  # (greedy rows' unused)
-            assert self.kept_probs is not None
-            for j, s in enumerate(states):
-                if not s.sampling_params.greedy:
-                    self.kept_probs.setdefault(s.req_id, []).append(probs[j])
+        if probs is not None:  # the random rows' distributions, normalised (the greedy rows' not)
+            random = [j for j, s in enumerate(states) if not s.sampling_params.greedy]
+            kept = self.kept_probs
+            assert kept is not None
+            for j, row in zip(random, normalise_(probs[random])):
+                kept.setdefault(states[j].req_id, []).append(row)
         return [(token, None) for token in tokens.tolist()]
 
     def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
