@@ -9,6 +9,35 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _memoize_gguf_reads() -> None:
+    """transformers' GGUF loading, the reference of the fidelity tests, parses a file's metadata
+    twice (the config, then the tensors or the tokenizer: `GGUFReader` ~5 s each on SmolLM2's,
+    more on Gemma 3's 262k-token vocabulary) and builds gguf's `TensorNameMap` once a module
+    (397 times for SmolLM2: ~10 s). Both are pure reads, memoized for the run: readers by the
+    file's identity (a file written again is read again), name maps by (arch, blocks)."""
+    import functools
+
+    import gguf
+
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    reader_class = gguf.GGUFReader
+
+    @functools.lru_cache(maxsize=2)  # the file being loaded (Gemma 3's holds ~1 GB of views)
+    def read(path: str, identity: tuple[int, int, int, int]) -> gguf.GGUFReader:
+        return reader_class(path, "r")
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return reader_class(path, mode)
+        st = os.stat(path)
+        return read(os.path.realpath(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+    gguf.GGUFReader = reader
+
+
+_memoize_gguf_reads()
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """torch's thread count as it was before each test: `LLM(num_threads=...)` and tensor

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +22,10 @@ from loom.quant.kquant import KQuantLinear
 from tests.cpu_kernels import require_cpu_kernels
 from tests.model.test_arch_stack import _mixed_batch, match_transformers, transformers_model
 from tests.gguf_files import requantize_q4_k
+from tests.llama_cpp_converter import require_converter, run_converter
 from tests.paged_batch import PagedBatch, rel_err
 from tests.tiny_models import make_tiny_chat_model, make_tiny_model
 
-CONVERTER = Path(sys.prefix) / "share" / "llama-cpp-converter" / "convert_hf_to_gguf.py"
 # family -> config overrides: SmolLM2's vocabulary (its tokenizer is one the converter knows);
 # llama.cpp's qwen3moe has no dense layers among the sparse ones
 CASES = {"qwen3-moe": {"mlp_only_layers": []}, "mixtral": {}, "qwen2-moe": {}}
@@ -71,8 +69,7 @@ def _with_mtp(folder: Path) -> None:
 
 def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
     """(the converter's GGUF of a tiny `name` checkpoint, the checkpoint's folder)."""
-    if not CONVERTER.exists():
-        pytest.skip(f"no llama.cpp converter at {CONVERTER} (make install-test unpacks it)")
+    require_converter()
     if name == "gemma":  # the converter reads Gemma's SentencePiece model: a tiny one
         folder = _with_sentencepiece(tmp_path / name)
     else:
@@ -127,10 +124,10 @@ def convert(name: str, tmp_path: Path, outtype: str) -> tuple[Path, Path]:
         tokenizer = folder / "tokenizer.json"
         tokenizer.write_text(tokenizer.read_text().replace("<filename>", "<|user|>"))
     out = tmp_path / f"{name}-{outtype}.gguf"
-    run = subprocess.run([sys.executable, str(CONVERTER), str(source), "--outtype", outtype,
-                          *(["--no-mtp"] if name in ("qwen3_5-moe", "qwen3-next") else []),
-                          "--outfile", str(out)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    rc, log = run_converter([str(source), "--outtype", outtype,
+                             *(["--no-mtp"] if name in ("qwen3_5-moe", "qwen3-next") else []),
+                             "--outfile", str(out)], tmp_path / f"{name}-{outtype}.log")
+    assert rc == 0, log[-3000:]
     return out, folder
 
 
@@ -241,14 +238,15 @@ def test_hybrids_in_q4_k_run_their_blocks(tmp_path, name) -> None:
     prefill and decodes, gives the logits of the same weights in F32 (the kernels' 8-bit
     activations apart)."""
     require_cpu_kernels()
+    require_converter()
     wide = dict(hidden_size=256, intermediate_size=256, block_multiple_of=256)
     folder = make_tiny_chat_model(name, tmp_path / name, vocab_size=49152, **wide,
                                   **({"conv_bias": False} if name == "lfm2" else {}))
     f32 = tmp_path / "f32.gguf"
-    run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outtype", "f32",
-                          *(["--no-mtp"] if name == "qwen3_5" else []), "--outfile", str(f32)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    rc, log = run_converter([str(folder), "--outtype", "f32",
+                             *(["--no-mtp"] if name == "qwen3_5" else []), "--outfile", str(f32)],
+                            tmp_path / "f32.log")
+    assert rc == 0, log[-3000:]
     blocks = load_model(resolve_model(str(requantize_q4_k(f32, tmp_path / "q4_k.gguf"))),
                         "float32")
     floats = load_model(resolve_model(str(requantize_q4_k(f32, tmp_path / "deq.gguf", True))),
