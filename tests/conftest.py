@@ -38,6 +38,26 @@ def _memoize_gguf_reads() -> None:
 _memoize_gguf_reads()
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "background(name, argv): a job the test waits for, "
+                            "started niced when collection ends (tests/background.py)")
+
+
+def pytest_collection_finish(session) -> None:
+    """The background jobs of the tests this run will run (tests/background.py), started now."""
+    from tests import background
+
+    for item in session.items:
+        for mark in item.iter_markers("background"):
+            background.start(*mark.args)
+
+
+def pytest_sessionfinish(session) -> None:
+    from tests import background
+
+    background.stop_all()
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """torch's thread count as it was before each test: `LLM(num_threads=...)` and tensor

@@ -14,6 +14,7 @@ import pytest
 
 from loom.kernels import build, dispatch
 from loom.kernels.dispatch import runs_here
+from tests import background
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,18 @@ KERNEL_TESTS = ["tests/unit/test_cpu_layer_ops.py", "tests/unit/test_cpu_attenti
 KERNEL_TEST_FILTER = ("not build_is_cached and not smollm2 and not reference and not stack "
                       "and not sampling_rows and not dispatch and not head_reuses "
                       "and not fp16 and not int4 and not gemma3")
+
+
+# The two cross-checking builds run as background jobs (tests/background.py: niced from the
+# start of the run, on the core the rest leaves idle; ~40 and ~65 s of both cores on a 2-core
+# Zen 3). clang at -O0: what its build checks is that clang's front end and code generation
+# take every variant's sources (errors there do not depend on -O; -O0 still inlines
+# always_inline and checks each intrinsic's target features), in 37 s against 64 at -O1.
+CLANG_COMMON = tuple("-O0" if f == "-O3" else f for f in build.COMMON)
+CLANG_BUILD = ("import sys; from loom.kernels import build; "
+               f"build.COMMON = {CLANG_COMMON!r}; "
+               "sys.exit(build.main(['--cc', 'clang', '--out', '{out}']))")
+AARCH64_CC = "aarch64-linux-gnu-gcc"
 
 
 def _built(results: dict[str, Path | build.BuildError]) -> None:
@@ -55,29 +68,31 @@ def test_every_x86_variant_builds_with_gcc() -> None:
             assert _flags(results[v.name])[:2] == want[v.name], v.name
 
 
-def test_every_x86_variant_builds_with_clang(tmp_path, monkeypatch) -> None:
+@pytest.mark.background("clang-build", [sys.executable, "-c", CLANG_BUILD])
+def test_every_x86_variant_builds_with_clang(monkeypatch) -> None:
     if shutil.which("clang") is None or dispatch.machine() != "x86_64":
         pytest.skip("no clang on this x86-64 machine (make install-test installs it as root)")
     probe = subprocess.run(["clang", "-fopenmp", "-x", "c", "-c", "-", "-o", os.devnull],
                            input="#include <omp.h>\n", capture_output=True, text=True)
     if probe.returncode:
         pytest.skip("clang has no OpenMP headers (Debian: libomp-dev)")
-    # at -O0: what this checks is that clang's front end and code generation take every
-    # variant's sources (errors there do not depend on -O; -O0 still inlines always_inline
-    # and checks each intrinsic's target features), in a fraction of -O3's time (on a 2-core
-    # Zen 3: 37 s against 64 at -O1)
-    monkeypatch.setattr(build, "COMMON", tuple("-O0" if f == "-O3" else f for f in build.COMMON))
-    _built(build.build_all("clang", out_dir=tmp_path))
+    job = background.result("clang-build")
+    assert job.returncode == 0, job.stderr[-3000:]
+    monkeypatch.setattr(build, "COMMON", CLANG_COMMON)
+    _built(build.build_all("clang", out_dir=job.out))  # what the job built, or its errors
 
 
+@pytest.mark.background("aarch64-build", [sys.executable, "-m", "loom.kernels.build", "--cc",
+                                          AARCH64_CC, "--arch", "aarch64", "--out", "{out}"])
 def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     """The AArch64 variants with Debian's cross gcc; where qemu-user is there, small C programs
     linked to each run its int8 linear, quantizer and silu against plain loops, and its K-quant
     linears (NEON sdot in the neon build; past 8 rows fp32) against a float64 product."""
-    cc = "aarch64-linux-gnu-gcc"
-    if shutil.which(cc) is None:
+    if shutil.which(AARCH64_CC) is None:
         pytest.skip("no aarch64-linux-gnu-gcc (make install-test installs it as root)")
-    results = build.build_all(cc, "aarch64", tmp_path)
+    job = background.result("aarch64-build")
+    assert job.returncode == 0, job.stderr[-3000:]
+    results = build.build_all(AARCH64_CC, "aarch64", job.out)  # what the job built, or its errors
     _built(results)
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
@@ -85,15 +100,28 @@ def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     for name, so in results.items():
         for check in ("kernel_check.c", "kquant_check.c"):
             exe = tmp_path / f"{check.removesuffix('.c')}-{name}"
-            subprocess.run([cc, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o",
-                            str(exe), "-lm", f"-Wl,-rpath,{tmp_path}"], check=True)
+            subprocess.run([AARCH64_CC, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o",
+                            str(exe), "-lm", f"-Wl,-rpath,{so.parent}"], check=True)
             run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)],
                                  capture_output=True, text=True, timeout=300)
             assert run.returncode == 0 and "ok" in run.stdout, (name, check, run.stdout,
                                                                  run.stderr)
 
 
-@pytest.mark.parametrize("name", [v.name for v in dispatch.VARIANTS
+def _variant(name: str):  # noqa: ANN202
+    """The variant's parameter, with its kernel tests as a background job where this CPU runs
+    it and does not choose it."""
+    if not runs_here(dispatch.variant(name)) or dispatch.choose().variant == name:
+        return name
+    return pytest.param(name, marks=pytest.mark.background(
+        f"kernel-tests-{name}", KERNEL_TESTS_RUN, {**os.environ, dispatch.ENV: name}))
+
+
+KERNEL_TESTS_RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                    "not gpu", "-k", KERNEL_TEST_FILTER, *KERNEL_TESTS]
+
+
+@pytest.mark.parametrize("name", [_variant(v.name) for v in dispatch.VARIANTS
                                   if v.arch == "x86_64" and v.name != "amx"])
 def test_kernel_tests_pass_on_each_variant_this_cpu_runs(name) -> None:
     """The kernels' tests in a process that runs only this variant (LOOM_CPU_KERNELS)."""
@@ -107,9 +135,6 @@ def test_kernel_tests_pass_on_each_variant_this_cpu_runs(name) -> None:
                             "print(kernel_choice().variant)"], env=env, capture_output=True,
                            text=True)
     assert which.stdout.split() == [name], which.stderr[-2000:]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", KERNEL_TEST_FILTER, *KERNEL_TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    run = background.result(f"kernel-tests-{name}")
     assert run.returncode == 0, run.stdout[-4000:]
     assert " passed" in run.stdout
