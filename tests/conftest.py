@@ -40,7 +40,7 @@ _memoize_gguf_reads()
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "background(name, argv): a job the test waits for, "
-                            "started niced when collection ends (tests/background.py)")
+                            "started when collection ends (tests/background.py)")
 
 
 def pytest_collection_finish(session) -> None:

@@ -31,9 +31,9 @@ KERNEL_TEST_FILTER = ("not build_is_cached and not smollm2 and not reference and
                       "and not fp16 and not int4 and not gemma3")
 
 
-# The two cross-checking builds run as background jobs (tests/background.py: niced from the
-# start of the run, on the core the rest leaves idle; ~40 and ~65 s of both cores on a 2-core
-# Zen 3). clang at -O0: what its build checks is that clang's front end and code generation
+# The two cross-checking builds run as background jobs (tests/background.py: in the idle
+# scheduling class from the start of the run, on the core the rest leaves idle; ~40 and ~65 s
+# of both cores on a 2-core Zen 3). clang at -O0: what its build checks is that clang's front end and code generation
 # take every variant's sources (errors there do not depend on -O; -O0 still inlines
 # always_inline and checks each intrinsic's target features), in 37 s against 64 at -O1.
 CLANG_COMMON = tuple("-O0" if f == "-O3" else f for f in build.COMMON)
