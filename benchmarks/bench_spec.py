@@ -274,7 +274,7 @@ def _plot(results: dict[str, dict], path: str, config: dict) -> None:
                             va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens/s, one stream")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(bars))  # off the bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
