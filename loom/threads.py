@@ -69,6 +69,14 @@ def apply_thread_defaults() -> dict[str, str]:
     return wanted
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), which
+    `os.cpu_count()` ignores (a server pinned to 2 of 16 cores would start 16 threads)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def set_num_threads(num_threads: int | None) -> None:
     """torch's intra-op thread count; None keeps torch's default (one per core)."""
     if num_threads is None:

@@ -37,12 +37,13 @@ class Result:
 _jobs: dict[str, Job] = {}
 
 
-def _idle_class() -> None:
-    """In the job's process (its compilers inherit it): SCHED_IDLE, which any ordinary thread
-    waking on that core preempts at once. The tests beside the jobs still run slower (on the
-    2-core Zen 3 VM the first tests took 1.7-4.7x their time alone, with nice 19 or SCHED_IDLE
-    alike: shared caches and memory, and perhaps a VM's vCPUs on one physical core's two
-    threads), but the whole run gained: 1405 -> 1293 s of tests."""
+def _background() -> None:
+    """In the job's process (its compilers inherit it): a process group of its own (to be killed
+    whole) in the run's session, and the idle scheduling class (any ordinary thread waking on
+    the core preempts it at once). Not a session of its own: Linux's autogroups give each
+    session an equal share of the CPU whatever its processes' priorities, and the first tests
+    beside the jobs took 1.7-4.7x their time alone on the 2-core Zen 3 VM."""
+    os.setpgid(0, 0)
     if hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     else:
@@ -59,7 +60,7 @@ def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> None
         proc = subprocess.Popen(
             [fill(a) for a in argv], cwd=ROOT, stdout=o, stderr=e, stdin=subprocess.DEVNULL,
             env=None if env is None else {k: fill(v) for k, v in env.items()},
-            start_new_session=True, preexec_fn=_idle_class)
+            preexec_fn=_background)
     _jobs[name] = Job(proc, out)
 
 

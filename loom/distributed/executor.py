@@ -14,7 +14,6 @@ its next step, so the ranks' token histories never diverge.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +38,12 @@ BACKENDS = ("mp", "ray")
 
 
 def default_threads(num_threads: int | None, world: int, device: torch.device) -> int | None:
-    """CPU threads per rank: as given, else the cores shared out."""
+    """CPU threads per rank: as given, else the cores this process may use shared out."""
+    from loom.threads import available_cpus
+
     if num_threads is not None or device.type != "cpu":
         return num_threads
-    return max(1, (os.cpu_count() or 1) // world)
+    return max(1, available_cpus() // world)
 
 
 class TensorParallel:

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loom.kernels.dispatch import Variant, machine, variants
+from loom.threads import available_cpus
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "argmax.c", "linear_q8.c", "linear_amx.c",
@@ -140,7 +141,7 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         jobs = [(v, s, Path(tmp) / f"{v.name}-{s.removesuffix('.c')}.o")
                 for v, _ in todo for s in SOURCES]
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(available_cpus()) as pool:
             errors = list(pool.map(lambda j: _compile(cc, *j), jobs))
         for v, so in todo:
             mine = [e for (jv, _, _), e in zip(jobs, errors) if jv is v and e]

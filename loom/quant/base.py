@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +11,7 @@ from loom.quant.fp8 import Fp8Linear, fp8_supported
 from loom.quant.fp16 import Fp16Linear, fp16_available
 from loom.quant.int4 import Int4Linear, int4_supported
 from loom.quant.int8 import Int8Linear
+from loom.threads import available_cpus
 
 # name -> (quantized module from an nn.Linear, whether a given linear can take it)
 QUANT_METHODS: dict[str, tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], bool]]] = {
@@ -48,7 +48,7 @@ def _build_in_threads(make: Callable[[nn.Linear], nn.Module],
     """fbgemm packs fp16 weights on one thread and lets go of the GIL meanwhile: pack on one
     thread per core, biggest first. (The other methods run torch ops that already use every
     core.)"""
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=available_cpus()) as pool:
         futures = {i: pool.submit(make, linears[i])
                    for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.numel())}
         return [futures[i].result() for i in range(len(linears))]

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from loom.distributed.executor import default_threads
 from loom.entrypoints.cli import main
 from loom.threads import (
     SPIN_COUNT_ENV,
@@ -83,6 +84,20 @@ def test_set_num_threads() -> None:
             set_num_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs to pin to one")
+def test_default_threads_follow_the_cpu_affinity() -> None:
+    """An engine pinned to one CPU (taskset, a container's cpuset) runs one thread by default,
+    not os.cpu_count()'s."""
+    one = min(os.sched_getaffinity(0))
+    code = ("import torch; from loom.distributed.executor import default_threads; "
+            "print(default_threads(None, 1, torch.device('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.stdout.split() == ["1"]
+    assert default_threads(None, 1, torch.device("cpu")) == len(os.sched_getaffinity(0))
 
 
 def test_cli_rejects_a_bad_thread_count(capsys) -> None:
