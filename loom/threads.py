@@ -78,7 +78,7 @@ def available_cpus() -> int:
 
 
 def set_num_threads(num_threads: int | None) -> None:
-    """torch's intra-op thread count; None keeps torch's default (one per core)."""
+    """torch's intra-op thread count; None keeps torch's default (one per core it may use)."""
     if num_threads is None:
         return
     if num_threads < 1:

@@ -84,8 +84,9 @@ class EngineArgs:
         False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (captured at "
                "start-up per batch-size bucket)", KERNELS)
     num_threads: int | None = flag(
-        None, "torch CPU threads (default: one per core). Loom also defaults OpenMP to a short "
-              "spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either is set; on "
+        None, "torch CPU threads (default: one per CPU it may use). Loom also defaults "
+              "OpenMP to a short spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either "
+              "is set; on "
               "cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE", KERNELS,
         type=positive_int)
 
