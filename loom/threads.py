@@ -73,7 +73,7 @@ def available_cpus() -> int:
     """The CPUs this process may run on: its affinity (taskset, a container's cpuset), which
     `os.cpu_count()` ignores (a server pinned to 2 of 16 cores would start 16 threads)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
+        return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 

@@ -12,6 +12,7 @@ it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -74,8 +75,6 @@ def result(name: str, timeout: float = 1200) -> Result:
 
 def stop_all() -> None:
     """Kill whatever is still running (a run stopped early) and remove the jobs' folders."""
-    import shutil
-
     for job in _jobs.values():
         if job.proc.poll() is None:
             os.killpg(job.proc.pid, 9)

@@ -39,7 +39,7 @@ _memoize_gguf_reads()
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "background(name, argv): a job the test waits for, "
+    config.addinivalue_line("markers", "background(name, argv, env): a job the test waits for, "
                             "started when collection ends (tests/background.py)")
 
 

@@ -25,6 +25,7 @@ from loom.distributed.worker import (
     COLLECTIVE_TIMEOUT, WorkerSpec, backend_for, check_model, prepare_rank,
 )
 from loom.net import free_port
+from loom.threads import available_cpus
 
 if TYPE_CHECKING:
     from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -39,8 +40,6 @@ BACKENDS = ("mp", "ray")
 
 def default_threads(num_threads: int | None, world: int, device: torch.device) -> int | None:
     """CPU threads per rank: as given, else the cores this process may use shared out."""
-    from loom.threads import available_cpus
-
     if num_threads is not None or device.type != "cpu":
         return num_threads
     return max(1, available_cpus() // world)

@@ -86,8 +86,7 @@ class EngineArgs:
     num_threads: int | None = flag(
         None, "torch CPU threads (default: one per CPU it may use). Loom also defaults "
               "OpenMP to a short spin (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000) unless either "
-              "is set; on "
-              "cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE", KERNELS,
+              "is set; on cores shared with busy processes set OMP_WAIT_POLICY=PASSIVE", KERNELS,
         type=positive_int)
 
     max_model_len: int | None = flag(

@@ -108,6 +108,10 @@ def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
                                                                  run.stderr)
 
 
+KERNEL_TESTS_RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                    "not gpu", "-k", KERNEL_TEST_FILTER, *KERNEL_TESTS]
+
+
 def _variant(name: str):  # noqa: ANN202
     """The variant's parameter, with its kernel tests as a background job where this CPU runs
     it and does not choose it."""
@@ -115,10 +119,6 @@ def _variant(name: str):  # noqa: ANN202
         return name
     return pytest.param(name, marks=pytest.mark.background(
         f"kernel-tests-{name}", KERNEL_TESTS_RUN, {**os.environ, dispatch.ENV: name}))
-
-
-KERNEL_TESTS_RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                    "not gpu", "-k", KERNEL_TEST_FILTER, *KERNEL_TESTS]
 
 
 @pytest.mark.parametrize("name", [_variant(v.name) for v in dispatch.VARIANTS
