@@ -17,6 +17,8 @@ from loom.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = float(os.environ.get("LOOM_TEST_SERVER_START_TIMEOUT", "600"))
+# The servers' logs (a failing test's message quotes its server's), removed when the run ends.
+_LOGS = tempfile.TemporaryDirectory(prefix="loom-serve-logs-")
 
 # Small limits keep the KV cache (and so the server's memory) small on a CI machine. The tests
 # compare a request's tokens across batches (alone, concurrent, offline): batch-invariant kernels.
@@ -33,7 +35,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="loom-serve-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix="loom-serve-", suffix=".log", dir=_LOGS.name)[1])
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(self.port),
