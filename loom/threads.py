@@ -70,11 +70,75 @@ def apply_thread_defaults() -> dict[str, str]:
 
 
 def available_cpus() -> int:
-    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), which
-    `os.cpu_count()` ignores (a server pinned to 2 of 16 cores would start 16 threads)."""
+    """The CPUs this process may use: its affinity (taskset, a container's cpuset) and its CPU
+    quota (`docker --cpus`, a Kubernetes CPU limit: cgroups' cpu.max / cfs_quota_us), both of
+    which `os.cpu_count()` ignores (a server pinned to 2 of 16 cores, or limited to 2 CPUs' time
+    on them, would start 16 threads, which a quota then throttles in turn). A fractional quota
+    rounds down (OpenMP's threads wait for each other at every parallel region: one throttled
+    thread stalls them all), to 1 at least."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        cpus = len(os.sched_getaffinity(0))
+    else:
+        cpus = os.cpu_count() or 1
+    quota = cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, int(quota)))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _limit_v2(folder: str) -> float | None:
+    parts = (_read(os.path.join(folder, "cpu.max")) or "max").split()
+    return None if parts[0] == "max" else int(parts[0]) / int(parts[1])
+
+
+def _limit_v1(folder: str) -> float | None:
+    quota, period = (_read(os.path.join(folder, f"cpu.cfs_{k}_us")) for k in ("quota", "period"))
+    if quota is None or period is None or int(quota) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
+def cpu_quota(proc: str = "/proc/self") -> float | None:
+    """The CPU time this process's cgroups allow, in CPUs (the smallest limit from its cgroup up
+    to the hierarchy's root, cgroup v2 or v1's cpu controller), or None where none is set or
+    none can be read."""
+    groups = _read(os.path.join(proc, "cgroup"))
+    mounts = _read(os.path.join(proc, "mountinfo"))
+    if groups is None or mounts is None:
+        return None
+    found: list[float] = []
+    for line in mounts.splitlines():  # id parent dev root mountpoint opts ... - type source super
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        dash = fields.index("-")
+        root, point, fstype = fields[3], fields[4], fields[dash + 1]
+        if fstype == "cgroup2":
+            want, limit = lambda ctl: ctl == "", _limit_v2
+        elif fstype == "cgroup" and "cpu" in fields[-1].split(","):
+            want, limit = lambda ctl: "cpu" in ctl.split(","), _limit_v1
+        else:
+            continue
+        for entry in groups.splitlines():  # hierarchy:controllers:path
+            _, ctl, path = entry.split(":", 2)
+            if not want(ctl):
+                continue
+            rel = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
+            folder = os.path.normpath(os.path.join(point, rel))
+            while folder.startswith(point):
+                got = limit(folder)
+                if got is not None:
+                    found.append(got)
+                if folder == point:
+                    break
+                folder = os.path.dirname(folder)
+    return min(found) if found else None
 
 
 def set_num_threads(num_threads: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from loom.threads import (
     SPIN_COUNT_ENV,
     WAIT_POLICY_ENV,
     apply_thread_defaults,
+    cpu_quota,
     openmp_env_defaults,
     set_num_threads,
 )
@@ -98,6 +100,76 @@ def test_default_threads_follow_the_cpu_affinity() -> None:
                          check=True, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
     assert out.stdout.split() == ["1"]
     assert default_threads(None, 1, torch.device("cpu")) == len(os.sched_getaffinity(0))
+
+
+def _cgroup_tree(tmp_path, version: int, limits: dict[str, tuple[int, int]]):
+    """A /proc/self and a cgroup mount as a process in cgroup /a/b sees them, with `limits`
+    (folder under the mount -> quota, period) written in `version`'s files."""
+    mount = tmp_path / "cgroup"
+    for folder in ("", "a", "a/b"):
+        (mount / folder).mkdir(parents=True, exist_ok=True)
+    for folder, (quota, period) in limits.items():
+        if version == 2:
+            (mount / folder / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {period}\n")
+        else:
+            (mount / folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (mount / folder / "cpu.cfs_period_us").write_text(f"{period}\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    if version == 2:
+        (proc / "cgroup").write_text("0::/a/b\n")
+        kind = f"35 25 0:30 / {mount} rw,relatime - cgroup2 cgroup2 rw"
+    else:
+        (proc / "cgroup").write_text("5:memory:/a/b\n3:cpu,cpuacct:/a/b\n")
+        kind = f"35 25 0:30 / {mount} rw,relatime - cgroup cgroup rw,cpu,cpuacct"
+    (proc / "mountinfo").write_text(f"22 1 8:1 / / rw - ext4 /dev/vda rw\n{kind}\n")
+    return str(proc)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cpu_quota_is_the_smallest_limit_up_the_cgroup_tree(tmp_path, version) -> None:
+    none = _cgroup_tree(tmp_path / "none", version, {"a/b": (-1, 100000)})
+    assert cpu_quota(none) is None
+    nested = _cgroup_tree(tmp_path / "nested", version,
+                          {"a/b": (350000, 100000), "a": (150000, 100000), "": (-1, 100000)})
+    assert cpu_quota(nested) == 1.5
+    assert cpu_quota(str(tmp_path / "no-proc")) is None
+
+
+def _cpu_cgroup() -> Path | None:
+    """A writable cgroup v1 cpu hierarchy or v2 root with the cpu controller, or None."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+        return v1
+    controllers = v2 / "cgroup.subtree_control"
+    if controllers.exists() and "cpu" in controllers.read_text().split() and \
+            os.access(v2, os.W_OK):
+        return v2
+    return None
+
+
+@pytest.mark.skipif(_cpu_cgroup() is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a writable cgroup with the cpu controller and two CPUs")
+def test_default_threads_follow_a_cpu_quota() -> None:
+    """An engine in a cgroup allowed one CPU's time (docker --cpus 1) runs one thread by
+    default: a real cgroup, the subprocess moved into it before it starts Python."""
+    root = _cpu_cgroup()
+    group = root / f"loom-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        if (group / "cpu.max").exists():
+            (group / "cpu.max").write_text("100000 100000")
+        else:
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text("100000")
+        code = ("import torch; from loom.distributed.executor import default_threads; "
+                "print(default_threads(None, 1, torch.device('cpu')))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, preexec_fn=lambda: (group / "cgroup.procs").write_text(
+                                 str(os.getpid())))
+        assert out.stdout.split() == ["1"], out.stderr[-2000:]
+    finally:
+        group.rmdir()  # its process has exited
 
 
 def test_cli_rejects_a_bad_thread_count(capsys) -> None:
