@@ -64,7 +64,8 @@ generate: $(STAMP)
 # those tests skip and say why: Chromium and its driver (tests/product's web pages); clang with
 # its OpenMP headers, the AArch64 cross compiler and qemu-user (tests/unit/test_kernel_builds.py).
 # `make test` runs this beside the pip installs (make -j3): on a fresh machine apt took ~2 min,
-# waiting on the network and the disk more than on the CPU. Its output goes to $(APT_LOG).
+# waiting on the network and the disk more than on the CPU. Its output goes to $(APT_LOG); it
+# waits up to 5 minutes for a dpkg lock another apt holds (a fresh machine's own upgrades).
 APT_LOG := .system-packages.log
 BROWSER_PACKAGES := chromium chromium-driver
 BUILD_PACKAGES := clang libomp-dev gcc-aarch64-linux-gnu qemu-user
@@ -83,7 +84,8 @@ system-packages:
 	apt-get update -q >$(APT_LOG) 2>&1 || true; \
 	for group in "$$browser" "$$build"; do \
 	  [ -n "$$group" ] || continue; \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$group >>$(APT_LOG) 2>&1 \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o DPkg::Lock::Timeout=300 \
+	    $$group >>$(APT_LOG) 2>&1 \
 	    || echo "apt-get install $$group failed (see $(APT_LOG)): the tests using it will skip"; \
 	done; echo "apt-get install done"
 

@@ -155,18 +155,28 @@ def test_default_threads_follow_a_cpu_quota() -> None:
     default: a real cgroup, the subprocess moved into it before it starts Python."""
     root = _cpu_cgroup()
     group = root / f"loom-test-{os.getpid()}"
-    group.mkdir()
     try:
-        if (group / "cpu.max").exists():
-            (group / "cpu.max").write_text("100000 100000")
-        else:
-            (group / "cpu.cfs_period_us").write_text("100000")
-            (group / "cpu.cfs_quota_us").write_text("100000")
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup here: {e}")
+    try:
+        try:
+            if (group / "cpu.max").exists():
+                (group / "cpu.max").write_text("100000 100000")
+            else:
+                (group / "cpu.cfs_period_us").write_text("100000")
+                (group / "cpu.cfs_quota_us").write_text("100000")
+        except OSError as e:
+            pytest.skip(f"cannot set a cgroup's CPU quota here: {e}")
         code = ("import torch; from loom.distributed.executor import default_threads; "
                 "print(default_threads(None, 1, torch.device('cpu')))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, preexec_fn=lambda: (group / "cgroup.procs").write_text(
-                                 str(os.getpid())))
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 preexec_fn=lambda: (group / "cgroup.procs").write_text(
+                                     str(os.getpid())))
+        except subprocess.SubprocessError as e:  # the move into the cgroup refused
+            pytest.skip(f"cannot move a process into a cgroup here: {e}")
+        assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split() == ["1"], out.stderr[-2000:]
     finally:
         group.rmdir()  # its process has exited
