@@ -1,7 +1,7 @@
 """Compile Loom's C kernels once per instruction-set variant (loom.kernels.dispatch.VARIANTS).
 
 `python -m loom.kernels.build` (run by `make install`) builds every variant this CPU runs (on a
-2-core AVX2 machine avx2 and generic: ~40 s, where all six x86 variants took ~165 s; `--all`
+2-core AVX2 machine avx2 and generic: ~60 s, where all six x86 variants took ~165 s; `--all`
 builds every variant of the architecture, as the suite's build check does), each into its own
 shared object in `$LOOM_CACHE_DIR/kernels` (default
 `~/.cache/loom/kernels`), named after the architecture, the variant and a hash of the sources,

@@ -19,7 +19,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=1024, kv_cache_memory=128 * 2**20)
+    # batch-invariant kernels, as every test comparing batched requests with lone ones: the
+    # default int8 kernels compute a prompt's rows past 8 with other bits (docs/cpu_kernels.md),
+    # and a batch's make-up depends on when each fork's request arrives (a near-tie flipped once
+    # in a CI run on the AVX2 VM: "magical fox." alone, "magical fox" batched)
+    return LLM(max_model_len=1024, kv_cache_memory=128 * 2**20, batch_invariant=True)
 
 
 def one_by_one(llm: LLM, prompt: str | list[int], **kwargs) -> str:
