@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 ARGS ?=
 
-.PHONY: serve test test-fast install install-test system-packages generate bench clean
+.PHONY: serve test test-fast test-setup install install-test system-packages generate bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -89,15 +89,17 @@ system-packages:
 	    || echo "apt-get install $$group failed (see $(APT_LOG)): the tests using it will skip"; \
 	done; echo "apt-get install done"
 
+# The test environment and the system packages side by side.
+test-setup:
+	@$(MAKE) --no-print-directory -j3 system-packages $(TEST_STAMP)
+
 # Every test: both tiers (the server and real-model tests are `@pytest.mark.slow`); the 25
 # slowest named at the end (CI keeps the whole run under 20 minutes on 2 cores).
-test:
-	@$(MAKE) --no-print-directory -j3 system-packages $(TEST_STAMP)
+test: test-setup
 	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 # The inner loop: units, kernels, tiny models (no real model, no server subprocess).
-test-fast:
-	@$(MAKE) --no-print-directory -j3 system-packages $(TEST_STAMP)
+test-fast: test-setup
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 clean:

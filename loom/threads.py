@@ -119,25 +119,20 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
             continue
         dash = fields.index("-")
         root, point, fstype = fields[3], fields[4], fields[dash + 1]
-        if fstype == "cgroup2":
-            want, limit = lambda ctl: ctl == "", _limit_v2
-        elif fstype == "cgroup" and "cpu" in fields[-1].split(","):
-            want, limit = lambda ctl: "cpu" in ctl.split(","), _limit_v1
-        else:
+        v2 = fstype == "cgroup2"
+        if not v2 and (fstype != "cgroup" or "cpu" not in fields[-1].split(",")):
             continue
         for entry in groups.splitlines():  # hierarchy:controllers:path
             _, ctl, path = entry.split(":", 2)
-            if not want(ctl):
+            if (ctl != "") if v2 else ("cpu" not in ctl.split(",")):
                 continue
-            rel = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
-            folder = os.path.normpath(os.path.join(point, rel))
-            while folder.startswith(point):
-                got = limit(folder)
+            rel = os.path.relpath(path, root)  # a cgroup outside the mount's root: the mount's
+            outside = rel == ".." or rel.startswith("../")
+            parts = [] if outside else [p for p in rel.split("/") if p != "."]
+            for depth in range(len(parts), -1, -1):  # the cgroup, then each parent up to the root
+                got = (_limit_v2 if v2 else _limit_v1)(os.path.join(point, *parts[:depth]))
                 if got is not None:
                     found.append(got)
-                if folder == point:
-                    break
-                folder = os.path.dirname(folder)
     return min(found) if found else None
 
 

@@ -35,7 +35,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="loom-serve-", suffix=".log", dir=_LOGS.name)[1])
+        self.log_path = Path(tempfile.mkstemp(prefix="loom-serve-", suffix=".log",
+                                              dir=_LOGS.name)[1])
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(self.port),
