@@ -135,6 +135,8 @@ static inline XLayout x_layout(int64_t K, int bits)
     return (XLayout){blocks, chunks, dv, sx, sx + g16 * 4};
 }
 
+#ifdef VNNI_512
+
 // Where a value of a group goes in X, as (vector, word) with the vector's 32 words: in a block
 // (group G of it), or in a chunk (group h of it). Value v is byte `at` of the group's bytes
 // (4-bit: v mod 16, low nibble below 16; 8-bit: v), and in its 16-bit lane the byte's place t
@@ -158,7 +160,7 @@ static inline int chunk_word(int bits, int h, int v)  // word index in the chunk
 }
 
 // Group h of chunk c (counted past the blocks) of one x row: its 32 X (value order) into the
-// chunk's words, and d / 256 into the dv lanes that sum it (both forms' quantize_x).
+// chunk's words, and d / 256 into the dv lanes that sum it (the AVX2 form's: put_group).
 static inline void put_chunk_group(int16_t *X, float *dv, const XLayout L, int bits, int64_t c,
                                    int h, const int16_t *at, float d)
 {
@@ -168,8 +170,6 @@ static inline void put_chunk_group(int16_t *X, float *dv, const XLayout L, int b
     for (int lane = h * lanes; lane < (h + 1) * lanes; lane++)
         dv[(L.blocks + c) * 16 + lane] = d / 256.0f;
 }
-
-#ifdef VNNI_512
 
 // A block's lane L (= 4b + i: lane b of v_i) -> its group: 4-bit 4i + b, 8-bit 2i + b / 2.
 static inline int block_group(int bits, int L)
@@ -516,6 +516,31 @@ static inline __attribute__((always_inline)) void rows_vnni(
 // its group's s_w * d / 256) into eight fp32 sums a row, reduced at the end of the row in one
 // fixed order: a row's bits do not depend on M nor on the rows beside it.
 
+// Group h of chunk c of one x row (AVX2: chunks only), where the AVX-512 form's put_chunk_group
+// places it, from v16: its values 0..15 (v16[0]) and 16..31 (v16[1]), each vector's even values
+// in its low 128 bits and odd ones in its high: a 4-bit group's planes 0..3 take 8 words each,
+// an 8-bit group's planes 0 and 1 (the even and the odd values) 16; d / 256 into its dv lanes.
+static inline __attribute__((always_inline)) void put_group(int16_t *X, float *dv, int bits,
+                                                            int64_t c, int h, const __m256i *v16,
+                                                            float d)
+{
+    int16_t *pc = X + c * XV(bits) * 32;
+    if (bits == 4) {
+        for (int i = 0; i < 2; i++) {
+            _mm_storeu_si128((__m128i *)(pc + 64 * i + 8 * h), _mm256_castsi256_si128(v16[i]));
+            _mm_storeu_si128((__m128i *)(pc + 64 * i + 32 + 8 * h),
+                             _mm256_extracti128_si256(v16[i], 1));
+        }
+        _mm_storeu_ps(dv + c * 16 + 4 * h, _mm_set1_ps(d / 256.0f));
+    } else {
+        _mm256_storeu_si256((__m256i *)(pc + 16 * h),
+                            _mm256_permute2x128_si256(v16[0], v16[1], 0x20));
+        _mm256_storeu_si256((__m256i *)(pc + 32 + 16 * h),
+                            _mm256_permute2x128_si256(v16[0], v16[1], 0x31));
+        _mm256_storeu_ps(dv + c * 16 + 8 * h, _mm256_set1_ps(d / 256.0f));
+    }
+}
+
 // `rows` rows of x into buf, as the AVX-512 quantize_x (the same X, d and sum x~ a group).
 static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int bits,
                        uint8_t *buf)
@@ -525,6 +550,13 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
     const int cg = CG(bits);
     const __m256 sign = _mm256_set1_ps(-0.0f), k256 = _mm256_set1_ps(256.0f);
     const __m256i lo8 = _mm256_set1_epi32(-128), hi8 = _mm256_set1_epi32(127);
+    // packs gives values 0..3, 8..11 | 4..7, 12..15: each lane's even words, then its odd ones
+    // (dwords (0, 2), (8, 10), (1, 3), (9, 11) | (4, 6), (12, 14), (5, 7), (13, 15)), and the
+    // dwords in value order: the even values, then the odd ones
+    const __m256i evens_odds = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
+                                                15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10,
+                                                11, 14, 15);
+    const __m256i pairs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < rows; m++) {
         const float *xr = x + m * ldx;
         int16_t *X = (int16_t *)(buf + m * L.stride);
@@ -552,11 +584,13 @@ static void quantize_x(const float *x, int64_t rows, int64_t K, int64_t ldx, int
                     _mm256_slli_epi32(a, 8), _mm256_max_epi32(_mm256_min_epi32(b, hi8), lo8));
                 total = _mm256_add_epi32(total, xv[i]);
             }
-            int16_t at[32];  // the group's X in value order (packs interleaves 128-bit lanes)
+            // the group's X in value order (packs interleaves 128-bit lanes), values 0..15 and
+            // 16..31, each as its even values then its odd ones (chunk_word's planes)
+            __m256i v16[2];
             for (int i = 0; i < 2; i++)
-                _mm256_storeu_si256((__m256i *)(at + 16 * i), _mm256_permute4x64_epi64(
-                    _mm256_packs_epi32(xv[2 * i], xv[2 * i + 1]), 0xD8));
-            put_chunk_group(X, dv, L, bits, g / cg, (int)(g % cg), at, d);
+                v16[i] = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(
+                    _mm256_packs_epi32(xv[2 * i], xv[2 * i + 1]), evens_odds), pairs);
+            put_group(X, dv, bits, g / cg, (int)(g % cg), v16, d);
             __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
                                        _mm256_extracti128_si256(total, 1));
             t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
