@@ -4,7 +4,8 @@
 Random 4-bit weights (the head: 8-bit) with fp16 scales and minimums, the same weights every
 call (warm in the caches but for the 49152-row head), one thread by default; per shape and
 row count the minimum over `--repeats` calls of the thread's CPU time (robust on a shared
-machine). Needs a build with the VNNI kernel (`loom_vnni_available`).
+machine). Needs a build with the VNNI kernel (`loom_vnni_available`: its AVX512-VNNI or AVX2
+form).
 
     .venv/bin/python benchmarks/bench_vnni.py [--threads 1] [--repeats 200] [--out FILE.json]
     .venv/bin/python benchmarks/bench_vnni.py --smoke
@@ -61,7 +62,7 @@ def main() -> None:
 
     lib = cpu_kernels()
     if lib is None or not lib.loom_vnni_available():
-        sys.exit("no VNNI kernel in this process's build (needs AVX512-VNNI)")
+        sys.exit("no VNNI kernel in this process's build (needs AVX512-VNNI or AVX2)")
     shapes = SHAPES[:-1] if args.smoke else SHAPES
     repeats = 3 if args.smoke else args.repeats
     results = {}
