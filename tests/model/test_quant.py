@@ -680,7 +680,8 @@ def test_int8_vnni_kernel_matches_float64(bits, build) -> None:
     with the one N / 2 past it, 4-bit at one or two x rows or rows of 2048 weights or more,
     8-bit from two x rows; else with its neighbour); past 8 rows the batch
     kernel runs (here the fp32 one: its bits), and up to 8 the two kernels differ. The AVX2
-    build's form (vpmaddwd) the same, its rows paired only at one or two x rows."""
+    build's form (vpmaddwd) the same, its rows paired only at one or two x rows (8-bit ones far
+    at one x row too)."""
     require_int_decode(build)
     g = torch.Generator().manual_seed(7)
     for m, k, n, bias in [(1, 96, 21, True), (2, 576, 33, True), (3, 576, 101, False),

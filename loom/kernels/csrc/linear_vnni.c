@@ -56,16 +56,20 @@
 // or more, at any rows (1.1-1.3x at three to eight: 4-8 streams, speculation's verify steps;
 // the 135M's short rows ran as well or better as neighbours there); 8-bit rows from two x rows
 // (Gemma 3 270M's Q5_0 / Q8_0 layers and head at two streams: 1.5x; the 1.7B shape in Q8_0
-// 1.2-1.3x at two to eight). At one x row 8-bit rows run alone (far pairs took 1.09x the time on
-// Gemma 3, and gained nothing on the 1.7B shape; neighbour pairs ran 640-wide rows 1.28x faster
-// from L2 but took Gemma 3's stack step 1.125x the time). docs/cpu_kernels.md.
+// 1.2-1.3x at two to eight). At one x row the AVX-512 form runs 8-bit rows alone (far pairs took
+// 1.09x the time on Gemma 3 on a Zen 4, and gained nothing on the 1.7B shape; neighbour pairs
+// ran 640-wide rows 1.28x faster from L2 but took Gemma 3's stack step 1.125x the time); the
+// AVX2 form pairs them far there too (Gemma 3's one-stream step, its 262144-row Q8_0 head, 0.91x
+// the time on a Zen 3; the 135M's unchanged). docs/cpu_kernels.md.
 #define UNIT 2
 #define FAR_K 2048
 #ifdef VNNI_512
 #define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
+#define FAR_8(M) ((M) >= 2)                                 // 8-bit rows as far pairs
 #else  // AVX2: past two x rows one weight row at a time (16 registers: a pair's sums spilled;
        // alone 0.82-0.95x the time at three to eight rows, one thread, Zen 4 as AVX2)
-#define R_OF(bits, M) (((bits) == 8 && (M) == 1) || (M) > 2 ? 1 : UNIT)
+#define R_OF(bits, M) ((M) > 2 ? 1 : UNIT)
+#define FAR_8(M) 1
 #endif
 // Each row's weights are prefetched PF_Q bytes ahead into L1 and PF_FAR bytes ahead into L2
 // (prefetcht1): a core keeps more misses in flight to L2 than to L1. One row streaming from
@@ -778,7 +782,7 @@ static void unit_vnni(const uint8_t *xq, int64_t M, const XLayout L, const uint8
 {
     const int width = LOOM_Q8_WIDTH(bits);
     const int64_t groups = K / GROUP, row_bytes = K * width / 8;
-    const int far = width != 8 ? M <= 2 || K >= FAR_K : M >= 2;  // two streams (UNIT)
+    const int far = width != 8 ? M <= 2 || K >= FAR_K : FAR_8(M);  // two streams (UNIT)
     const int64_t step = far ? (N + 1) / 2 : 1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t n0 = far ? u : u * UNIT;
