@@ -27,14 +27,23 @@ SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("1536x576", 1536, 576, 4),
           ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4), ("head", 49152, 576, 8)]
 
 
+def random_weights(n: int, k: int, bits: int, g, mins: bool = True) -> tuple:
+    """n rows of k random `bits`-bit weights (packed bytes) with fp16 scales and minimums (None
+    without), as loom_linear_q8_vnni reads them; g: a torch.Generator."""
+    import torch
+
+    w = torch.randint(0, 256, (n * k * bits // 8,), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n * k // 32, generator=g) * 0.02 + 0.001).half()
+    low = (torch.rand(n * k // 32, generator=g) * 0.2 - 0.1).half() if mins else None
+    return w, scales, low
+
+
 def time_shape(lib: ctypes.CDLL, n: int, k: int, bits: int, repeats: int,
                threads: int) -> list[float]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    w = torch.randint(0, 256, (n * k * bits // 8,), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n * k // 32, generator=g) * 0.02 + 0.001).half()
-    mins = (torch.rand(n * k // 32, generator=g) * 0.2 - 0.1).half()
+    w, scales, mins = random_weights(n, k, bits, g)
     x = torch.randn(8, k, generator=g)
     y = torch.empty(8, n)
     us = []

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vnni import random_weights  # noqa: E402
+
 # (name, N, K, bits)
 SHAPES = [("qkv", 960, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),
           ("gemma3_640", 2048, 640, 4), ("1.7b", 2048, 2048, 4), ("head", 49152, 576, 8)]
@@ -41,13 +44,6 @@ def load(path: str) -> ctypes.CDLL:
     if not lib.loom_vnni_available():
         sys.exit(f"{path}: no VNNI kernel in this build (AVX512-VNNI or AVX2)")
     return lib
-
-
-def weights(n: int, k: int, bits: int, g: torch.Generator, mins: bool = True):
-    w = torch.randint(0, 256, (n * k * bits // 8,), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n * k // 32, generator=g) * 0.02 + 0.001).half()
-    low = (torch.rand(n * k // 32, generator=g) * 0.2 - 0.1).half() if mins else None
-    return w, scales, low
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, m: int, wts, n: int, bits: int, y: torch.Tensor,
@@ -67,7 +63,7 @@ def check(old: ctypes.CDLL, new: ctypes.CDLL) -> int:
         for k in (32, 64, 96, 128, 160, 224, 288, 576, 640, 2080):
             for n in (1, 3, 17):
                 for mins in (True, False):
-                    wts = weights(n, k, bits, g, mins)
+                    wts = random_weights(n, k, bits, g, mins)
                     for m in range(1, 13):
                         x = torch.randn(m, k, generator=g)
                         a, b = torch.zeros(m, n), torch.zeros(m, n)
@@ -95,7 +91,7 @@ def main() -> None:
         sys.exit(check(old, new))
     g = torch.Generator().manual_seed(0)
     for name, n, k, bits in SHAPES:
-        wts = weights(n, k, bits, g)
+        wts = random_weights(n, k, bits, g)
         x = torch.randn(8, k, generator=g)
         ya, yb = torch.empty(8, n), torch.empty(8, n)
         cells = []

@@ -104,6 +104,10 @@ def _limit_v1(folder: str) -> float | None:
     return int(quota) / int(period)
 
 
+def _has_cpu(controllers: str) -> bool:  # "cpu,cpuacct" and the like (cgroup v1)
+    return "cpu" in controllers.split(",")
+
+
 def cpu_quota(proc: str = "/proc/self") -> float | None:
     """The CPU time this process's cgroups allow, in CPUs (the smallest limit from its cgroup up
     to the hierarchy's root, cgroup v2 or v1's cpu controller), or None where none is set or
@@ -120,17 +124,18 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
         dash = fields.index("-")
         root, point, fstype = fields[3], fields[4], fields[dash + 1]
         v2 = fstype == "cgroup2"
-        if not v2 and (fstype != "cgroup" or "cpu" not in fields[-1].split(",")):
+        if not v2 and (fstype != "cgroup" or not _has_cpu(fields[-1])):
             continue
+        limit = _limit_v2 if v2 else _limit_v1
         for entry in groups.splitlines():  # hierarchy:controllers:path
             _, ctl, path = entry.split(":", 2)
-            if (ctl != "") if v2 else ("cpu" not in ctl.split(",")):
+            if not (ctl == "" if v2 else _has_cpu(ctl)):  # v2's one hierarchy; v1's cpu one
                 continue
             rel = os.path.relpath(path, root)  # a cgroup outside the mount's root: the mount's
             outside = rel == ".." or rel.startswith("../")
             parts = [] if outside else [p for p in rel.split("/") if p != "."]
             for depth in range(len(parts), -1, -1):  # the cgroup, then each parent up to the root
-                got = (_limit_v2 if v2 else _limit_v1)(os.path.join(point, *parts[:depth]))
+                got = limit(os.path.join(point, *parts[:depth]))
                 if got is not None:
                     found.append(got)
     return min(found) if found else None

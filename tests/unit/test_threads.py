@@ -159,29 +159,33 @@ def _cpu_cgroup() -> Path | None:
 def test_default_threads_follow_a_cpu_quota() -> None:
     """An engine in a cgroup allowed one CPU's time (docker --cpus 1) runs one thread by
     default: a real cgroup, the subprocess moved into it before it starts Python."""
-    root = _cpu_cgroup()
-    group = root / f"loom-test-{os.getpid()}"
+    group = _cpu_cgroup() / f"loom-test-{os.getpid()}"
     try:
         group.mkdir()
     except OSError as e:
         pytest.skip(f"cannot make a cgroup here: {e}")
     try:
-        try:
-            if (group / "cpu.max").exists():
-                (group / "cpu.max").write_text("100000 100000")
-            else:
-                (group / "cpu.cfs_period_us").write_text("100000")
-                (group / "cpu.cfs_quota_us").write_text("100000")
-        except OSError as e:
-            pytest.skip(f"cannot set a cgroup's CPU quota here: {e}")
-        try:
-            threads = _default_threads_in(
-                lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
-        except subprocess.SubprocessError as e:  # the move into the cgroup refused
-            pytest.skip(f"cannot move a process into a cgroup here: {e}")
-        assert threads == 1
+        threads = _threads_in_cgroup_of_one_cpu(group)
     finally:
         group.rmdir()  # its process has exited
+    assert threads == 1
+
+
+def _threads_in_cgroup_of_one_cpu(group: Path) -> int:
+    """`group` allowed one CPU's time, then default_threads in a process moved into it; skips
+    where this machine refuses either."""
+    try:
+        if (group / "cpu.max").exists():
+            (group / "cpu.max").write_text("100000 100000")
+        else:
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as e:
+        pytest.skip(f"cannot set a cgroup's CPU quota here: {e}")
+    try:
+        return _default_threads_in(lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    except subprocess.SubprocessError as e:  # the move into the cgroup refused
+        pytest.skip(f"cannot move a process into a cgroup here: {e}")
 
 
 def test_cli_rejects_a_bad_thread_count(capsys) -> None:
