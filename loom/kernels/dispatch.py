@@ -12,11 +12,12 @@ picks a variant by name, `--batch-invariant` the kernels whose bits do not depen
 
 Kernels by name (loom.quant.int8): batch "fp32" (linear_q8.c: fp32 products, a request's bits
 the same in any batch), "bf16" (AVX512-BF16 dot products, bf16 precision), "amx" (AMX tiles,
-fp32 precision; the bits depend on whether a step has more than 8 rows), "int16" (AVX2
+fp32 precision; the bits depend on whether a step has more than 8 rows), "vnni" (the neon
+build: the decode kernel below in chunks of 8 rows, the same bits at any batch), "int16" (AVX2
 vpmaddwd, linear_kq_gemm.c: each super-block of 256 weights rounded to 13-bit integers, x to 15
 bits a super-block; the same dependence); decode "fp32" or
-"vnni" (integer dot products, x in two int8 digits a group: AVX512-VNNI's vpdpwssd, or in the
-AVX2 build vpmaddwd, the same integers).
+"vnni" (integer dot products, x in two int8 digits a group: AVX512-VNNI's vpdpwssd, in the
+AVX2 build vpmaddwd, in the AArch64 neon build sdot, the same integers).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
             about="portable x86-64 (SSE2)"),
     Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}),
-            about="AArch64 NEON with dot products"),
+            batch="vnni", decode="vnni", about="AArch64 NEON sdot dot products"),
     Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), about="portable AArch64"),
 )
 NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels choices
@@ -193,7 +194,7 @@ class KernelChoice:
     def same_bits_past_8(self) -> bool:
         """Whether a row's bits stay what they are at up to 8 rows when its step has more (the
         int8 and K-quant linears keep their kernels' bits past 8 rows)."""
-        return self.batch_invariant or (self.batch == self.decode == "fp32"
+        return self.batch_invariant or (self.batch == self.decode in ("fp32", "vnni")
                                         and self.kquant_batch == "int")
 
     def describe(self) -> str:
@@ -210,8 +211,8 @@ def choose(name: str = "auto", batch_invariant: bool = False,
            failed: frozenset[str] = frozenset()) -> KernelChoice:
     """The kernels for --cpu-kernels `name`: "auto" takes the best variant this CPU runs and
     whose build did not fail (`failed`), a name that variant (KernelChoiceError where the CPU
-    lacks what it needs or its build failed). `batch_invariant`: the int8 linears' fp32
-    kernels, whose bits do not depend on the batch."""
+    lacks what it needs or its build failed). `batch_invariant`: int8 linears whose bits do not
+    depend on the batch (the fp32 kernels; the neon build's own)."""
     usable = [v for v in variants() if runs_here(v) and v.name not in failed]
     if name == "auto":
         if not usable:
@@ -225,7 +226,10 @@ def choose(name: str = "auto", batch_invariant: bool = False,
                                     "which this CPU lacks")
         if v not in usable:
             raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
-    batch, decode = ("fp32", "fp32") if batch_invariant else (v.batch, v.decode)
+    # batch_invariant: the fp32 kernels, except where one integer kernel runs every size (the
+    # neon build's sdot: its bits are already the same in any batch)
+    same = v.batch == v.decode == "vnni"
+    batch, decode = ("fp32", "fp32") if batch_invariant and not same else (v.batch, v.decode)
     return KernelChoice(v.name, batch, decode, "int8", batch_invariant, name != "auto")
 
 

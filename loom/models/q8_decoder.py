@@ -40,6 +40,7 @@ from loom.threads import TeamSize
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2, "int16": 3}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
+VNNI_ALL = 16  # ... and for batch_kernel "vnni": the same kernel past 8 rows (the neon build)
 KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq_gemm.c)
 
 
@@ -265,6 +266,8 @@ def _kernel_code(linear: nn.Module) -> int | None:
     if isinstance(linear, KQuantLinear):
         codes = {_kernel_code(p) for _, p in linear.parts.values() if isinstance(p, Int8Linear)}
         return codes.pop() if len(codes) == 1 else None if not codes else BATCH_CODES["fp32"]
+    if linear.batch_kernel == "vnni":
+        return DECODE_VNNI | VNNI_ALL
     return BATCH_CODES[linear.batch_kernel] | (DECODE_VNNI if linear.decode_kernel == "vnni" else 0)
 
 

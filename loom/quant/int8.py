@@ -39,7 +39,9 @@ dot products (csrc/linear_vnni.c; Intel Ice Lake, AMD Zen 4 and later): x in two
 group of 32 (16 significant bits), the weights as they are, scales and minimums read from fp16
 copies (GGUF's own precision; 4 bytes a group more memory, 2 for symmetric groups): a little
 faster than the fp32 kernel, near fp32's top-1 agreement (docs/cpu_kernels.md has both
-figures). A request's bits then depend on whether its step had more than 8 rows.
+figures). A request's bits then depend on whether its step had more than 8 rows. The AVX2
+build runs the same integers in `vpmaddwd`, the AArch64 neon build in `sdot`, and there past 8
+rows too (batch kernel `vnni`: chunks of 8 rows, the same bits at any batch).
 
 Outputs return in the activations' dtype. Quality is tested against the unquantized reference
 by top-1 agreement and a logit-error bound.
@@ -297,7 +299,8 @@ class Int8Embedding(_OnGrid, nn.Module):
 
 class Int8Linear(_OnGrid, nn.Module):
     # The kernel for products of more than 8 rows: "fp32" (linear_q8.c, the same bits whatever
-    # the batch), "amx" or "bf16" (see the module doc). Set by the loader.
+    # the batch), "amx", "bf16", "int16" or "vnni" (the decode kernel in chunks of 8 rows: the
+    # neon build's; see the module doc). Set by the loader.
     batch_kernel = "fp32"
     # fp16 copies of the scales and minimums: set (by use_vnni), products of up to 8 rows run
     # on the VNNI kernel (decode_kernel "vnni"), which reads them; the minimums None where
@@ -372,7 +375,8 @@ class Int8Linear(_OnGrid, nn.Module):
             if xf.stride(-1) != 1:
                 xf = xf.contiguous()
             out = self._output(xf.shape[0])
-            if self._half is not None and xf.shape[0] <= DECODE_ROWS:
+            if self._half is not None and (xf.shape[0] <= DECODE_ROWS
+                                           or self.batch_kernel == "vnni"):
                 name, (scale, mins) = "loom_linear_q8_vnni", self._half
                 mins_ptr = None if mins is None else mins.data_ptr()
             else:  # the AMX and bf16 entry points run the fp32 kernel themselves up to 8 rows

@@ -359,6 +359,42 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
             assert torch.equal(a[k], b[k])
 
 
+@pytest.mark.slow
+def test_vnni_batch_kernel_keeps_a_streams_bits_past_8_rows() -> None:
+    """Batch kernel "vnni" (the neon build's: its sdot kernel at every size, in chunks of 8
+    rows), run here on this CPU's own integer decode kernel: 9 prompts and a 9-stream decode
+    step in the C stack (op by op past 8 rows, kernel code 4 | 16) give the module path's bits,
+    and each stream the logits it gets alone."""
+    require_cpu_kernels()
+    source = resolve_model(None)
+    loaded = load_model(source, "float32")
+    if loaded.kernels.decode != "vnni":
+        pytest.skip("this CPU's build has no integer decode kernel")
+    for m in loaded.model.modules():
+        if isinstance(m, Int8Linear):
+            m.batch_kernel = "vnni"
+    tok = Tokenizer.from_source(source)
+    prompts = {str(i): tok.encode(TEXTS[i % len(TEXTS)] + " x" * i) for i in range(9)}
+    runs = {}
+    for stack in (None, False):  # the C stack (decided on the first step), then modules
+        loaded.model.model.stack = stack
+        batch = PagedBatch(loaded)
+        first = batch.step(prompts)
+        runs[stack] = (first, batch.step({k: [int(v[-1].argmax())] for k, v in first.items()}),
+                       loaded.model.model.stack)
+    assert isinstance(runs[None][2], Q8Decoder) and runs[None][2].code == 4 | 16
+    for step in (0, 1):
+        for k in prompts:
+            assert torch.equal(runs[None][step][k], runs[False][step][k])
+    loaded.model.model.stack = None
+    for k in ("0", "8"):
+        alone = PagedBatch(loaded)
+        first = alone.step({k: prompts[k]})
+        assert torch.equal(first[k], runs[None][0][k])
+        nxt = alone.step({k: [int(first[k][-1].argmax())]})
+        assert torch.equal(nxt[k], runs[None][1][k])
+
+
 @pytest.mark.parametrize("streams,kernel", [(2, "fp32"), (9, "fp32"), (3, "bf16"), (9, "bf16")])
 @pytest.mark.slow
 def test_int8_stack_keeps_only_the_sampling_rows(streams, kernel) -> None:

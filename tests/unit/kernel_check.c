@@ -104,6 +104,97 @@ static int check_mixers(void)
     return bad;
 }
 
+// A normal fp16 number's bits with exponent field e (value 2^(e - 15) (1 + mant / 1024)), and
+// its value.
+static uint16_t rnd_half(int e_lo, int e_hi, float *value)
+{
+    const int e = e_lo + rand() % (e_hi - e_lo + 1), mant = rand() % 1024, sign = rand() % 2;
+    *value = (sign ? -1.0f : 1.0f) * ldexpf(1.0f + mant / 1024.0f, e - 15);
+    return (uint16_t)(sign << 15 | e << 10 | mant);
+}
+
+// loom_linear_q8_vnni (the integer kernel of up to 8 rows, where the build has one) against
+// float64 sums of the weights' values times x as the kernel quantizes it: each group of 32 to
+// d (max |x| / 127) times two int8 digits, X = 256 a + b. Every stored form (8-bit, 4-bit,
+// IQ4 levels, 5-bit), fp16 minimums or none (symmetric: -zero x scale), with a bias or not,
+// rows ending in a whole quad of groups or 1 to 3 past it, 1 to 11 x rows, an odd N (the far
+// pairs' last row alone).
+static int check_vnni(void)
+{
+    enum { KMAX = 32 * 9, N = 5, MMAX = 11 };
+    static const int iq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
+                                217, 241};
+    static const int forms[4] = {8, 4, 4 | 0x100, 5};
+    static float x[MMAX * KMAX], xt[MMAX * KMAX], y[MMAX * N], bias[N], sf[N * KMAX / 32],
+        mf[N * KMAX / 32];
+    static uint16_t sh[N * KMAX / 32], mh[N * KMAX / 32];
+    static uint8_t w[N * KMAX];
+    static int v[N * KMAX];
+    int bad = 0;
+    for (int i = 0; i < N; i++) bias[i] = rnd();
+    for (int K = 32 * 4; K <= KMAX; K += 32 * 3) {  // 4, 7 and 9 groups
+        const int G = K / 32;
+        for (int i = 0; i < MMAX * K; i++) x[i] = 4.0f * rnd();
+        for (int i = 0; i < K; i++) x[i] = 0.0f;  // row 0's groups all zero: d 0
+        for (int i = 0; i < MMAX * G; i++) {  // x~, as quantize_x
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * i + j]));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                const float t = x[32 * i + j] * inv, a = rintf(t);
+                const float b = fminf(fmaxf(rintf((t - a) * 256.0f), -128.0f), 127.0f);
+                xt[32 * i + j] = (d / 256.0f) * (256.0f * a + b);
+            }
+        }
+        for (int f = 0; f < 4; f++) {
+            const int bits = forms[f], width = bits == 8 ? 8 : bits == 5 ? 5 : 4;
+            const int zero = bits == 4 ? 8 : bits == 5 ? 16 : 128;
+            for (int n = 0; n < N; n++) {
+                uint8_t *row = w + n * K * width / 8;
+                for (int g = 0; g < G; g++) {
+                    int q[32];
+                    uint32_t h = 0;
+                    for (int j = 0; j < 32; j++) {
+                        q[j] = rand() % (bits == 8 ? 256 : bits == 5 ? 32 : 16);
+                        v[n * K + 32 * g + j] = bits == (4 | 0x100) ? iq4[q[j]] : q[j];
+                        h |= (uint32_t)(q[j] >> 4 & 1) << j;
+                    }
+                    for (int j = 0; j < 32; j++)
+                        if (bits == 8) row[32 * g + j] = (uint8_t)q[j];
+                        else if (j < 16)
+                            row[16 * g + j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
+                    if (bits == 5)
+                        for (int b = 0; b < 4; b++) row[K / 2 + 4 * g + b] = (uint8_t)(h >> 8 * b);
+                    sh[n * G + g] = rnd_half(3, 6, &sf[n * G + g]);  // |s| 2^-12 .. 2^-8
+                    sh[n * G + g] &= 0x7FFF;
+                    sf[n * G + g] = fabsf(sf[n * G + g]);
+                    mh[n * G + g] = rnd_half(6, 10, &mf[n * G + g]);
+                }
+            }
+            for (int sym = 0; sym < 2; sym++)
+                for (int M = 1; M <= MMAX; M += M < 8 ? 1 : 3) {
+                    const float *b = M % 2 ? bias : NULL;
+                    if (loom_linear_q8_vnni(x, M, K, K, w, sh, sym ? NULL : mh, b, N, y, N, bits,
+                                            2))
+                        bad += 1000;
+                    for (int m = 0; m < M; m++)
+                        for (int n = 0; n < N; n++) {
+                            double want = b ? b[n] : 0.0, mag = 0.0;
+                            for (int k = 0; k < K; k++) {
+                                const int at = n * G + k / 32;
+                                const double wv = (double)v[n * K + k] * sf[at] +
+                                                  (sym ? -(double)zero * sf[at] : mf[at]);
+                                want += wv * xt[m * K + k];
+                                mag += fabs(wv * xt[m * K + k]);
+                            }
+                            bad += fabs(y[m * N + n] - want) > 1e-5 * mag + 1e-6;
+                        }
+                }
+        }
+    }
+    return bad;
+}
+
 int main(void)
 {
     enum { M = 11, K = 96, N = 7, D = 40 };
@@ -174,6 +265,9 @@ int main(void)
         }
     }
     bad += check_mixers();
+    bad += loom_vnni_available() ? check_vnni()
+                                 : loom_linear_q8_vnni(x, 1, K, K, q, NULL, NULL, NULL, N, y, N,
+                                                       8, 1) != -3;
     printf(bad ? "FAILED: %d\n" : "ok\n", bad);
     return bad != 0;
 }

@@ -55,10 +55,13 @@ def test_each_cpu_gets_its_best_build(cpu, name) -> None:
 
 def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
     cpu(["fp", "asimd", "asimddp"], "aarch64")
-    assert choose().variant == "neon"
-    assert not choose().five_bit
+    assert (choose().variant, choose().batch, choose().decode) == ("neon", "vnni", "vnni")
+    assert not choose().five_bit  # (its sdot kernel reads Q5 rows a byte a weight)
+    assert choose().same_bits_past_8  # one sdot kernel at every size, K-quants' too
+    assert (choose(batch_invariant=True).batch, choose(batch_invariant=True).decode) == (
+        "vnni", "vnni")  # so --batch-invariant keeps it
     cpu(["fp", "asimd"], "aarch64")
-    assert choose().variant == "generic"
+    assert (choose().variant, choose().decode) == ("generic", "fp32")
     with pytest.raises(KernelChoiceError, match="unknown CPU kernels 'avx2' for aarch64"):
         choose("avx2")
 

@@ -97,9 +97,11 @@ typedef struct {
     int64_t num_reqs;
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16, 3 int16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
-                              // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c
+                              // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c;
+                              // + VNNI_ALL (with 4): past 8 rows on VNNI too (the neon build)
 } Step;
 #define KQ_GEMM 8  // q8_decoder.py's
+#define VNNI_ALL 16
 
 // A thread of the one region a step runs in (NULL: op by op, each op its own region). `next`
 // walks the step's work counters, one an op, the same way in every thread.
@@ -177,7 +179,9 @@ static int linear_one(const Step *s, Team *t, const float *x, int64_t K, const L
                       const float *bias, int64_t N, float *y, int64_t ldy, int join,
                       int next_kq, int prepared)
 {
-    const int vnni = (s->kernel & 4) && s->M <= loom_linear_q8_direct_rows, batch = s->kernel & 3;
+    const int vnni = (s->kernel & 4) &&
+                     (s->M <= loom_linear_q8_direct_rows || (s->kernel & VNNI_ALL));
+    const int batch = s->kernel & 3;
     const int bits = (int)W->bits;
     if (W->kind == LOOM_LINEAR_F32) {  // no bias (a router): each thread its share of outputs
         if (!t) loom_linear_f32(x, s->M, K, (const float *)W->w, N, y, ldy, s->nt);
