@@ -5,7 +5,9 @@
 # the default model's shapes, one thread. No AArch64 timing: instructions only (a 128-bit NEON
 # core, Graviton 2 or Apple M, runs several a cycle).
 # Needs aarch64-linux-gnu-gcc and qemu-user (Debian; `make install-test` installs them).
+# Then the K-quant linears (linear_kquant.c's NEON form) on the 1.7B shape's 2048 x 2048.
 # Usage: benchmarks/aarch64_insns.sh [CALLS]   (default 3 calls a case)
+#        SO=/path/loom_aarch64_neon_*.so benchmarks/aarch64_insns.sh   (a build of other sources)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CALLS=${1:-3}
@@ -50,9 +52,12 @@ __attribute__((visibility("default"))) int qemu_plugin_install(qemu_plugin_id_t 
 }
 C
 gcc -shared -fPIC -O2 "$WORK/plugin.c" -o "$WORK/plugin.so"
-"$PY" -m loom.kernels.build --cc aarch64-linux-gnu-gcc --arch aarch64 --out "$WORK" >&2
-SO=$(ls "$WORK"/loom_aarch64_neon_*.so)
-aarch64-linux-gnu-gcc -O2 benchmarks/aarch64_insns.c "$SO" -o "$WORK/count" -lm -Wl,-rpath,"$WORK"
+if [ -z "${SO:-}" ]; then
+    "$PY" -m loom.kernels.build --cc aarch64-linux-gnu-gcc --arch aarch64 --out "$WORK" >&2
+    SO=$(ls "$WORK"/loom_aarch64_neon_*.so)
+fi
+aarch64-linux-gnu-gcc -O2 benchmarks/aarch64_insns.c "$SO" -o "$WORK/count" -lm \
+    -Wl,-rpath,"$(dirname "$SO")"
 count() {  # instructions of one run
     OMP_NUM_THREADS=1 qemu-aarch64 -plugin "$WORK/plugin.so" -L /usr/aarch64-linux-gnu \
         "$WORK/count" "$@" 2>&1 >/dev/null | tail -1
@@ -72,5 +77,16 @@ for shape in "3072 576 4" "576 1536 4" "576 576 4" "49152 576 8"; do
         done
         ratio=$(python3 -c "print(f'{${per[1]} / ${per[0]}:.2f}')")
         echo "| $N x $K, $BITS | $M | ${per[0]} | ${per[1]} | ${ratio}x |"
+    done
+done
+echo
+echo "| K-quant format (2048 x 2048) | rows | instructions a weight a call |"
+echo "|---|---|---|"
+for fmt in "Q2_K 10" "Q3_K 11" "Q4_K 12" "Q5_K 13" "Q6_K 14"; do
+    read -r NAME ID <<< "$fmt"
+    for M in 1 4 8; do
+        base=$(count kq "$M" 2048 2048 "$ID" 0)
+        run=$(count kq "$M" 2048 2048 "$ID" "$CALLS")
+        echo "| $NAME | $M | $(python3 -c "print(f'{($run - $base) / $CALLS / 2048 ** 2:.3f}')") |"
     done
 done

@@ -45,6 +45,15 @@ class Variant:
     batch: str = "fp32"
     decode: str = "fp32"
     about: str = ""
+    # K-quant linears (csrc/linear_kquant.c, loom.quant.kquant) up to 8 rows: integer dot
+    # products in AVX512-VNNI ("vnni"), AVX-512 BW ("avx512"), AVX2 ("avx2"), NEON ("neon":
+    # sdot, or its widening-multiply form without dot products) or portable C ("generic");
+    # past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows unpacked once a call against
+    # all rows, in AVX512-BF16 dot products ("bf16"), int16 ones with x in one int16 a
+    # super-block ("int16": 512-bit vpdpwssd in the vnni build, AVX2 vpmaddwd in the avx512 and
+    # avx2 ones) or portable fp32 ("fp32"); "int": the integer kernel above at every size.
+    kquant: str = "generic"
+    kquant_batch: str = "fp32"
 
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3
@@ -57,39 +66,32 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("amx", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mf16c",
                               "-mamx-tile", "-mamx-bf16", "-mtune=sapphirerapids"),
             _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx", "vnni",
-            "AMX tiles past 8 rows, AVX512-VNNI up to 8"),
+            "AMX tiles past 8 rows, AVX512-VNNI up to 8", "vnni", "bf16"),
     Variant("bf16", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
             _V4 | {"avx512_vnni", "avx512_bf16"}, "bf16", "vnni",
-            "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8"),
+            "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8", "vnni", "bf16"),
     # int16 past 8 rows rather than AVX-512 fp32 FMAs: 0.53-0.84x the time on the vnni build's
     # 512-bit tile, 0.64-0.87x on the avx512 build's AVX2 one (benchmarks/bench_q8_i16.py,
     # 128 rows, a Zen 4 running each build, 2026-12-04)
     Variant("vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
             _V4 | {"avx512_vnni"}, "int16", "vnni",
-            "AVX512-VNNI int16 dot products past 8 rows, AVX512-VNNI up to 8"),
+            "AVX512-VNNI int16 dot products past 8 rows, AVX512-VNNI up to 8", "vnni", "int16"),
     Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, "int16",
-            about="AVX2 int16 dot products past 8 rows, AVX-512 fp32 up to 8"),
+            about="AVX2 int16 dot products past 8 rows, AVX-512 fp32 up to 8", kquant="avx512",
+            kquant_batch="int16"),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "int16", "vnni",
-            "AVX2 int16 dot products past 8 rows and up to 8"),
+            "AVX2 int16 dot products past 8 rows and up to 8", "avx2", "int16"),
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
             about="portable x86-64 (SSE2)"),
+    # AArch64: the int8 grid's integer kernel at every size (chunks of 8 rows past 8: the same
+    # bits in any batch), the K-quants' too; neither timed on an ARM machine (instructions
+    # counted under qemu-user: docs/cpu_kernels.md)
     Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}),
-            batch="vnni", decode="vnni", about="AArch64 NEON sdot dot products"),
-    Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), about="portable AArch64"),
+            "vnni", "vnni", "AArch64 NEON sdot dot products", "neon", "int"),
+    Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), "vnni", "vnni",
+            "AArch64 NEON without dot products (widening multiplies)", "neon", "int"),
 )
 NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels choices
-# Each build's K-quant linears (csrc/linear_kquant.c, loom.quant.kquant): integer dot products in
-# AVX512-VNNI, AVX-512 BW or AVX2 (vpmaddubsw), NEON sdot, or portable C.
-KQUANT = {"amx": "vnni", "bf16": "vnni", "vnni": "vnni", "avx512": "avx512", "avx2": "avx2",
-          "neon": "neon", "generic": "generic"}
-# ... and past 8 rows (csrc/linear_kq_gemm.c): panels of weight rows unpacked once a call against
-# all rows, in AVX512-BF16 dot products ("bf16"), int16 ones with x in one int16 a super-block
-# ("int16", the x86 builds without BF16: 512-bit vpdpwssd in the vnni build, AVX2 vpmaddwd in
-# the others) or portable fp32 ("fp32", "generic");
-# "int": the integer kernel above at every size (NEON: its sdot kernel; --batch-invariant: the
-# same bits whatever the batch).
-KQUANT_BATCH = {"amx": "bf16", "bf16": "bf16", "vnni": "int16", "avx512": "int16",
-                "avx2": "int16", "neon": "int", "generic": "fp32"}
 
 
 class KernelChoiceError(ValueError):
@@ -180,15 +182,15 @@ class KernelChoice:
 
     @property
     def kquant(self) -> str:
-        """The K-quant linears' kernel up to 8 rows (KQUANT), and past 8 where kquant_batch is
-        "int": the same bits at any batch in a build."""
-        return KQUANT[self.variant]
+        """The K-quant linears' kernel up to 8 rows (Variant.kquant), and past 8 where
+        kquant_batch is "int": the same bits at any batch in a build."""
+        return variant(self.variant).kquant
 
     @property
     def kquant_batch(self) -> str:
-        """The K-quant linears' kernel past 8 rows (KQUANT_BATCH): "bf16", "int16", "fp32", or
-        "int" (the kernel of up to 8 rows; batch-invariant)."""
-        return "int" if self.batch_invariant else KQUANT_BATCH[self.variant]
+        """The K-quant linears' kernel past 8 rows (Variant.kquant_batch): "bf16", "int16",
+        "fp32" or "int" (the kernel of up to 8 rows; batch-invariant)."""
+        return "int" if self.batch_invariant else variant(self.variant).kquant_batch
 
     @property
     def same_bits_past_8(self) -> bool:

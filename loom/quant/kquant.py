@@ -134,8 +134,8 @@ class KQuantLinear(nn.Module):
         self.parts: dict[int, tuple[int, KBlocks | Int8Linear | torch.Tensor]] = {}
         # what loom.models.weight_map counts rows by (a layer filled by load_rows)
         self.weight_int8 = torch.empty((out_features, 0), dtype=torch.uint8)
-        # the kernel past 8 rows (loom.kernels.dispatch.KQUANT_BATCH; the loader sets it): "int"
-        # linear_kquant.c's at every size (batch-invariant), "bf16" / "int16" / "fp32"
+        # the kernel past 8 rows (loom.kernels.dispatch's Variant.kquant_batch; the loader sets
+        # it): "int" linear_kquant.c's at every size (batch-invariant), "bf16" / "int16" / "fp32"
         # linear_kq_gemm.c's
         self.batch_kernel = "int"
         # False where the blocks are another module's too (a tied head: the embedding's)

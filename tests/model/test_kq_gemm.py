@@ -137,12 +137,12 @@ def test_fused_linear_past_8_rows() -> None:
 def test_dispatch_names_the_kernel_past_8_rows() -> None:
     """The start-up line names it; --batch-invariant keeps the integer kernel at every size;
     the build loaded runs the code dispatch names."""
-    from loom.kernels.dispatch import KQUANT_BATCH, VARIANTS, choose
+    from loom.kernels.dispatch import choose, variant
 
     require_cpu_kernels()
-    assert set(KQUANT_BATCH) == {v.name for v in VARIANTS}
     choice = kernel_choice()
-    isa = {"bf16": 2, "int16": 1, "fp32": 0, "int": (0, 1, 2)}[KQUANT_BATCH[choice.variant]]
+    isa = {"bf16": 2, "int16": 1, "fp32": 0, "int": (0, 1, 2)}[
+        variant(choice.variant).kquant_batch]
     assert cpu_kernels().loom_kq_gemm_isa() in np.atleast_1d(isa)
     name = choice.kquant if choice.kquant_batch == "int" else choice.kquant_batch
     assert f"K-quant linears {choice.kquant} up to 8 rows, {name} past 8" in choice.describe()

@@ -261,10 +261,7 @@ def test_each_build_runs_the_kquant_kernel_dispatch_names() -> None:
     """loom.kernels.dispatch names each build's K-quant kernel (the start-up line says it); the
     build this process loaded compiled that code path."""
     from loom.kernels import kernel_choice
-    from loom.kernels.dispatch import KQUANT, VARIANTS
-
     require_cpu_kernels()
-    assert set(KQUANT) == {v.name for v in VARIANTS}
     isa = {"vnni": 4, "avx512": 3, "avx2": 2, "neon": 1, "generic": 0}
     choice = kernel_choice()
     assert cpu_kernels().loom_kq_isa() == isa[choice.kquant]

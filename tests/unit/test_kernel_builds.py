@@ -91,9 +91,10 @@ def test_every_x86_variant_builds_with_clang(monkeypatch) -> None:
                                           AARCH64_CC, "--arch", "aarch64", "--out", "{out}"])
 def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     """The AArch64 variants with Debian's cross gcc; where qemu-user is there, small C programs
-    linked to each run its int8 linear, quantizer and silu against plain loops, the neon
-    build's integer (sdot) int8 linear against float64 sums of x as it quantizes it, and its
-    K-quant linears (NEON sdot in the neon build; past 8 rows fp32) against a float64 product."""
+    linked to each run its int8 linear, quantizer and silu against plain loops, its integer
+    int8 linear (NEON sdot, or widening multiplies in the generic build) against float64 sums
+    of x as it quantizes it, and its K-quant linears (the same integer forms; the portable fp32
+    kernel past 8 rows) against a float64 product."""
     if shutil.which(AARCH64_CC) is None:
         pytest.skip("no aarch64-linux-gnu-gcc (make install-test installs it as root)")
     job = background.result("aarch64-build")

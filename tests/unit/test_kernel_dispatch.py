@@ -60,8 +60,13 @@ def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
     assert choose().same_bits_past_8  # one sdot kernel at every size, K-quants' too
     assert (choose(batch_invariant=True).batch, choose(batch_invariant=True).decode) == (
         "vnni", "vnni")  # so --batch-invariant keeps it
+    assert (choose().kquant, choose().kquant_batch) == ("neon", "int")
+    cpu(["fp", "asimd"], "aarch64")  # no dot products: the same kernels in widening multiplies
+    assert (choose().variant, choose().batch, choose().decode, choose().kquant) == (
+        "generic", "vnni", "vnni", "neon")
+    cpu(CPUS["zen3"][0])  # (x86's generic build: portable C)
+    assert (choose("generic").decode, choose("generic").kquant) == ("fp32", "generic")
     cpu(["fp", "asimd"], "aarch64")
-    assert (choose().variant, choose().decode) == ("generic", "fp32")
     with pytest.raises(KernelChoiceError, match="unknown CPU kernels 'avx2' for aarch64"):
         choose("avx2")
 

@@ -47,9 +47,9 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KQ_AVX2 1
 #include <immintrin.h>
-#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#elif defined(__ARM_NEON) && defined(__aarch64__)  // with dot products or without (neon_dot.h)
 #define KQ_NEON 1
-#include <arm_neon.h>
+#include "neon_dot.h"
 #endif
 
 #define RUN 16        // x values a scale (and the finest weight sub-block: Q6_K's)
@@ -943,8 +943,152 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     }
 }
 
+#elif defined(KQ_NEON)
+// NEON with dot products: a super-block's 256 integers unpacked into 16 int8 vectors, one a run
+// of 16 in weight order (Q4_K / Q5_K: q as stored, 0..31; Q6_K: q - 32, so its offsets' term
+// vanishes; Q2_K / Q3_K: q, unpacked portably); against each x row's digits of the run (x's runs
+// in natural order), sdot sums four products in each of four int32 lanes: 256 (a . q) + b . q,
+// and four runs' lanes are added pairwise (addp) into one vector of their four sums, converted
+// and scaled once (the runs' weight scales times their d / 256). The offsets' terms (Q4_K /
+// Q5_K: dmin m against each sub-block's sum of x~; Q2_K / Q3_K: a run's) come once a
+// super-block. An output's sum runs in the same order whatever M.
+
+// Run h's weights of a Q4_K / Q5_K / Q6_K super-block as int8: q[h]; other formats through
+// block_values.
+static inline __attribute__((always_inline)) void unpack_neon(const uint8_t *blk, const int fmt,
+                                                              int8x16_t q[16])
+{
+    if (fmt == Q4_K || fmt == Q5_K) {  // bytes 32j + 16u + i: runs 4j + u (low), 4j + 2 + u
+        const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
+        const uint8x16_t nib = vdupq_n_u8(15), b4 = vdupq_n_u8(16);
+        for (int j = 0; j < 4; j++)
+            for (int u = 0; u < 2; u++) {
+                const uint8x16_t v = vld1q_u8(qs + 32 * j + 16 * u);
+                uint8x16_t lo = vandq_u8(v, nib), hi = vshrq_n_u8(v, 4);
+                if (fmt == Q5_K) {  // bit t of qh byte l: weight 32t + l's 16 (run 2t + l / 16)
+                    const uint8x16_t h = vld1q_u8(blk + 16 + 16 * u);
+                    lo = vorrq_u8(lo, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(4 - 2 * j))), b4));
+                    hi = vorrq_u8(hi, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(3 - 2 * j))), b4));
+                }
+                q[4 * j + u] = vreinterpretq_s8_u8(lo);
+                q[4 * j + 2 + u] = vreinterpretq_s8_u8(hi);
+            }
+        return;
+    }
+    if (fmt == Q6_K) {  // run 8c + k: ql 64c + 16k (k < 4: low nibbles, else k - 4's high ones),
+        // bits 4-5 from qh 32c + 16 (k % 2), bits 2t, 2t + 1 (t = k / 2)
+        const uint8x16_t nib = vdupq_n_u8(15), b45 = vdupq_n_u8(0x30), k32 = vdupq_n_u8(32);
+        for (int c = 0; c < 2; c++) {
+            uint8x16_t ql[4], qh[2];
+            for (int i = 0; i < 4; i++) ql[i] = vld1q_u8(blk + 64 * c + 16 * i);
+            for (int i = 0; i < 2; i++) qh[i] = vld1q_u8(blk + 128 + 32 * c + 16 * i);
+            for (int k = 0; k < 8; k++) {
+                const uint8x16_t lo = k < 4 ? vandq_u8(ql[k], nib) : vshrq_n_u8(ql[k - 4], 4);
+                const uint8x16_t hb =
+                    vandq_u8(vshlq_u8(qh[k % 2], vdupq_n_s8((int8_t)(4 - 2 * (k / 2)))), b45);
+                q[8 * c + k] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(lo, hb), k32));
+            }
+        }
+        return;
+    }
+    uint8_t v[QK] __attribute__((aligned(16)));
+    block_values(blk, fmt, v);
+    for (int h = 0; h < 16; h++) q[h] = vreinterpretq_s8_u8(vld1q_u8(v + RUN * h));
+}
+
+// A super-block's weight scales, four runs a vector (sw[k]: runs 4k .. 4k + 3), and its
+// offsets: Q4_K / Q5_K dmin m of sub-blocks 0..3 and 4..7 (ow[0], ow[1]); Q2_K / Q3_K a run's
+// (ow[k]); none for Q6_K.
+static inline __attribute__((always_inline)) void scales_neon(const uint8_t *blk, const int fmt,
+                                                              float32x4_t sw[4],
+                                                              float32x4_t ow[4])
+{
+    if (fmt == Q4_K || fmt == Q5_K) {
+        uint64_t sc8, mn8;
+        k4_words(blk + 4, &sc8, &mn8);
+        const uint16x8_t sc = vmovl_u8(vcreate_u8(sc8)), mn = vmovl_u8(vcreate_u8(mn8));
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        const float32x4_t s0 = vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(sc))), d);
+        const float32x4_t s1 = vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_high_u16(sc))), d);
+        sw[0] = vzip1q_f32(s0, s0);  // a sub-block's scale for its two runs
+        sw[1] = vzip2q_f32(s0, s0);
+        sw[2] = vzip1q_f32(s1, s1);
+        sw[3] = vzip2q_f32(s1, s1);
+        ow[0] = vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(mn))), dmin);
+        ow[1] = vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_high_u16(mn))), dmin);
+        return;
+    }
+    if (fmt == Q6_K) {
+        const int16x8_t sc = vmovl_s8(vld1_s8((const int8_t *)blk + 192)),
+                        sc2 = vmovl_s8(vld1_s8((const int8_t *)blk + 200));
+        const float d = f16_at(blk + 208);
+        sw[0] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(sc))), d);
+        sw[1] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(sc))), d);
+        sw[2] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(sc2))), d);
+        sw[3] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(sc2))), d);
+        return;
+    }
+    float s[16], o[16];
+    block_scales(blk, fmt, s, o);
+    for (int k = 0; k < 4; k++) {
+        sw[k] = vld1q_f32(s + 4 * k);
+        ow[k] = vld1q_f32(o + 4 * k);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
+                                                         int64_t xs, const uint8_t *wr,
+                                                         const int fmt, const int one, int64_t K,
+                                                         float *out, int64_t ldy)
+{
+    const int bb = loom_kq_block_bytes(fmt);
+    const int far = K / QK * bb >= FAR_ROW;
+    float32x4_t acc[M_MAX];
+    for (int m = 0; m < M; m++) acc[m] = vdupq_n_f32(0.0f);
+    for (int64_t s = 0; s < K / QK; s++) {
+        const uint8_t *blk = wr + s * bb;
+        for (int i = 0; i < bb; i += 64) {
+            __builtin_prefetch(blk + PF + i);
+            if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
+        }
+        int8x16_t q[16];
+        float32x4_t sw[4], ow[4];
+        unpack_neon(blk, fmt, q);
+        scales_neon(blk, fmt, sw, ow);
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = (const int8_t *)(xq + m * xs) + s * QK, *b = a + K;
+            const float *dr = (const float *)(xq + m * xs + 2 * K) + s * 16, *sm = dr + K / RUN;
+            for (int k = 0; k < 4; k++) {
+                const int8x16x4_t ak = vld1q_s8_x4(a + 64 * k);
+                int32x4_t g[4];
+                if (one) {
+                    for (int u = 0; u < 4; u++)
+                        g[u] = loom_sdot(vdupq_n_s32(0), q[4 * k + u], ak.val[u]);
+                } else {
+                    const int8x16x4_t bk = vld1q_s8_x4(b + 64 * k);
+                    for (int u = 0; u < 4; u++)
+                        g[u] = loom_sdot(
+                            vshlq_n_s32(loom_sdot(vdupq_n_s32(0), q[4 * k + u], ak.val[u]), 8),
+                            q[4 * k + u], bk.val[u]);
+                }
+                const int32x4_t runs = vpaddq_s32(vpaddq_s32(g[0], g[1]), vpaddq_s32(g[2], g[3]));
+                acc[m] = vfmaq_f32(acc[m], vcvtq_f32_s32(runs),
+                                   vmulq_f32(sw[k], vld1q_f32(dr + 4 * k)));
+            }
+            if (fmt == Q4_K || fmt == Q5_K) {  // sm[8 + j]: sub-block j's sum of x~
+                acc[m] = vfmsq_f32(acc[m], ow[0], vld1q_f32(sm + 8));
+                acc[m] = vfmsq_f32(acc[m], ow[1], vld1q_f32(sm + 12));
+            } else if (fmt != Q6_K) {
+                for (int k = 0; k < 4; k++)
+                    acc[m] = vfmsq_f32(acc[m], ow[k], vld1q_f32(sm + 4 * k));
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) out[m * ldy] = vaddvq_f32(acc[m]);
+}
+
 #else
-// Portable (and NEON's, with sdot on q as signed bytes: every q is below 64).
+// Portable.
 static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, const int M,
                                                          int64_t xs, const uint8_t *wr,
                                                          const int fmt, const int one, int64_t K,
@@ -968,18 +1112,11 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
                 // the offsets' terms: sx a run (runs16), Q4_K / Q5_K sx a block of 32
                 const float mt = runs16(fmt) ? ow[h] * sm[h]
                                  : h & 1 ? 0.0f : ow[h] * sm[8 + h / 2];
-#if defined(KQ_NEON)
-                const int8x16_t w = vreinterpretq_s8_u8(vld1q_u8(q + RUN * h));
-                const int32_t ia = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(a + RUN * h)));
-                const int32_t ib =
-                    one ? 0 : vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w, vld1q_s8(b + RUN * h)));
-#else
                 int32_t ia = 0, ib = 0;
                 for (int i = 0; i < RUN; i++) {
                     ia += q[RUN * h + i] * a[RUN * h + i];
                     ib += one ? 0 : q[RUN * h + i] * b[RUN * h + i];
                 }
-#endif
                 acc[m][h] += (float)(one ? ia : 256 * ia + ib) * (sw[h] * dr[h]) - mt;
             }
         }

@@ -44,13 +44,14 @@
 #define HAVE_VNNI 1
 #include <immintrin.h>
 #include "half.h"
-#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && defined(__aarch64__)
-// AArch64 with dot products (the neon build: Graviton 2 and later, Apple M, Ampere Altra): the
-// same integers, x's two digits a and b as int8 against the weights' q as int8 in sdot (four
-// products into each of four int32 lanes): see the NEON section below.
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+// AArch64 (the neon build with dot products: Graviton 2 and later, Apple M, Ampere Altra; the
+// generic one without: Cortex-A53 / A72, Raspberry Pi 4): the same integers, x's two digits a
+// and b as int8 against the weights' q as int8 in sdot (four products into each of four int32
+// lanes; neon_dot.h) or its widening-multiply form: see the NEON section below.
 #define HAVE_VNNI 1
 #define VNNI_NEON 1
-#include <arm_neon.h>
+#include "neon_dot.h"
 #endif
 
 #define GROUP 32
@@ -665,9 +666,9 @@ static inline __attribute__((always_inline)) void quad_vnni(
             }
             const int8x16x4_t x = vld1q_s8_x4((const int8_t *)xm + (g0 + j) * 64);
             for (int r = 0; r < R; r++) {
-                const int32x4_t a = vdotq_s32(vdotq_s32(vdupq_n_s32(0), w[r][2 * j], x.val[0]),
+                const int32x4_t a = loom_sdot(loom_sdot(vdupq_n_s32(0), w[r][2 * j], x.val[0]),
                                               w[r][2 * j + 1], x.val[1]);
-                dot[r][j] = vdotq_s32(vdotq_s32(vshlq_n_s32(a, 8), w[r][2 * j], x.val[2]),
+                dot[r][j] = loom_sdot(loom_sdot(vshlq_n_s32(a, 8), w[r][2 * j], x.val[2]),
                                       w[r][2 * j + 1], x.val[3]);
             }
         }
