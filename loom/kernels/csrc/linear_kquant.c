@@ -78,7 +78,7 @@ int loom_kq_block_bytes(int fmt)
 }
 
 // Which SIMD code this build runs the K-quant kernels with: 4 AVX512-VNNI, 3 AVX-512 (BW),
-// 2 AVX2, 1 NEON with dot products, 0 portable C.
+// 2 AVX2, 1 NEON (sdot or its widening-multiply form), 0 portable C.
 int loom_kq_isa(void)
 {
 #if defined(KQ_AVX512) && defined(__AVX512VNNI__)
@@ -944,7 +944,8 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
 }
 
 #elif defined(KQ_NEON)
-// NEON with dot products: a super-block's 256 integers unpacked into 16 int8 vectors, one a run
+// AArch64 NEON (sdot, or without dot products its widening-multiply form: neon_dot.h): a
+// super-block's 256 integers unpacked into 16 int8 vectors, one a run
 // of 16 in weight order (Q4_K / Q5_K: q as stored, 0..31; Q6_K: q - 32, so its offsets' term
 // vanishes; Q2_K / Q3_K: q, unpacked portably); against each x row's digits of the run (x's runs
 // in natural order), sdot sums four products in each of four int32 lanes: 256 (a . q) + b . q,

@@ -1,5 +1,6 @@
-// The int8 linear of linear_q8.c for decode (up to 8 rows) in integer dot products
-// (AVX512-VNNI's vpdpwssd: 32 products of int16 pairs a vector): y[M, N] = x[M, K] @
+// The int8 linear of linear_q8.c for decode (steps of up to 8 rows; on AArch64 every step) in
+// integer dot products (AVX512-VNNI's vpdpwssd: 32 products of int16 pairs a vector; AVX2's
+// vpmaddwd, AArch64's sdot: the AVX2 and NEON sections below): y[M, N] = x[M, K] @
 // dequant(w)[N, K]^T + bias, w ~ q * scale + min in groups of 32 along K, the scales and
 // minimums read as fp16.
 //
@@ -103,7 +104,8 @@
 
 #define SCRATCH_X 3   // loom_scratch's slot for the quantized x
 
-// 1 if this build has the VNNI kernel (the compiler targets AVX512-VNNI), 0 if not.
+// 1 if this build has the VNNI kernel (the compiler targets AVX512-VNNI, AVX2 or AArch64), 0 if
+// not.
 int loom_vnni_available(void)
 {
 #ifdef HAVE_VNNI

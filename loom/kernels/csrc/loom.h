@@ -225,7 +225,8 @@ void loom_linear_q8_bf16_team(const uint16_t *xb, int64_t M, int64_t K, const ui
                               int64_t N, float *y, int64_t ldy, int bits, int64_t *next,
                               int team);
 
-// AVX512-VNNI (linear_vnni.c), up to loom_linear_q8_direct_rows rows: scales and minimums as
+// Integer dot products (linear_vnni.c: AVX512-VNNI, AVX2 or AArch64 NEON), up to
+// loom_linear_q8_direct_rows rows (any number on AArch64, in chunks): scales and minimums as
 // fp16 copies (minimums NULL: -8 (4-bit values) or -128 (8-bit, IQ4) times each scale); each
 // thread's x buffer reserved before a team runs.
 int loom_vnni_available(void);
