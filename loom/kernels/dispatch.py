@@ -12,12 +12,12 @@ picks a variant by name, `--batch-invariant` the kernels whose bits do not depen
 
 Kernels by name (loom.quant.int8): batch "fp32" (linear_q8.c: fp32 products, a request's bits
 the same in any batch), "bf16" (AVX512-BF16 dot products, bf16 precision), "amx" (AMX tiles,
-fp32 precision; the bits depend on whether a step has more than 8 rows), "vnni" (the neon
-build: the decode kernel below in chunks of 8 rows, the same bits at any batch), "int16" (AVX2
+fp32 precision; the bits depend on whether a step has more than 8 rows), "vnni" (the AArch64
+builds: the decode kernel below in chunks of 8 rows, the same bits at any batch), "int16" (AVX2
 vpmaddwd, linear_kq_gemm.c: each super-block of 256 weights rounded to 13-bit integers, x to 15
 bits a super-block; the same dependence); decode "fp32" or
 "vnni" (integer dot products, x in two int8 digits a group: AVX512-VNNI's vpdpwssd, in the
-AVX2 build vpmaddwd, in the AArch64 neon build sdot, the same integers).
+AVX2 build vpmaddwd, in the AArch64 builds sdot or widening multiplies, the same integers).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def choose(name: str = "auto", batch_invariant: bool = False,
     """The kernels for --cpu-kernels `name`: "auto" takes the best variant this CPU runs and
     whose build did not fail (`failed`), a name that variant (KernelChoiceError where the CPU
     lacks what it needs or its build failed). `batch_invariant`: int8 linears whose bits do not
-    depend on the batch (the fp32 kernels; the neon build's own)."""
+    depend on the batch (the fp32 kernels; the AArch64 builds' own)."""
     usable = [v for v in variants() if runs_here(v) and v.name not in failed]
     if name == "auto":
         if not usable:
@@ -229,7 +229,7 @@ def choose(name: str = "auto", batch_invariant: bool = False,
         if v not in usable:
             raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
     # batch_invariant: the fp32 kernels, except where one integer kernel runs every size (the
-    # neon build's sdot: its bits are already the same in any batch)
+    # AArch64 builds': its bits are already the same in any batch)
     same = v.batch == v.decode == "vnni"
     batch, decode = ("fp32", "fp32") if batch_invariant and not same else (v.batch, v.decode)
     return KernelChoice(v.name, batch, decode, "int8", batch_invariant, name != "auto")

@@ -40,7 +40,7 @@ from loom.threads import TeamSize
 
 BATCH_CODES = {"fp32": 0, "amx": 1, "bf16": 2, "int16": 3}  # decoder_q8.c's `kernel`, low bits
 DECODE_VNNI = 4  # its flag for decode_kernel "vnni"
-VNNI_ALL = 16  # ... and for batch_kernel "vnni": the same kernel past 8 rows (the neon build)
+VNNI_ALL = 16  # ... and for batch_kernel "vnni": the same kernel past 8 rows (AArch64 builds)
 KQ_GEMM = 8  # its flag for K-quant linears' batch_kernel past 8 rows (linear_kq_gemm.c)
 
 

@@ -40,8 +40,9 @@ group of 32 (16 significant bits), the weights as they are, scales and minimums 
 copies (GGUF's own precision; 4 bytes a group more memory, 2 for symmetric groups): a little
 faster than the fp32 kernel, near fp32's top-1 agreement (docs/cpu_kernels.md has both
 figures). A request's bits then depend on whether its step had more than 8 rows. The AVX2
-build runs the same integers in `vpmaddwd`, the AArch64 neon build in `sdot`, and there past 8
-rows too (batch kernel `vnni`: chunks of 8 rows, the same bits at any batch).
+build runs the same integers in `vpmaddwd`, the AArch64 builds in `sdot` (or widening
+multiplies without it), and those past 8 rows too (batch kernel `vnni`: chunks of 8 rows, the
+same bits at any batch).
 
 Outputs return in the activations' dtype. Quality is tested against the unquantized reference
 by top-1 agreement and a logit-error bound.
@@ -300,7 +301,7 @@ class Int8Embedding(_OnGrid, nn.Module):
 class Int8Linear(_OnGrid, nn.Module):
     # The kernel for products of more than 8 rows: "fp32" (linear_q8.c, the same bits whatever
     # the batch), "amx", "bf16", "int16" or "vnni" (the decode kernel in chunks of 8 rows: the
-    # neon build's; see the module doc). Set by the loader.
+    # AArch64 builds'; see the module doc). Set by the loader.
     batch_kernel = "fp32"
     # fp16 copies of the scales and minimums: set (by use_vnni), products of up to 8 rows run
     # on the VNNI kernel (decode_kernel "vnni"), which reads them; the minimums None where

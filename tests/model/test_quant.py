@@ -361,8 +361,8 @@ def test_int8_decoder_stack_matches_module_path(streams, kernel) -> None:
 
 @pytest.mark.slow
 def test_vnni_batch_kernel_keeps_a_streams_bits_past_8_rows() -> None:
-    """Batch kernel "vnni" (the neon build's: its sdot kernel at every size, in chunks of 8
-    rows), run here on this CPU's own integer decode kernel: 9 prompts and a 9-stream decode
+    """Batch kernel "vnni" (the AArch64 builds': their integer kernel at every size, in chunks
+    of 8 rows), run here on this CPU's own integer decode kernel: 9 prompts and a 9-stream decode
     step in the C stack (op by op past 8 rows, kernel code 4 | 16) give the module path's bits,
     and each stream the logits it gets alone."""
     require_cpu_kernels()

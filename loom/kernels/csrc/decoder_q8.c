@@ -98,7 +98,7 @@ typedef struct {
     int nt, kv_type, kernel;  // linears past 8 rows: 0 AVX, 1 AMX, 2 bf16, 3 int16 (batch_kernel);
                               // + 4: up to 8 rows on VNNI (decode_kernel), else AVX;
                               // + KQ_GEMM: K-quant ones past 8 rows on linear_kq_gemm.c;
-                              // + VNNI_ALL (with 4): past 8 rows on VNNI too (the neon build)
+                              // + VNNI_ALL (with 4): past 8 rows on VNNI too (AArch64 builds)
 } Step;
 #define KQ_GEMM 8  // q8_decoder.py's
 #define VNNI_ALL 16
