@@ -75,9 +75,14 @@
 #ifdef VNNI_512
 #define R_OF(bits, M) ((bits) == 8 && (M) == 1 ? 1 : UNIT)  // rows at once
 #define FAR_8(M) ((M) >= 2)                                 // 8-bit rows as far pairs
+#elif defined(VNNI_NEON) && defined(__ARM_FEATURE_DOTPROD)  // 32 registers: a pair of weight
+// rows at every M (0.92-0.96x the instructions of one row at a time at three to eight x rows,
+// counted under qemu: untimed; sdot's widening-multiply form spills with a pair, 1.09x at four)
+#define R_OF(bits, M) UNIT
+#define FAR_8(M) 1
 #else  // AVX2: past two x rows one weight row at a time (16 registers: a pair's sums spilled;
-       // alone 0.82-0.95x the time at three to eight rows, one thread, Zen 4 as AVX2). NEON
-       // takes the AVX2 form's rules (no AArch64 machine has timed them).
+       // alone 0.82-0.95x the time at three to eight rows, one thread, Zen 4 as AVX2); AArch64
+       // without dot products too
 #define R_OF(bits, M) ((M) > 2 ? 1 : UNIT)
 #define FAR_8(M) 1
 #endif
