@@ -3,11 +3,12 @@
 # machine: the neon build's fp32 kernel (linear_q8.c: in registers up to 8 rows, converted
 # blocks past) against its sdot one (linear_vnni.c's NEON form; past 8 rows in chunks of 8), on
 # the default model's shapes, one thread. No AArch64 timing: instructions only (a 128-bit NEON
-# core, Graviton 2 or Apple M, runs several a cycle).
+# core, Graviton 2 or Apple M, runs several a cycle). Then the K-quant linears (linear_kquant.c's
+# NEON form) on the 1.7B shape's 2048 x 2048.
 # Needs aarch64-linux-gnu-gcc and qemu-user (Debian; `make install-test` installs them).
-# Then the K-quant linears (linear_kquant.c's NEON form) on the 1.7B shape's 2048 x 2048.
 # Usage: benchmarks/aarch64_insns.sh [CALLS]   (default 3 calls a case)
-#        SO=/path/loom_aarch64_neon_*.so benchmarks/aarch64_insns.sh   (a build of other sources)
+#        SO=/path/loom_aarch64_*.so benchmarks/aarch64_insns.sh   (the generic build, or a build
+#                                                                   of other sources)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CALLS=${1:-3}
@@ -62,6 +63,12 @@ count() {  # instructions of one run
     OMP_NUM_THREADS=1 qemu-aarch64 -plugin "$WORK/plugin.so" -L /usr/aarch64-linux-gnu \
         "$WORK/count" "$@" 2>&1 >/dev/null | tail -1
 }
+per_weight() {  # KERNEL M K N BITS: instructions a weight a call (CALLS calls less none)
+    local base run
+    base=$(count "$@" 0)
+    run=$(count "$@" "$CALLS")
+    python3 -c "print(f'{($run - $base) / $CALLS / ($3 * $4):.3f}')"
+}
 echo "| shape (N x K, bits) | rows | fp32 kernel: instructions a weight a call | sdot kernel |" \
      "sdot / fp32 |"
 echo "|---|---|---|---|---|"
@@ -71,9 +78,7 @@ for shape in "3072 576 4" "576 1536 4" "576 576 4" "49152 576 8"; do
     for M in 1 4 8 64; do
         per=()
         for kernel in f32 vnni; do
-            base=$(count "$kernel" "$M" "$K" "$N" "$BITS" 0)
-            run=$(count "$kernel" "$M" "$K" "$N" "$BITS" "$CALLS")
-            per+=("$(python3 -c "print(f'{($run - $base) / $CALLS / ($N * $K):.3f}')")")
+            per+=("$(per_weight "$kernel" "$M" "$K" "$N" "$BITS")")
         done
         ratio=$(python3 -c "print(f'{${per[1]} / ${per[0]}:.2f}')")
         echo "| $N x $K, $BITS | $M | ${per[0]} | ${per[1]} | ${ratio}x |"
@@ -85,8 +90,6 @@ echo "|---|---|---|"
 for fmt in "Q2_K 10" "Q3_K 11" "Q4_K 12" "Q5_K 13" "Q6_K 14"; do
     read -r NAME ID <<< "$fmt"
     for M in 1 4 8; do
-        base=$(count kq "$M" 2048 2048 "$ID" 0)
-        run=$(count kq "$M" 2048 2048 "$ID" "$CALLS")
-        echo "| $NAME | $M | $(python3 -c "print(f'{($run - $base) / $CALLS / 2048 ** 2:.3f}')") |"
+        echo "| $NAME | $M | $(per_weight kq "$M" 2048 2048 "$ID") |"
     done
 done

@@ -66,30 +66,33 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("amx", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mf16c",
                               "-mamx-tile", "-mamx-bf16", "-mtune=sapphirerapids"),
             _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx", "vnni",
-            "AMX tiles past 8 rows, AVX512-VNNI up to 8", "vnni", "bf16"),
+            "AMX tiles past 8 rows, AVX512-VNNI up to 8", kquant="vnni", kquant_batch="bf16"),
     Variant("bf16", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
             _V4 | {"avx512_vnni", "avx512_bf16"}, "bf16", "vnni",
-            "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8", "vnni", "bf16"),
+            "AVX512-BF16 past 8 rows, AVX512-VNNI up to 8", kquant="vnni", kquant_batch="bf16"),
     # int16 past 8 rows rather than AVX-512 fp32 FMAs: 0.53-0.84x the time on the vnni build's
     # 512-bit tile, 0.64-0.87x on the avx512 build's AVX2 one (benchmarks/bench_q8_i16.py,
     # 128 rows, a Zen 4 running each build, 2026-12-04)
     Variant("vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
             _V4 | {"avx512_vnni"}, "int16", "vnni",
-            "AVX512-VNNI int16 dot products past 8 rows, AVX512-VNNI up to 8", "vnni", "int16"),
+            "AVX512-VNNI int16 dot products past 8 rows, AVX512-VNNI up to 8", kquant="vnni",
+            kquant_batch="int16"),
     Variant("avx512", "x86_64", ("-march=x86-64-v4",), _V4, "int16",
             about="AVX2 int16 dot products past 8 rows, AVX-512 fp32 up to 8", kquant="avx512",
             kquant_batch="int16"),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "int16", "vnni",
-            "AVX2 int16 dot products past 8 rows and up to 8", "avx2", "int16"),
+            "AVX2 int16 dot products past 8 rows and up to 8", kquant="avx2",
+            kquant_batch="int16"),
     Variant("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset(),
             about="portable x86-64 (SSE2)"),
     # AArch64: the int8 grid's integer kernel at every size (chunks of 8 rows past 8: the same
     # bits in any batch), the K-quants' too; neither timed on an ARM machine (instructions
     # counted under qemu-user: docs/cpu_kernels.md)
     Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}),
-            "vnni", "vnni", "AArch64 NEON sdot dot products", "neon", "int"),
+            "vnni", "vnni", "AArch64 NEON sdot dot products", kquant="neon", kquant_batch="int"),
     Variant("generic", "aarch64", ("-march=armv8-a",), frozenset(), "vnni", "vnni",
-            "AArch64 NEON without dot products (widening multiplies)", "neon", "int"),
+            "AArch64 NEON without dot products (widening multiplies)", kquant="neon",
+            kquant_batch="int"),
 )
 NAMES = ("auto", *dict.fromkeys(v.name for v in VARIANTS))  # the --cpu-kernels choices
 
@@ -228,11 +231,12 @@ def choose(name: str = "auto", batch_invariant: bool = False,
                                     "which this CPU lacks")
         if v not in usable:
             raise KernelChoiceError(f"CPU kernels {name!r} failed to build (see the log)")
-    # batch_invariant: the fp32 kernels, except where one integer kernel runs every size (the
-    # AArch64 builds': its bits are already the same in any batch)
-    same = v.batch == v.decode == "vnni"
-    batch, decode = ("fp32", "fp32") if batch_invariant and not same else (v.batch, v.decode)
-    return KernelChoice(v.name, batch, decode, "int8", batch_invariant, name != "auto")
+    own = KernelChoice(v.name, v.batch, v.decode, "int8", False, name != "auto")
+    # batch_invariant: the fp32 kernels, unless the build's own already keep a row's bits past
+    # 8 rows (the AArch64 builds: one integer kernel at every size)
+    if batch_invariant and not own.same_bits_past_8:
+        own = replace(own, batch="fp32", decode="fp32")
+    return replace(own, batch_invariant=batch_invariant)
 
 
 def granted(choice: KernelChoice, amx_tiles: bool) -> KernelChoice:

@@ -52,6 +52,22 @@ static int close_arrays(const float *a, const float *b, int64_t n, double tol)
     return bad;
 }
 
+// Group g of a row of K weights (q: its 32 values) as `bits` stores it (loom.h): a byte each
+// (8), two a byte in GGUF's nibble order (4, 4 | LOOM_Q8_LEVELS: level indices), or those
+// nibbles with each group's fifth bits as a 32-bit word past the row's K / 2 bytes (LOOM_Q8_Q5).
+static void pack_group(const uint8_t *q, int bits, int K, int g, uint8_t *row)
+{
+    if (bits == 8) {
+        memcpy(row + 32 * g, q, 32);
+        return;
+    }
+    for (int j = 0; j < 16; j++) row[16 * g + j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
+    if (bits != LOOM_Q8_Q5) return;
+    uint32_t h = 0;
+    for (int j = 0; j < 32; j++) h |= (uint32_t)(q[j] >> 4 & 1) << j;
+    for (int b = 0; b < 4; b++) row[K / 2 + 4 * g + b] = (uint8_t)(h >> 8 * b);
+}
+
 // Gated DeltaNet's and Mamba2's steps on a prompt of 21 rows (two chunks of 8 and a part one)
 // from nonzero states: the chunkwise forms (chunked 1) against token by token (chunked 0),
 // outputs and states; heads 24 wide (a vector and a part one in every build's lanes).
@@ -105,10 +121,11 @@ static int check_mixers(void)
 }
 
 // A normal fp16 number's bits with exponent field e (value 2^(e - 15) (1 + mant / 1024)), and
-// its value.
-static uint16_t rnd_half(int e_lo, int e_hi, float *value)
+// its value: positive, or either sign (`signs`).
+static uint16_t rnd_half(int e_lo, int e_hi, int signs, float *value)
 {
-    const int e = e_lo + rand() % (e_hi - e_lo + 1), mant = rand() % 1024, sign = rand() % 2;
+    const int e = e_lo + rand() % (e_hi - e_lo + 1), mant = rand() % 1024;
+    const int sign = signs ? rand() % 2 : 0;
     *value = (sign ? -1.0f : 1.0f) * ldexpf(1.0f + mant / 1024.0f, e - 15);
     return (uint16_t)(sign << 15 | e << 10 | mant);
 }
@@ -122,9 +139,7 @@ static uint16_t rnd_half(int e_lo, int e_hi, float *value)
 static int check_vnni(void)
 {
     enum { KMAX = 32 * 9, N = 5, MMAX = 11 };
-    static const int iq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
-                                217, 241};
-    static const int forms[4] = {8, 4, 4 | 0x100, 5};
+    static const int forms[4] = {8, 4, 4 | LOOM_Q8_LEVELS, LOOM_Q8_Q5};
     static float x[MMAX * KMAX], xt[MMAX * KMAX], y[MMAX * N], bias[N], sf[N * KMAX / 32],
         mf[N * KMAX / 32];
     static uint16_t sh[N * KMAX / 32], mh[N * KMAX / 32];
@@ -147,30 +162,18 @@ static int check_vnni(void)
             }
         }
         for (int f = 0; f < 4; f++) {
-            const int bits = forms[f], width = bits == 8 ? 8 : bits == 5 ? 5 : 4;
-            const int zero = bits == 4 ? 8 : bits == 5 ? 16 : 128;
-            for (int n = 0; n < N; n++) {
-                uint8_t *row = w + n * K * width / 8;
+            const int bits = forms[f], zero = loom_q8_zero(bits);
+            for (int n = 0; n < N; n++)
                 for (int g = 0; g < G; g++) {
-                    int q[32];
-                    uint32_t h = 0;
+                    uint8_t q[32];
                     for (int j = 0; j < 32; j++) {
-                        q[j] = rand() % (bits == 8 ? 256 : bits == 5 ? 32 : 16);
-                        v[n * K + 32 * g + j] = bits == (4 | 0x100) ? iq4[q[j]] : q[j];
-                        h |= (uint32_t)(q[j] >> 4 & 1) << j;
+                        q[j] = (uint8_t)(rand() % (1 << LOOM_Q8_WIDTH(bits)));
+                        v[n * K + 32 * g + j] = bits & LOOM_Q8_LEVELS ? loom_iq4_q[q[j]] : q[j];
                     }
-                    for (int j = 0; j < 32; j++)
-                        if (bits == 8) row[32 * g + j] = (uint8_t)q[j];
-                        else if (j < 16)
-                            row[16 * g + j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
-                    if (bits == 5)
-                        for (int b = 0; b < 4; b++) row[K / 2 + 4 * g + b] = (uint8_t)(h >> 8 * b);
-                    sh[n * G + g] = rnd_half(3, 6, &sf[n * G + g]);  // |s| 2^-12 .. 2^-8
-                    sh[n * G + g] &= 0x7FFF;
-                    sf[n * G + g] = fabsf(sf[n * G + g]);
-                    mh[n * G + g] = rnd_half(6, 10, &mf[n * G + g]);
+                    pack_group(q, bits, K, g, w + n * K * LOOM_Q8_WIDTH(bits) / 8);
+                    sh[n * G + g] = rnd_half(3, 6, 0, &sf[n * G + g]);  // s 2^-12 .. 2^-8
+                    mh[n * G + g] = rnd_half(6, 10, 1, &mf[n * G + g]);
                 }
-            }
             for (int sym = 0; sym < 2; sym++)
                 for (int M = 1; M <= MMAX; M += M < 8 ? 1 : 3) {
                     const float *b = M % 2 ? bias : NULL;
@@ -216,33 +219,17 @@ int main(void)
     for (int i = 0; i < N * K; i++) v[i] = q[i];
     bad += check_packed(x, M, K, N, q, 8, v, scales, mins, y);
     // IQ4_NL level indices two a byte (bits 4 | LOOM_Q8_LEVELS): q's low nibbles, each standing
-    // for its level + 128
-    static const int iq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
-                                217, 241};
-    static uint8_t q4[N * K / 2];
-    for (int n = 0; n < N; n++)
-        for (int g = 0; g < K / 32; g++)
-            for (int j = 0; j < 16; j++) {
-                const uint8_t *v = q + n * K + g * 32;
-                q4[n * K / 2 + g * 16 + j] = (uint8_t)((v[j] & 15) | (v[j + 16] & 15) << 4);
-            }
-    for (int i = 0; i < N * K; i++) v[i] = iq4[q[i] & 15];
-    bad += check_packed(x, M, K, N, q4, 4 | 0x100, v, scales, mins, y);
-    // the 5-bit form (bits 5): q's low five bits, a row's nibbles then its fifth bits (a 32-bit
-    // word a group, bit j for value j)
-    static uint8_t q5[N * K * 5 / 8];
+    // for its level + 128; the 5-bit form (LOOM_Q8_Q5): q's low five bits
+    static uint8_t q4[N * K / 2], q5[N * K * 5 / 8];
     for (int n = 0; n < N; n++)
         for (int g = 0; g < K / 32; g++) {
-            const uint8_t *v = q + n * K + g * 32;
-            uint8_t *row = q5 + n * K * 5 / 8;
-            uint32_t h = 0;
-            for (int j = 0; j < 16; j++)
-                row[g * 16 + j] = (uint8_t)((v[j] & 15) | (v[j + 16] & 15) << 4);
-            for (int j = 0; j < 32; j++) h |= (uint32_t)(v[j] >> 4 & 1) << j;
-            for (int b = 0; b < 4; b++) row[K / 2 + 4 * g + b] = (uint8_t)(h >> 8 * b);
+            pack_group(q + n * K + g * 32, 4, K, g, q4 + n * K / 2);
+            pack_group(q + n * K + g * 32, LOOM_Q8_Q5, K, g, q5 + n * K * 5 / 8);
         }
+    for (int i = 0; i < N * K; i++) v[i] = loom_iq4_q[q[i] & 15];
+    bad += check_packed(x, M, K, N, q4, 4 | LOOM_Q8_LEVELS, v, scales, mins, y);
     for (int i = 0; i < N * K; i++) v[i] = q[i] & 31;
-    bad += check_packed(x, M, K, N, q5, 5, v, scales, mins, y);
+    bad += check_packed(x, M, K, N, q5, LOOM_Q8_Q5, v, scales, mins, y);
     static float gu[3 * 2 * D], out[3 * D];
     for (int i = 0; i < 3 * 2 * D; i++) gu[i] = 8.0f * rnd();
     loom_silu_mul_f32(gu, out, 3, D, 2);

@@ -70,6 +70,16 @@
 #define PF_FAR 8192
 #define FAR_ROW 1024
 
+// A super-block's bytes (bb at blk) prefetched PF ahead, and PF_FAR into L2 in a row that is far.
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *blk, int bb,
+                                                                 int far)
+{
+    for (int i = 0; i < bb; i += 64) {
+        __builtin_prefetch(blk + PF + i);
+        if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
+    }
+}
+
 // Bytes of one super-block of `fmt`; 0 for a format this file does not run.
 int loom_kq_block_bytes(int fmt)
 {
@@ -738,10 +748,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     if (ahead) unpack512(wr, fmt, Wn, &swn, &own);
     for (int64_t s = 0; s < K / QK; s++) {
         const uint8_t *blk = wr + s * bb;
-        for (int i = 0; i < bb; i += 64) {
-            __builtin_prefetch(blk + PF + i);
-            if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
-        }
+        prefetch_block(blk, bb, far);
         if (!ahead) unpack512(blk, fmt, Wn, &swn, &own);
         const __m512i W[4] = {Wn[0], Wn[1], Wn[2], Wn[3]};
         const __m512 sw = swn, ow = own;
@@ -905,10 +912,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < K / QK; s++) {
         const uint8_t *blk = wr + s * bb;
-        for (int i = 0; i < bb; i += 64) {
-            __builtin_prefetch(blk + PF + i);
-            if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
-        }
+        prefetch_block(blk, bb, far);
         __m256 sw[2], ow[2];
         scales256(blk, fmt, sw, ow);
         for (int i = 0; i < 2; i++) {
@@ -1048,10 +1052,7 @@ static inline __attribute__((always_inline)) void row_kq(const uint8_t *xq, cons
     for (int m = 0; m < M; m++) acc[m] = vdupq_n_f32(0.0f);
     for (int64_t s = 0; s < K / QK; s++) {
         const uint8_t *blk = wr + s * bb;
-        for (int i = 0; i < bb; i += 64) {
-            __builtin_prefetch(blk + PF + i);
-            if (far) __builtin_prefetch(blk + PF_FAR + i, 0, 2);
-        }
+        prefetch_block(blk, bb, far);
         int8x16_t q[16];
         float32x4_t sw[4], ow[4];
         unpack_neon(blk, fmt, q);
