@@ -27,6 +27,8 @@ import os
 import statistics
 import sys
 
+from loom.darwin import performance_cores
+
 logger = logging.getLogger(__name__)
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
@@ -75,11 +77,13 @@ def available_cpus() -> int:
     which `os.cpu_count()` ignores (a server pinned to 2 of 16 cores, or limited to 2 CPUs' time
     on them, would start 16 threads, which a quota then throttles in turn). A fractional quota
     rounds down (OpenMP's threads wait for each other at every parallel region: one throttled
-    thread stalls them all), to 1 at least."""
+    thread stalls them all), to 1 at least. On Apple Silicon the performance cores alone
+    (loom.darwin.performance_cores: a thread on an efficiency core stalls the rest the same
+    way)."""
     if hasattr(os, "sched_getaffinity"):
         cpus = len(os.sched_getaffinity(0))
     else:
-        cpus = os.cpu_count() or 1
+        cpus = performance_cores() or os.cpu_count() or 1
     quota = cpu_quota()
     return cpus if quota is None else max(1, min(cpus, int(quota)))
 
@@ -142,7 +146,11 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
 
 
 def set_num_threads(num_threads: int | None) -> None:
-    """torch's intra-op thread count; None keeps torch's default (one per core it may use)."""
+    """torch's intra-op thread count (the C kernels take the same); None keeps torch's default
+    (one per core it may use), except on Apple Silicon: its performance cores, where torch
+    would count the efficiency cores too (loom.darwin.performance_cores)."""
+    if num_threads is None:
+        num_threads = performance_cores()
     if num_threads is None:
         return
     if num_threads < 1:

@@ -17,18 +17,27 @@ Flags are per file, so gcc and clang build the same arithmetic (clang ignores gc
 linears, the quantizer and argmax in IEEE order (a request's bits then do not depend on its
 batch, the quantizer matches torch's, argmax sees NaN), the decoder stack also without fused
 multiply-adds (its embedding look-up rounds as torch's mul then add).
+
+OpenMP (`openmp`, probed where a variant has no build yet): `-fopenmp` (gcc; clang with its
+runtime); else, as Apple's clang needs, `-Xpreprocessor -fopenmp` linked to the runtime torch
+ships (torch/lib/libomp.dylib: one OpenMP runtime in the process, torch's) or Homebrew's
+libomp; else none, loudly: the kernels then run on one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import importlib.util
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from loom.kernels.dispatch import Variant, machine, runs_here, variants
@@ -38,7 +47,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.c", "layer_ops.c", "argmax.c", "linear_q8.c", "linear_amx.c",
            "linear_bf16.c", "linear_vnni.c", "linear_kquant.c", "linear_kq_gemm.c",
            "decoder_q8.c", "norm_act.c", "gated_delta.c", "mamba2.c", "shortconv.c")
-COMMON = ("-O3", "-fPIC", "-fopenmp", "-Wall", "-Wno-psabi")
+COMMON = ("-O3", "-fPIC", "-Wall", "-Wno-psabi")
 FILE_FLAGS = {
     "paged_attention.c": ("-ffast-math",),
     "layer_ops.c": ("-ffast-math",),
@@ -48,6 +57,8 @@ FILE_FLAGS = {
 IEEE = ("-fno-fast-math", "-ffp-contract=fast")  # every other file
 # libmvec holds the vector expf that -ffast-math loops call; not every libc has it
 LINK_LIBS = (("-lmvec", "-lm"), ("-lm",))
+
+logger = logging.getLogger(__name__)
 
 
 class BuildError(RuntimeError):
@@ -67,26 +78,125 @@ def compiler() -> str | None:
     return cc if shutil.which(cc) else None
 
 
+@dataclass(frozen=True)
+class OpenMP:
+    """How `cc` builds the kernels' parallel regions: its compile and link flags, and what."""
+
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+    about: str
+
+    @property
+    def threads(self) -> bool:
+        return "-fopenmp" in self.cflags
+
+
+SERIAL = OpenMP(("-Wno-unknown-pragmas",), (), "no OpenMP: the kernels run on one thread")
+PROBE = """#include "loom_omp.h"
+int loom_omp_probe(void) {
+    int n = 0;
+#pragma omp parallel
+    {
+#pragma omp atomic
+        n += omp_get_num_threads() > 0;
+    }
+    return n;
+}
+"""
+
+
+def libomp_dirs() -> list[Path]:
+    """Folders holding an LLVM OpenMP runtime to link where the compiler brings none (Apple's
+    clang): torch's own first (its macOS wheels ship libomp.dylib: the kernels then share
+    torch's runtime, where two copies in one process abort), then Homebrew's."""
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    dirs = [Path(p) / "lib" for p in (spec.submodule_search_locations or [])] if spec else []
+    dirs += [Path("/opt/homebrew/opt/libomp/lib"), Path("/usr/local/opt/libomp/lib")]
+    return [d for d in dirs if any(d.glob("libomp.*"))]
+
+
+def openmp_candidates() -> list[OpenMP]:
+    """The ways to build OpenMP that openmp() tries, in order, before SERIAL."""
+    got = [OpenMP(("-fopenmp",), ("-fopenmp",), "-fopenmp")]
+    for d in libomp_dirs():
+        got.append(OpenMP(("-Xpreprocessor", "-fopenmp"), (f"-L{d}", "-lomp", f"-Wl,-rpath,{d}"),
+                          f"-Xpreprocessor -fopenmp, {d}/libomp"))
+    return got
+
+
+@functools.cache
+def openmp(cc: str) -> OpenMP:
+    """The first of openmp_candidates() that `cc` compiles and links a parallel region with,
+    else SERIAL (warned: a compiler without OpenMP still builds every kernel, one thread).
+    Probed once a process, and only where no build of a variant exists yet (_located)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text(PROBE)
+        for omp in openmp_candidates():
+            proc = subprocess.run([cc, "-shared", "-fPIC", f"-I{CSRC}", *omp.cflags, str(src),
+                                   "-o", str(Path(tmp) / "probe.so"), *omp.ldflags],
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                return omp
+    logger.info("%s: %s", cc, _first_lines(proc.stderr, 1))
+    _serial(cc)
+    return SERIAL
+
+
+@functools.cache
+def _serial(cc: str) -> None:  # said once a process, where a build without OpenMP is made or run
+    logger.warning("%s builds no OpenMP: Loom's CPU kernels run on one thread; install gcc, or "
+                   "libomp for clang (macOS: pip's torch brings one), then `python -m "
+                   "loom.kernels.build --force`", cc)
+
+
 def file_flags(name: str) -> tuple[str, ...]:
     return FILE_FLAGS.get(name, IEEE)
 
 
-def _key(v: Variant, cc: str) -> str:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+@functools.cache
+def _version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+
+
+def _key(v: Variant, cc: str, omp: OpenMP) -> str:
     h = hashlib.sha256()
     for s in SOURCES:
         h.update((CSRC / s).read_bytes())
         h.update(" ".join(file_flags(s)).encode())
-    for header in sorted(CSRC.glob("*.h")):  # loom.h (the ABI), half.h
+    for header in sorted(CSRC.glob("*.h")):  # loom.h (the ABI), half.h, loom_omp.h
         h.update(header.read_bytes())
-    for part in (" ".join((*COMMON, *v.cflags)), version, v.arch):
+    for part in (" ".join((*COMMON, *omp.cflags, *omp.ldflags, *v.cflags)), _version(cc),
+                 v.arch):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
+def _path(v: Variant, cc: str, omp: OpenMP, out_dir: Path | None) -> Path:
+    return (out_dir or cache_dir()) / f"loom_{v.arch}_{v.name}_{_key(v, cc, omp)}.so"
+
+
+def _located(v: Variant, cc: str, out_dir: Path | None = None,
+             force: bool = False) -> tuple[Path, OpenMP]:
+    """Where variant `v` built by `cc` lies, and its OpenMP form: a build that exists in the
+    first form that has one (a start then probes nothing), else the form openmp() probes
+    (`force`: probed again)."""
+    if not force:
+        for omp in (*openmp_candidates(), SERIAL):
+            so = _path(v, cc, omp, out_dir)
+            if so.exists():
+                if not omp.threads:
+                    _serial(cc)
+                return so, omp
+    else:
+        openmp.cache_clear()
+    omp = openmp(cc)
+    return _path(v, cc, omp, out_dir), omp
+
+
 def target(v: Variant, cc: str, out_dir: Path | None = None) -> Path:
     """Where variant `v` built by `cc` lies (whether built or not)."""
-    return (out_dir or cache_dir()) / f"loom_{v.arch}_{v.name}_{_key(v, cc)}.so"
+    return _located(v, cc, out_dir)[0]
 
 
 def failed_marker(so: Path) -> Path:
@@ -99,17 +209,18 @@ def _first_lines(text: str, n: int = 6) -> str:
     return "\n".join(errors[:n])
 
 
-def _compile(cc: str, v: Variant, source: str, obj: Path) -> str | None:
-    cmd = [cc, *COMMON, *v.cflags, *file_flags(source), "-c", str(CSRC / source), "-o", str(obj)]
+def _compile(cc: str, omp: OpenMP, v: Variant, source: str, obj: Path) -> str | None:
+    cmd = [cc, *COMMON, *omp.cflags, *v.cflags, *file_flags(source), "-c", str(CSRC / source),
+           "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     return None if proc.returncode == 0 else f"{source}: {_first_lines(proc.stderr)}"
 
 
-def _link(cc: str, v: Variant, objs: list[Path], so: Path) -> None:
+def _link(cc: str, omp: OpenMP, objs: list[Path], so: Path) -> None:
     out = so.with_suffix(".tmp")
     for libs in LINK_LIBS:
-        proc = subprocess.run([cc, "-shared", "-fopenmp", *map(str, objs), "-o", str(out), *libs],
-                              capture_output=True, text=True)
+        proc = subprocess.run([cc, "-shared", *map(str, objs), "-o", str(out), *libs,
+                               *omp.ldflags], capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(out, so)  # atomic: concurrent builders each write their own
             return
@@ -126,31 +237,31 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     if cc is None:
         return {v.name: BuildError("no C compiler (cc or $CC)") for v in vs}
     done: dict[str, Path | BuildError] = {}
-    todo: list[tuple[Variant, Path]] = []
+    todo: list[tuple[Variant, Path, OpenMP]] = []
     for v in vs:
-        so = target(v, cc, out_dir)
+        so, omp = _located(v, cc, out_dir, force)
         marker = failed_marker(so)
         if so.exists() and not force:
             done[v.name] = so
         elif marker.exists() and not force:
             done[v.name] = BuildError(marker.read_text())
         else:
-            todo.append((v, so))
+            todo.append((v, so, omp))
     if not todo:
         return done
     root = todo[0][1].parent
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        jobs = [(v, s, Path(tmp) / f"{v.name}-{s.removesuffix('.c')}.o")
-                for v, _ in todo for s in SOURCES]
+        jobs = [(omp, v, s, Path(tmp) / f"{v.name}-{s.removesuffix('.c')}.o")
+                for v, _, omp in todo for s in SOURCES]
         with ThreadPoolExecutor(available_cpus()) as pool:
             errors = list(pool.map(lambda j: _compile(cc, *j), jobs))
-        for v, so in todo:
-            mine = [e for (jv, _, _), e in zip(jobs, errors) if jv is v and e]
+        for v, so, omp in todo:
+            mine = [e for (_, jv, _, _), e in zip(jobs, errors) if jv is v and e]
             try:
                 if mine:
                     raise BuildError("\n".join(mine))
-                _link(cc, v, [o for jv, _, o in jobs if jv is v], so)
+                _link(cc, omp, [o for _, jv, _, o in jobs if jv is v], so)
             except BuildError as e:
                 err = BuildError(f"{cc} could not build the {v.name} kernels "
                                  f"({' '.join(v.cflags)}):\n{e}")

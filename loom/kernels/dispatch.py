@@ -2,7 +2,7 @@
 
 Loom's C kernels (csrc/) are compiled once per instruction-set level (`VARIANTS`, best first;
 loom.kernels.build compiles them at install). At start-up this module reads the CPU's features
-once (/proc/cpuinfo's `flags` on x86, its `Features` on AArch64), takes the best variant the CPU
+once (/proc/cpuinfo's `flags` on x86, its `Features` on AArch64; sysctl on macOS), takes the best variant the CPU
 runs and that built, and in it chooses each kernel: the int8 linears' kernel for steps of more
 than 8 rows (`batch`) and of up to 8 (`decode`), and the KV cache's dtype where `auto`. Every
 default kernel meets Loom's accuracy bar: teacher-forced top-1 agreement with the fp32 reference
@@ -26,7 +26,10 @@ import functools
 import logging
 import os
 import platform
+import sys
 from dataclasses import dataclass, replace
+
+from loom.darwin import cpu_features as sysctl_features
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,10 @@ def variant(name: str, arch: str | None = None) -> Variant:
 @functools.cache
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags, read once: /proc/cpuinfo's first `flags` (x86) or `Features`
-    (AArch64) line. Empty where there is none: only the generic variant then runs."""
+    (AArch64) line; on macOS sysctl's, in the same names (loom.darwin). Empty where there is
+    none: only the generic variant then runs."""
+    if sys.platform == "darwin":
+        return sysctl_features(machine())
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

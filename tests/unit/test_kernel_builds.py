@@ -4,6 +4,7 @@ every variant this CPU runs. Compiling is slow: every test here is."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,10 @@ import pytest
 
 from loom.kernels import build, dispatch
 from loom.kernels.dispatch import runs_here
+from loom.sampling_params import SamplingParams
 from tests import background
+from tests.engine_fixtures import make_llm  # noqa: F401 - the fixture
+from tests.model.test_team_size_bits import PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -105,14 +109,135 @@ def test_aarch64_variants_build_and_run_under_qemu(tmp_path) -> None:
     if qemu is None:
         pytest.skip("no qemu-aarch64: built, not run")
     for name, so in results.items():
-        for check in ("kernel_check.c", "kquant_check.c"):
-            exe = tmp_path / f"{check.removesuffix('.c')}-{name}"
-            subprocess.run([AARCH64_CC, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o",
-                            str(exe), "-lm", f"-Wl,-rpath,{so.parent}"], check=True)
-            run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)],
-                                 capture_output=True, text=True, timeout=300)
-            assert run.returncode == 0 and "ok" in run.stdout, (name, check, run.stdout,
-                                                                 run.stderr)
+        _c_checks_pass(AARCH64_CC, so, tmp_path / name, [qemu, "-L", "/usr/aarch64-linux-gnu"])
+
+
+def _c_checks_pass(cc: str, so: Path, folder: Path, runner: list[str] = (),
+                   checks: tuple[str, ...] = ("kernel_check.c", "kquant_check.c")) -> None:
+    """tests/unit's C programs against the kernels in `so`: built by `cc`, run (by `runner`,
+    qemu-user for another architecture), each says ok."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for check in checks:
+        exe = folder / check.removesuffix(".c")
+        subprocess.run([cc, "-O1", str(ROOT / "tests/unit" / check), str(so), "-o", str(exe),
+                        "-lm", f"-Wl,-rpath,{so.parent}"], check=True)
+        run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "ok" in run.stdout, (so, check, run.stdout, run.stderr)
+
+
+# A C compiler with no OpenMP of its own, as Apple's clang is: it refuses -fopenmp, except
+# (apple=1) passed to its preprocessor alone, the form that links a separate libomp.
+NO_OPENMP_CC = """#!/bin/sh
+apple=@APPLE@ prev=
+for a in "$@"; do
+  if [ "$a" = -fopenmp ] && { [ -z "$apple" ] || [ "$prev" != -Xpreprocessor ]; }; then
+    echo "clang: error: unsupported option '-fopenmp'" >&2; exit 1
+  fi
+  prev=$a
+done
+exec @CC@ "$@"
+"""
+
+
+def _no_openmp_cc(path: Path, real: str, apple: bool) -> str:
+    path.write_text(NO_OPENMP_CC.replace("@CC@", real).replace("@APPLE@", "1" if apple else ""))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_apples_clang_form_links_a_separate_libomp(tmp_path, monkeypatch) -> None:
+    """Where the compiler refuses -fopenmp (Apple's clang), openmp() takes -Xpreprocessor
+    -fopenmp and links the libomp it finds (torch's on macOS; here LLVM's, Debian's
+    libomp-dev), and a parallel region built so runs on two threads."""
+    libs = sorted(Path("/usr/lib").glob("llvm-*/lib/libomp.so"))  # Debian's libomp-dev
+    if shutil.which("clang") is None or not libs:
+        pytest.skip("no clang with LLVM's libomp (make install-test installs libomp-dev)")
+    lib = libs[-1]
+    assert build.openmp(build.compiler() or "cc").cflags == ("-fopenmp",)  # gcc: its own
+    monkeypatch.setattr(build, "libomp_dirs", lambda: [lib.parent])
+    cc = _no_openmp_cc(tmp_path / "apple-clang", "clang", apple=True)
+    omp = build.openmp(cc)
+    assert omp.cflags == ("-Xpreprocessor", "-fopenmp") and "-lomp" in omp.ldflags, omp
+    assert omp.threads
+    (tmp_path / "probe.c").write_text(build.PROBE)
+    so = tmp_path / "probe.so"
+    subprocess.run([cc, "-shared", "-fPIC", f"-I{build.CSRC}", *omp.cflags,
+                    str(tmp_path / "probe.c"), "-o", str(so), *omp.ldflags], check=True)
+    run = subprocess.run([sys.executable, "-c", "import ctypes, sys; "
+                          "print(ctypes.CDLL(sys.argv[1]).loom_omp_probe())", str(so)],
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True,
+                         text=True)
+    assert run.stdout.split() == ["2"], run.stderr
+    none = _no_openmp_cc(tmp_path / "no-openmp", "clang", apple=False)
+    assert build.openmp(none) == build.SERIAL and not build.SERIAL.threads  # one thread
+
+
+@pytest.mark.parametrize("name", ["neon", "avx2"])
+def test_the_sources_compile_for_macos(name) -> None:
+    """Every source with clang as a Mac builds it: no __linux__ (decoder_q8.c's barrier sleeps
+    in sched_yield, linear_amx.c asks no kernel for tiles), __APPLE__, the OpenMP form Apple's
+    clang takes, the variant's flags (Apple Silicon's and Intel Macs' builds). Syntax and
+    intrinsics only, against Debian's C headers: no macOS SDK here to link one."""
+    v = dispatch.variant(name, "aarch64" if name == "neon" else "x86_64")
+    target = f"{v.arch}-linux-gnu"  # Debian's headers (the AArch64 ones the cross gcc's)
+    headers = ["-isystem", "/usr/aarch64-linux-gnu/include"] if v.arch == "aarch64" else []
+    if shutil.which("clang") is None or (headers and not Path(headers[1]).is_dir()):
+        pytest.skip("no clang or no AArch64 C headers (make install-test installs them as root)")
+    for source in build.SOURCES:
+        run = subprocess.run(["clang", "-target", target, *headers, "-U__linux__", "-U__linux",
+                              "-Ulinux", "-U__gnu_linux__", "-D__APPLE__", "-Xpreprocessor",
+                              "-fopenmp", *build.COMMON, *v.cflags, *build.file_flags(source),
+                              "-fsyntax-only", str(build.CSRC / source)],
+                             capture_output=True, text=True)
+        assert run.returncode == 0 and "warning" not in run.stderr, (source, run.stderr[-2000:])
+
+
+SERIAL_BUILD = (
+    "from pathlib import Path; from loom.kernels import build, dispatch; "
+    "from tests.unit.test_kernel_builds import _no_openmp_cc; "
+    "out = Path('{out}'); cc = _no_openmp_cc(out / 'cc', 'cc', apple=False); "
+    "build.build(dispatch.variant(dispatch.choose().variant), cc, out / 'kernels')")
+GENERATE = (  # test_team_size_bits' prompts, greedy, with logprobs; the library that ran
+    "import json; from loom import LLM, SamplingParams; from loom.kernels import cpu_kernels; "
+    "from tests.model.test_team_size_bits import PROMPTS; "
+    "llm = LLM(None, dtype='float32', batch_invariant=False); "
+    "p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3); "
+    "out = [(o.outputs[0].token_ids, [(q.token_ids, q.logprobs) "
+    "for q in o.outputs[0].logprobs]) for o in llm.generate(PROMPTS, p, use_tqdm=False)]; "
+    "print(json.dumps({'so': cpu_kernels()._name, 'out': out}))")
+
+
+@pytest.mark.background("serial-build", [sys.executable, "-c", SERIAL_BUILD])
+def test_a_compiler_without_openmp_builds_one_thread_kernels(make_llm) -> None:  # noqa: F811
+    """A compiler that refuses -fopenmp (Apple's clang without libomp) still builds this CPU's
+    kernels, without OpenMP (no runtime linked): the kernels' C checks pass on them, and the
+    default model's greedy tokens and logprobs are the bits the OpenMP build gives."""
+    cc = build.compiler()
+    if cc is None or dispatch.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    job = background.result("serial-build")
+    assert job.returncode == 0, job.stderr[-3000:]
+    serial = str(job.out / "cc")
+    assert build.openmp(serial) == build.SERIAL
+    v = dispatch.variant(dispatch.choose().variant)
+    so = build.build(v, serial, job.out / "kernels")  # the job's
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+    assert "NEEDED" in needed and "omp" not in needed, needed
+    # the int8 grid's kernels (kquant_check.c's bounds are the AArch64 builds' fp32 kernel's
+    # past 8 rows, not x86's int16 one: the K-quants run in tests/model/test_kquant.py)
+    _c_checks_pass(cc, so, job.out / "checks", checks=("kernel_check.c",))
+    env = {**os.environ, "CC": serial, "LOOM_CACHE_DIR": str(job.out)}
+    run = subprocess.run([sys.executable, "-c", GENERATE], env=env, capture_output=True,
+                         text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "one thread" in run.stderr, run.stderr[-3000:]  # said, loudly
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["so"] == str(so)
+    llm = make_llm(batch_invariant=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    want = [[o.outputs[0].token_ids, [[q.token_ids, q.logprobs] for q in o.outputs[0].logprobs]]
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got["out"] == want
 
 
 KERNEL_TESTS_RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",

@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <omp.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -22,6 +21,7 @@
 #endif
 
 #include "loom.h"
+#include "loom_omp.h"
 
 // A barrier for the threads of one region. A waiter spins up to SPIN_NS (the ops between two
 // barriers of a step are microseconds apart), then sleeps on a futex: a thread whose partner

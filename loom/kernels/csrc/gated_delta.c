@@ -21,11 +21,11 @@
 // take the token-by-token form, whose bits a one-row step shares.
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "loom.h"
+#include "loom_omp.h"
 #include "mixer_team.h"
 
 // x * rsqrt(sum(x^2) + eps) times `scale`, into out (the FLA library's L2 norm)

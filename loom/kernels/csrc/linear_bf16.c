@@ -15,10 +15,10 @@
 
 // Built without fast math (loom/kernels/build.py).
 
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include "loom.h"
+#include "loom_omp.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_BF16 1

@@ -25,12 +25,12 @@
 // Built without fast math (loom/kernels/build.py).
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kquant_blocks.h"  // QK, the formats, f16_at, block_scales
 #include "loom.h"
+#include "loom_omp.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KG_BF16 1

@@ -14,11 +14,11 @@
 // in an OpenMP region of its own, so both give the same bits.
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "loom.h"
+#include "loom_omp.h"
 #include "mixer_team.h"
 
 // 0, or -1 where the groups do not divide the heads (B, C) or the inner channels (the norm)

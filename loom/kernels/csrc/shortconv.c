@@ -11,9 +11,9 @@
 // loom_shortconv_decode_f32 is that in an OpenMP region of its own, so both give the same
 // bits.
 
-#include <omp.h>
 #include <stdint.h>
 #include "loom.h"
+#include "loom_omp.h"
 #include "mixer_team.h"
 
 // Channels [c0, c0 + n) (n <= MIX_LANES) over rows [i0, i1): their windows and weights

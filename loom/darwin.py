@@ -1,0 +1,90 @@
+"""What macOS says about the machine, where Linux's /proc has it: the CPU's features, its
+performance cores and the memory free (sysctl, psutil). Every function answers None (or
+nothing) on other systems, so callers ask without checking the platform first."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable
+
+Read = Callable[[str], "int | str | None"]
+
+# machdep.cpu.features / leaf7_features names (Intel Macs) that /proc/cpuinfo spells otherwise;
+# the rest are the same lower-cased (AVX2 -> avx2, FMA -> fma, AVX512BW -> avx512bw)
+_X86_NAMES = {"AVX1.0": "avx", "SSE4.1": "sse4_1", "SSE4.2": "sse4_2",
+              "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16"}
+# hw.optional keys of Apple Silicon -> /proc/cpuinfo's AArch64 Features names
+_ARM_KEYS = {"hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.arm.FEAT_FP16": "asimdhp",
+             "hw.optional.arm.FEAT_I8MM": "i8mm", "hw.optional.arm.FEAT_BF16": "bf16"}
+
+
+@functools.cache
+def _sysctlbyname():  # -> libc's sysctlbyname, or None off macOS and the BSDs
+    if sys.platform != "darwin":
+        return None
+    return getattr(ctypes.CDLL(None, use_errno=True), "sysctlbyname", None)
+
+
+def sysctl(name: str) -> int | str | None:
+    """sysctl `name`'s value: text for the machdep.cpu keys (feature lists, the brand), a
+    number (4 or 8 bytes) for the others; None where there is no such key, or no sysctl."""
+    fn = _sysctlbyname()
+    if fn is None:
+        return None
+    size = ctypes.c_size_t(0)
+    if fn(name.encode(), None, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    buf = ctypes.create_string_buffer(max(size.value, 1))
+    if fn(name.encode(), buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    raw = buf.raw[:size.value]
+    if name.startswith("machdep.cpu."):
+        return raw.rstrip(b"\0").decode(errors="replace")
+    return int.from_bytes(raw, "little", signed=True) if len(raw) in (4, 8) else None
+
+
+def cpu_features(machine: str, read: Read = sysctl) -> frozenset[str]:
+    """The CPU's features in /proc/cpuinfo's names (loom.kernels.dispatch's Variant.needs), from
+    sysctl: Intel Macs' machdep.cpu feature lists, Apple Silicon's hw.optional flags. Every
+    Apple Silicon core has NEON and dot products (M1 on: Armv8.4-A); macOS 11 has no
+    FEAT_DotProd key yet, so there hw.optional.arm64 stands for it. Empty off macOS."""
+    if machine == "aarch64":
+        if read("hw.optional.arm64") != 1 and read("hw.optional.neon") != 1:
+            return frozenset()
+        got = {"asimd", "fp"}
+        got.update(name for key, name in _ARM_KEYS.items() if read(key) == 1)
+        if read("hw.optional.arm.FEAT_DotProd") is None:
+            got.add("asimddp")
+        return frozenset(got)
+    words: list[str] = []
+    for key in ("machdep.cpu.features", "machdep.cpu.leaf7_features",
+                "machdep.cpu.extfeatures"):
+        value = read(key)
+        if isinstance(value, str):
+            words += value.split()
+    return frozenset(_X86_NAMES.get(w, w.lower()) for w in words)
+
+
+def performance_cores(read: Read = sysctl) -> int | None:
+    """Apple Silicon's performance cores (hw.perflevel0.physicalcpu; None on one-kind CPUs and
+    off macOS). Threads that wait for each other at every op run at the pace of the slowest:
+    on the efficiency cores beside them, 2-4x slower, so llama.cpp counts these alone too."""
+    levels, cores = read("hw.nperflevels"), read("hw.perflevel0.physicalcpu")
+    if isinstance(levels, int) and levels > 1 and isinstance(cores, int) and cores > 0:
+        return cores
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give without swapping (psutil: free, inactive and purgeable pages
+    on macOS), where /proc/meminfo has no MemAvailable; None where psutil cannot say."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
+        return None

@@ -1,0 +1,71 @@
+"""macOS's answers (loom.darwin) in the names the kernel dispatch asks for: which build an Apple
+Silicon or Intel Mac runs, its performance cores, the memory free. The sysctl values are as
+those machines give them (`sysctl hw.optional machdep.cpu hw.nperflevels ...`); on Linux the
+real sysctl has none and psutil answers for the memory."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from loom import darwin
+from loom.heap import meminfo
+from loom.kernels import dispatch
+
+M1 = {"hw.optional.arm64": 1, "hw.optional.neon": 1, "hw.optional.arm.FEAT_DotProd": 1,
+      "hw.optional.arm.FEAT_FP16": 1, "hw.optional.arm.FEAT_I8MM": 0,
+      "hw.optional.arm.FEAT_BF16": 0, "hw.nperflevels": 2, "hw.perflevel0.physicalcpu": 4,
+      "hw.perflevel1.physicalcpu": 4}
+M1_MACOS_11 = {"hw.optional.arm64": 1, "hw.optional.neon": 1}  # before the FEAT_ keys
+INTEL_MAC = {  # a Core i7-8850H (Coffee Lake), macOS 12
+    "machdep.cpu.features": "FPU VME DE PSE TSC MSR PAE MCE CX8 APIC SEP MTRR PGE MCA CMOV PAT "
+    "PSE36 CLFSH DS ACPI MMX FXSR SSE SSE2 SS HTT TM PBE SSE3 PCLMULQDQ DTES64 MON DSCPL VMX SMX "
+    "EST TM2 SSSE3 FMA CX16 TPR PDCM SSE4.1 SSE4.2 x2APIC MOVBE POPCNT AES PCID XSAVE OSXSAVE "
+    "SEGLIM64 TSCTMR AVX1.0 RDRAND F16C",
+    "machdep.cpu.leaf7_features": "RDWRFSGS TSC_THREAD_OFFSET SGX BMI1 HLE AVX2 SMEP BMI2 ERMS "
+    "INVPCID RTM FPU_CSDS MPX RDSEED ADX SMAP CLFSOPT IPT SGXLC MDCLEAR TSXFA IBRS STIBP L1DF "
+    "SSBD",
+    "machdep.cpu.extfeatures": "SYSCALL XD 1GBPAGE EM64T LAHF LZCNT PREFETCHW RDTSCP TSCI",
+    "hw.nperflevels": 1, "hw.perflevel0.physicalcpu": 6}
+MAC_PRO_2019 = {  # a Xeon W-3245 (Cascade Lake): AVX-512 with VNNI
+    **INTEL_MAC, "machdep.cpu.leaf7_features": "RDWRFSGS TSC_THREAD_OFFSET BMI1 AVX2 SMEP BMI2 "
+    "ERMS INVPCID FPU_CSDS AVX512F AVX512DQ RDSEED ADX SMAP CLFSOPT CLWB IPT AVX512CD AVX512BW "
+    "AVX512VL AVX512VNNI MDCLEAR IBRS STIBP L1DF ACAPMSR SSBD"}
+
+
+def _best(arch: str, sysctl: dict) -> str:
+    """The build dispatch.choose takes on such a Mac: the first of the architecture's variants
+    whose needs its features cover."""
+    feats = darwin.cpu_features(arch, sysctl.get)
+    return next(v.name for v in dispatch.variants(arch) if v.needs <= feats)
+
+
+@pytest.mark.parametrize(("arch", "sysctl", "build"), [
+    ("aarch64", M1, "neon"), ("aarch64", M1_MACOS_11, "neon"), ("aarch64", {}, "generic"),
+    ("x86_64", INTEL_MAC, "avx2"), ("x86_64", MAC_PRO_2019, "vnni"), ("x86_64", {}, "generic")])
+def test_a_mac_runs_the_build_its_cpu_has(arch, sysctl, build) -> None:
+    assert _best(arch, sysctl) == build
+
+
+def test_mac_feature_names_are_proc_cpuinfos() -> None:
+    intel = darwin.cpu_features("x86_64", INTEL_MAC.get)
+    assert {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "sse4_2"} <= intel
+    assert not {n for n in intel if n.startswith("avx512")}
+    assert "avx512_vnni" in darwin.cpu_features("x86_64", MAC_PRO_2019.get)
+    m1 = darwin.cpu_features("aarch64", M1.get)
+    assert {"asimd", "asimddp", "asimdhp"} <= m1 and not {"i8mm", "bf16"} & m1
+
+
+def test_performance_cores_only_where_there_are_two_kinds() -> None:
+    assert darwin.performance_cores(M1.get) == 4
+    assert darwin.performance_cores(INTEL_MAC.get) is None  # one kind of core: the OS's count
+    assert darwin.performance_cores({}.get) is None
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Linux's answers")
+def test_off_macos_sysctl_says_nothing_and_psutil_gives_the_memory() -> None:
+    assert darwin.sysctl("hw.memsize") is None
+    assert darwin.performance_cores() is None
+    free, info = darwin.available_memory(), meminfo()
+    assert free is not None and 0 < free <= info["MemTotal"]
