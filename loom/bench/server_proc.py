@@ -2,9 +2,10 @@
 
 Start-up is two figures, both from the moment the command is spawned: until `/health` answers
 200, and until the first token of a streamed one-token completion arrives. Memory is sampled
-from /proc over the server's whole life, summed over the process tree (the server may fork
-engine workers): RSS every `sample_interval` seconds, and PSS, which counts pages shared between
-those processes once, every PSS_EVERY intervals (reading it walks the server's page tables).
+(psutil: /proc on Linux) over the server's whole life, summed over the process tree (the
+server may fork engine workers): RSS every `sample_interval` seconds, and PSS, which counts
+pages shared between those processes once, every PSS_EVERY intervals (reading it walks the
+server's page tables).
 """
 
 from __future__ import annotations
@@ -15,94 +16,69 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import psutil
 
 from loom.bench.runner import root_url
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 PSS_EVERY = 20  # sample intervals between two PSS readings (5 s at the default 0.25 s)
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
 
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time."""
 
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+def process_tree(pid: int) -> list[psutil.Process]:
+    """`pid` and its live descendants (none where it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except _GONE:
+        return []
+
+
+def _tree_sum(pid: int, read: Callable[[psutil.Process], float]) -> float:
+    total = 0
+    for p in process_tree(pid):
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
+            total += read(p)
+        except _GONE:
             continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(int(entry.name))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    kids = _children_map()
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(kids.get(p, []))
-    return tree
+    return total
 
 
 def tree_rss(pid: int) -> int:
-    """RSS in bytes of `pid` and all its descendants (`/proc/PID/statm`: the kernel's counters,
-    cheap to read); 0 for what cannot be read."""
-    rss = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                rss += int(f.read().split()[1]) * _PAGE
-        except (OSError, IndexError, ValueError):
-            continue
-    return rss
+    """RSS in bytes of `pid` and all its descendants (Linux: /proc/PID/statm, the kernel's
+    counters, cheap to read); 0 for what cannot be read."""
+    return int(_tree_sum(pid, lambda p: p.memory_info().rss))
 
 
 def tree_pss(pid: int) -> int:
-    """PSS in bytes of `pid` and all its descendants (`/proc/PID/smaps_rollup`, which walks the
-    process's page tables: milliseconds for a large process); 0 for what cannot be read."""
-    pss = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        pss += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return pss
+    """PSS in bytes of `pid` and all its descendants (Linux: /proc/PID/smaps_rollup, which walks
+    the process's page tables: milliseconds for a large process); 0 for what cannot be read,
+    and where the system keeps no PSS (macOS)."""
+    return int(_tree_sum(pid, lambda p: getattr(p.memory_full_info(), "pss", 0)))
 
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time (user + system, with reaped children) of `pid` and its live descendants."""
-    total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    return total / _CLK_TCK
+    def cpu(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    return _tree_sum(pid, cpu)
 
 
 def machine_busy_seconds() -> float:
-    """CPU time all processes spent running, summed over cores, since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
-    return (sum(fields[:8]) - fields[3] - fields[4]) / _CLK_TCK
+    """CPU time all processes spent running, summed over cores, since boot: all but idle and
+    iowait (Linux's /proc/stat: user nice system irq softirq steal)."""
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def _has_text(obj: Any) -> bool:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import httpx
 import numpy as np
 import pytest
 
+from loom.bench import server_proc
 from loom.bench.datasets import DatasetError, load_jsonl, normal_token_ids, synthetic_prompts
 from loom.bench.metrics import SLOError, compute_metrics, format_report, notes, parse_goodput
 from loom.bench.request import RequestInput, RequestRecord
@@ -177,3 +180,45 @@ def test_cli_bad_flags(argv, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
     assert e.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+# A process that starts one child; each holds 64 MiB of touched memory and has spent 0.3 s of
+# CPU time before it says "ready" (the child first), then waits for its stdin to close.
+TREE = """
+import subprocess, sys, time
+held = bytearray(64 << 20)
+held[::4096] = b"x" * len(held[::4096])
+while time.process_time() < 0.3:
+    pass
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, sys.argv[0], "child"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\\n"
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_server_process_tree_figures(tmp_path) -> None:
+    """tree_rss / tree_pss / tree_cpu_seconds sum a process and its child (psutil), and
+    machine_busy_seconds counts the time they spent."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    busy0 = server_proc.machine_busy_seconds()
+    proc = subprocess.Popen([sys.executable, str(script), "parent"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        tree = server_proc.process_tree(proc.pid)
+        assert len(tree) == 2 and tree[0].pid == proc.pid
+        mib = 2**20
+        rss = server_proc.tree_rss(proc.pid)
+        assert 2 * 64 * mib <= rss <= 2 * 200 * mib
+        assert 2 * 64 * mib <= server_proc.tree_pss(proc.pid) <= rss + 16 * mib
+        assert server_proc.tree_cpu_seconds(proc.pid) >= 2 * 0.3 - 0.05  # clock ticks
+        assert server_proc.machine_busy_seconds() - busy0 >= 2 * 0.3 - 0.05
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert server_proc.process_tree(proc.pid) == []
+    assert server_proc.tree_rss(proc.pid) == 0
