@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml | $(PY)
 	# An editable install leaves Loom's own modules uncompiled: compiled once here, not at
 	# every start (or every start, where PYTHONDONTWRITEBYTECODE is set).
 	$(PY) -m compileall -q loom
-	# Loom's C kernels for each CPU variant this machine runs (loom/kernels/build.py), here
-	# rather than on the first request; a variant the compiler cannot build is disabled alone,
-	# and said here.
+	# Loom's C kernels, the best build this CPU runs (loom/kernels/build.py), here rather than
+	# on the first request; one the compiler cannot build is disabled, said here, and the next
+	# one down built instead.
 	$(PY) -m loom.kernels.build
 	touch $@
 

@@ -102,7 +102,7 @@ def test_every_name_is_a_variant_and_the_best_come_first() -> None:
 
 @pytest.mark.slow
 def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
-        monkeypatch, tmp_path, caplog) -> None:
+        monkeypatch, tmp_path, caplog, capsys) -> None:
     """A build whose compiler fails: BuildError with the compiler's first error lines, kept as
     a .failed marker (a later start does not compile again), and "auto" falls to the next
     variant, saying so in the log."""
@@ -118,8 +118,8 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
     assert marker.read_text() == str(e.value)
     with pytest.raises(build.BuildError, match="broken kernels"):  # from the marker, at once
         build.build(broken, cc, tmp_path)
-    # "auto" on a CPU whose best variant cannot build: the next one (generic, built at install
-    # into the kernels' own folder), said in the log
+    # "auto" on a CPU whose best variant cannot build: the next one (generic, in the kernels'
+    # own folder: built by the suite's gcc build job, else here), said in the log
     monkeypatch.setattr(dispatch, "VARIANTS", (broken, dispatch.variants()[-1]))
     kernels._selection.cache_clear()
     try:
@@ -129,6 +129,15 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
         assert "CPU kernels 'broken' DISABLED" in caplog.text
         with pytest.raises(KernelChoiceError, match="'broken' failed to build"):
             kernels._selection("broken", False)
+        # the install's build (`python -m loom.kernels.build`): the best variant that builds,
+        # none past it (a "later" one, which would compile, is not)
+        later = Variant("later", dispatch.machine(), (), frozenset())
+        monkeypatch.setattr(dispatch, "VARIANTS", (broken, dispatch.VARIANTS[1], later))
+        capsys.readouterr()
+        assert build.main([]) == 0
+        out = capsys.readouterr()
+        assert "broken DISABLED" in out.err and "generic built" in out.out
+        assert "later" not in out.out + out.err
     finally:
         kernels._selection.cache_clear()
         build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
