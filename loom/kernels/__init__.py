@@ -153,6 +153,7 @@ def _selection(name: str, batch_invariant: bool) -> tuple[ctypes.CDLL, KernelCho
             return None
         try:
             so = build.build(dispatch.variant(choice.variant), cc)
+            build.share_torch_libomp()
             lib = _load(so)
         except (build.BuildError, OSError, AttributeError) as e:
             logger.warning("CPU kernels %r DISABLED: %s", choice.variant, e)

@@ -20,14 +20,15 @@ batch, the quantizer matches torch's, argmax sees NaN), the decoder stack also w
 multiply-adds (its embedding look-up rounds as torch's mul then add).
 
 OpenMP (`openmp`, probed where a variant has no build yet): `-fopenmp` (gcc; clang with its
-runtime); else, as Apple's clang needs, `-Xpreprocessor -fopenmp` linked to the runtime torch
-ships (torch/lib/libomp.dylib: one OpenMP runtime in the process, torch's) or Homebrew's
-libomp; else none, loudly: the kernels then run on one thread.
+runtime); as Apple's clang needs, `-Xpreprocessor -fopenmp` with the OpenMP symbols bound to
+the runtime torch ships and has loaded (torch/lib/libomp.dylib: one OpenMP runtime in the
+process, torch's; first on macOS); else none, loudly: the kernels then run on one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -106,23 +107,45 @@ int loom_omp_probe(void) {
 """
 
 
-def libomp_dirs() -> list[Path]:
-    """Folders holding an LLVM OpenMP runtime to link where the compiler brings none (Apple's
-    clang): torch's own first (its macOS wheels ship libomp.dylib: the kernels then share
-    torch's runtime, where two copies in one process abort), then Homebrew's."""
+def torch_libomp() -> Path | None:
+    """The LLVM OpenMP runtime torch ships, where it does (its macOS wheels: torch/lib/
+    libomp.dylib; on Linux it ships GNU's libgomp, which -fopenmp links by its shared name)."""
     spec = importlib.util.find_spec("torch")  # found, not imported
-    dirs = [Path(p) / "lib" for p in (spec.submodule_search_locations or [])] if spec else []
-    dirs += [Path("/opt/homebrew/opt/libomp/lib"), Path("/usr/local/opt/libomp/lib")]
-    return [d for d in dirs if any(d.glob("libomp.*"))]
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted((Path(d) / "lib").glob("libomp.*"))
+        if found:
+            return found[0]
+    return None
 
 
-def openmp_candidates() -> list[OpenMP]:
-    """The ways to build OpenMP that openmp() tries, in order, before SERIAL."""
-    got = [OpenMP(("-fopenmp",), ("-fopenmp",), "-fopenmp")]
-    for d in libomp_dirs():
-        got.append(OpenMP(("-Xpreprocessor", "-fopenmp"), (f"-L{d}", "-lomp", f"-Wl,-rpath,{d}"),
-                          f"-Xpreprocessor -fopenmp, {d}/libomp"))
-    return got
+def share_torch_libomp() -> None:
+    """Make the libomp torch has loaded (where it ships one) global, so that kernels built in
+    the torch form (openmp_candidates) find its symbols as they load: torch loads it as a
+    dependency of its own library, whose symbols stay local. Call before loading the kernels
+    (loading an image already loaded returns it; RTLD_GLOBAL then shares its symbols)."""
+    lib = torch_libomp()
+    if lib is not None:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def openmp_candidates(platform: str = sys.platform) -> list[OpenMP]:
+    """The ways to build OpenMP that openmp() tries, in order, before SERIAL: `-fopenmp`, and
+    where torch ships libomp, the kernels compiled with `-Xpreprocessor -fopenmp` (the form
+    Apple's clang takes) and their OpenMP symbols left to bind, as the library loads, to the
+    runtime torch has loaded (macOS: `-undefined dynamic_lookup`; ELF shared objects may leave
+    symbols undefined). Not linked by name: torch's libomp.dylib names itself by a path of
+    torch's build machine (/opt/llvm-openmp/lib/libomp.dylib in torch 2.13.0's wheel), so a
+    library linked to it would not load, and a second libomp (Homebrew's) in the process
+    aborts. On macOS the torch form comes first: a clang with its own libomp (Homebrew's
+    LLVM) would otherwise load that second copy."""
+    own = OpenMP(("-fopenmp",), ("-fopenmp",), "-fopenmp")
+    lib = torch_libomp()
+    if lib is None:
+        return [own]
+    torch_form = OpenMP(("-Xpreprocessor", "-fopenmp"),
+                        ("-Wl,-undefined,dynamic_lookup",) if platform == "darwin" else (),
+                        f"-Xpreprocessor -fopenmp, bound to torch's {lib.name} as it loads")
+    return [torch_form, own] if platform == "darwin" else [own, torch_form]
 
 
 @functools.cache
@@ -146,9 +169,9 @@ def openmp(cc: str) -> OpenMP:
 
 @functools.cache
 def _serial(cc: str) -> None:  # said once a process, where a build without OpenMP is made or run
-    logger.warning("%s builds no OpenMP: Loom's CPU kernels run on one thread; install gcc, or "
-                   "libomp for clang (macOS: pip's torch brings one), then `python -m "
-                   "loom.kernels.build --force`", cc)
+    logger.warning("%s builds no OpenMP: Loom's CPU kernels run on one thread; a compiler with "
+                   "it (gcc, or clang with libomp; on macOS pip's torch brings the runtime), "
+                   "then `python -m loom.kernels.build --force`", cc)
 
 
 def file_flags(name: str) -> tuple[str, ...]:

@@ -145,28 +145,38 @@ def _no_openmp_cc(path: Path, real: str, apple: bool) -> str:
     return str(path)
 
 
-def test_apples_clang_form_links_a_separate_libomp(tmp_path, monkeypatch) -> None:
-    """Where the compiler refuses -fopenmp (Apple's clang), openmp() takes -Xpreprocessor
-    -fopenmp and links the libomp it finds (torch's on macOS; here LLVM's, Debian's
-    libomp-dev), and a parallel region built so runs on two threads."""
-    libs = sorted(Path("/usr/lib").glob("llvm-*/lib/libomp.so"))  # Debian's libomp-dev
+def test_apples_clang_form_binds_to_the_openmp_runtime_torch_loaded(tmp_path,
+                                                                    monkeypatch) -> None:
+    """Where the compiler refuses -fopenmp (Apple's clang) and torch ships libomp (its macOS
+    wheels; here LLVM's libomp, Debian's libomp-dev, stands in for it), openmp() takes
+    -Xpreprocessor -fopenmp with the runtime left unlinked: a parallel region built so runs on
+    two threads of the runtime the process has loaded (torch's, there), naming none itself.
+    On macOS that form comes before -fopenmp."""
+    libs = sorted(Path("/usr/lib").glob("llvm-*/lib/libomp.so"))
     if shutil.which("clang") is None or not libs:
         pytest.skip("no clang with LLVM's libomp (make install-test installs libomp-dev)")
-    lib = libs[-1]
     assert build.openmp(build.compiler() or "cc").cflags == ("-fopenmp",)  # gcc: its own
-    monkeypatch.setattr(build, "libomp_dirs", lambda: [lib.parent])
+    assert build.torch_libomp() is None  # torch's Linux wheel ships libgomp
+    monkeypatch.setattr(build, "torch_libomp", lambda: libs[-1])
+    mac = build.openmp_candidates("darwin")
+    assert [c.cflags for c in mac] == [("-Xpreprocessor", "-fopenmp"), ("-fopenmp",)]
+    assert mac[0].ldflags == ("-Wl,-undefined,dynamic_lookup",)
     cc = _no_openmp_cc(tmp_path / "apple-clang", "clang", apple=True)
     omp = build.openmp(cc)
-    assert omp.cflags == ("-Xpreprocessor", "-fopenmp") and "-lomp" in omp.ldflags, omp
-    assert omp.threads
+    assert omp.cflags == ("-Xpreprocessor", "-fopenmp") and omp.ldflags == () and omp.threads
     (tmp_path / "probe.c").write_text(build.PROBE)
     so = tmp_path / "probe.so"
     subprocess.run([cc, "-shared", "-fPIC", f"-I{build.CSRC}", *omp.cflags,
                     str(tmp_path / "probe.c"), "-o", str(so), *omp.ldflags], check=True)
-    run = subprocess.run([sys.executable, "-c", "import ctypes, sys; "
-                          "print(ctypes.CDLL(sys.argv[1]).loom_omp_probe())", str(so)],
-                         env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True,
-                         text=True)
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+    assert "omp" not in needed, needed
+    run = subprocess.run([sys.executable, "-c", "import ctypes, sys; from pathlib import Path; "
+                          "from loom.kernels import build; "
+                          "build.torch_libomp = lambda: Path(sys.argv[2]); "
+                          "build.share_torch_libomp(); "  # as Loom does before loading kernels
+                          "print(ctypes.CDLL(sys.argv[1]).loom_omp_probe())", str(so),
+                          str(libs[-1])], env={**os.environ, "OMP_NUM_THREADS": "2"},
+                         capture_output=True, text=True, cwd=ROOT)
     assert run.stdout.split() == ["2"], run.stderr
     none = _no_openmp_cc(tmp_path / "no-openmp", "clang", apple=False)
     assert build.openmp(none) == build.SERIAL and not build.SERIAL.threads  # one thread
