@@ -20,24 +20,31 @@ _ARM_KEYS = {"hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.arm.FEAT_FP
              "hw.optional.arm.FEAT_I8MM": "i8mm", "hw.optional.arm.FEAT_BF16": "bf16"}
 
 
+# int sysctlbyname(const char *name, void *oldp, size_t *oldlenp, void *newp, size_t newlen)
+SYSCTLBYNAME = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p, ctypes.c_size_t)
+
+
 @functools.cache
-def _sysctlbyname():  # -> libc's sysctlbyname, or None off macOS and the BSDs
+def _sysctlbyname():  # -> libc's sysctlbyname, or None off macOS
     if sys.platform != "darwin":
         return None
-    return getattr(ctypes.CDLL(None, use_errno=True), "sysctlbyname", None)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sysctlbyname", None)
+    return None if fn is None else SYSCTLBYNAME(ctypes.cast(fn, ctypes.c_void_p).value)
 
 
-def sysctl(name: str) -> int | str | None:
+def sysctl(name: str, fn=None) -> int | str | None:  # noqa: ANN001 - a SYSCTLBYNAME
     """sysctl `name`'s value: text for the machdep.cpu keys (feature lists, the brand), a
-    number (4 or 8 bytes) for the others; None where there is no such key, or no sysctl."""
-    fn = _sysctlbyname()
+    number (4 or 8 bytes) for the others; None where there is no such key, or no sysctl.
+    `fn`: the sysctlbyname to call (default: libc's)."""
+    fn = fn or _sysctlbyname()
     if fn is None:
         return None
-    size = ctypes.c_size_t(0)
-    if fn(name.encode(), None, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+    key, size = name.encode(), ctypes.c_size_t(0)
+    if fn(key, None, ctypes.byref(size), None, 0) != 0:  # the value's size
         return None
     buf = ctypes.create_string_buffer(max(size.value, 1))
-    if fn(name.encode(), buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+    if fn(key, ctypes.cast(buf, ctypes.c_void_p), ctypes.byref(size), None, 0) != 0:
         return None
     raw = buf.raw[:size.value]
     if name.startswith("machdep.cpu."):

@@ -5,6 +5,7 @@ real sysctl has none and psutil answers for the memory."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import pytest
@@ -69,3 +70,31 @@ def test_off_macos_sysctl_says_nothing_and_psutil_gives_the_memory() -> None:
     assert darwin.performance_cores() is None
     free, info = darwin.available_memory(), meminfo()
     assert free is not None and 0 < free <= info["MemTotal"]
+
+
+def test_sysctl_reads_values_through_the_c_signature() -> None:
+    """sysctl() as it calls libc's sysctlbyname on macOS (the size, then the value, through
+    the C signature), against a C callback that answers as macOS's does: numbers as 4 or 8
+    little-endian bytes, texts NUL-terminated, -1 for an unknown key."""
+    values = {b"hw.optional.arm.FEAT_DotProd": (1).to_bytes(4, "little"),
+              b"hw.memsize": (16 << 30).to_bytes(8, "little"),
+              b"machdep.cpu.features": b"FPU SSE4.2 AVX1.0 FMA\0"}
+    calls = []
+
+    def answer(name, oldp, oldlenp, newp, newlen):  # noqa: ANN001, ANN202 - C's arguments
+        calls.append((name, oldp is None))
+        value = values.get(name)
+        if value is None:
+            return -1
+        if oldp is not None:
+            ctypes.memmove(oldp, value, min(len(value), oldlenp[0]))
+        oldlenp[0] = len(value)
+        return 0
+
+    fn = darwin.SYSCTLBYNAME(answer)
+    assert darwin.sysctl("hw.optional.arm.FEAT_DotProd", fn) == 1
+    assert darwin.sysctl("hw.memsize", fn) == 16 << 30
+    assert darwin.sysctl("machdep.cpu.features", fn) == "FPU SSE4.2 AVX1.0 FMA"
+    assert darwin.sysctl("hw.optional.arm.FEAT_SME", fn) is None
+    assert calls[:2] == [(b"hw.optional.arm.FEAT_DotProd", True),
+                         (b"hw.optional.arm.FEAT_DotProd", False)]  # the size, then the value
