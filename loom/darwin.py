@@ -1,6 +1,6 @@
-"""What macOS says about the machine, where Linux's /proc has it: the CPU's features, its
-performance cores and the memory free (sysctl, psutil). Every function answers None (or
-nothing) on other systems, so callers ask without checking the platform first."""
+"""What macOS says about the machine through sysctl, where Linux's /proc has it: the CPU's
+features and its performance cores. Every function answers None (or nothing) on other
+systems, so callers ask without checking the platform first."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _sysctlbyname():  # -> libc's sysctlbyname, or None off macOS
     return None if fn is None else SYSCTLBYNAME(ctypes.cast(fn, ctypes.c_void_p).value)
 
 
-def sysctl(name: str, fn=None) -> int | str | None:  # noqa: ANN001 - a SYSCTLBYNAME
+def sysctl(name: str, fn: Callable[..., int] | None = None) -> int | str | None:
     """sysctl `name`'s value: text for the machdep.cpu keys (feature lists, the brand), a
     number (4 or 8 bytes) for the others; None where there is no such key, or no sysctl.
     `fn`: the sysctlbyname to call (default: libc's)."""
@@ -60,11 +60,10 @@ def cpu_features(machine: str, read: Read = sysctl) -> frozenset[str]:
     if machine == "aarch64":
         if read("hw.optional.arm64") != 1 and read("hw.optional.neon") != 1:
             return frozenset()
-        got = {"asimd", "fp"}
-        got.update(name for key, name in _ARM_KEYS.items() if read(key) == 1)
-        if read("hw.optional.arm.FEAT_DotProd") is None:
-            got.add("asimddp")
-        return frozenset(got)
+        flags = {key: read(key) for key in _ARM_KEYS}
+        if flags["hw.optional.arm.FEAT_DotProd"] is None:  # macOS 11
+            flags["hw.optional.arm.FEAT_DotProd"] = 1
+        return frozenset({"asimd", "fp", *(_ARM_KEYS[k] for k, on in flags.items() if on == 1)})
     words: list[str] = []
     for key in ("machdep.cpu.features", "machdep.cpu.leaf7_features",
                 "machdep.cpu.extfeatures"):
@@ -82,16 +81,3 @@ def performance_cores(read: Read = sysctl) -> int | None:
     if isinstance(levels, int) and levels > 1 and isinstance(cores, int) and cores > 0:
         return cores
     return None
-
-
-def available_memory() -> int | None:
-    """Bytes the system can give without swapping (psutil: free, inactive and purgeable pages
-    on macOS), where /proc/meminfo has no MemAvailable; None where psutil cannot say."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        return int(psutil.virtual_memory().available)
-    except (OSError, RuntimeError, AttributeError):
-        return None

@@ -82,18 +82,17 @@ def compiler() -> str | None:
 
 @dataclass(frozen=True)
 class OpenMP:
-    """How `cc` builds the kernels' parallel regions: its compile and link flags, and what."""
+    """How `cc` builds the kernels' parallel regions: its compile and link flags."""
 
     cflags: tuple[str, ...]
     ldflags: tuple[str, ...]
-    about: str
 
     @property
     def threads(self) -> bool:
         return "-fopenmp" in self.cflags
 
 
-SERIAL = OpenMP(("-Wno-unknown-pragmas",), (), "no OpenMP: the kernels run on one thread")
+SERIAL = OpenMP(("-Wno-unknown-pragmas",), ())  # no OpenMP: the kernels run on one thread
 PROBE = """#include "loom_omp.h"
 int loom_omp_probe(void) {
     int n = 0;
@@ -138,13 +137,11 @@ def openmp_candidates(platform: str = sys.platform) -> list[OpenMP]:
     library linked to it would not load, and a second libomp (Homebrew's) in the process
     aborts. On macOS the torch form comes first: a clang with its own libomp (Homebrew's
     LLVM) would otherwise load that second copy."""
-    own = OpenMP(("-fopenmp",), ("-fopenmp",), "-fopenmp")
-    lib = torch_libomp()
-    if lib is None:
+    own = OpenMP(("-fopenmp",), ("-fopenmp",))
+    if torch_libomp() is None:
         return [own]
     torch_form = OpenMP(("-Xpreprocessor", "-fopenmp"),
-                        ("-Wl,-undefined,dynamic_lookup",) if platform == "darwin" else (),
-                        f"-Xpreprocessor -fopenmp, bound to torch's {lib.name} as it loads")
+                        ("-Wl,-undefined,dynamic_lookup",) if platform == "darwin" else ())
     return [torch_form, own] if platform == "darwin" else [own, torch_form]
 
 
@@ -152,7 +149,8 @@ def openmp_candidates(platform: str = sys.platform) -> list[OpenMP]:
 def openmp(cc: str) -> OpenMP:
     """The first of openmp_candidates() that `cc` compiles and links a parallel region with,
     else SERIAL (warned: a compiler without OpenMP still builds every kernel, one thread).
-    Probed once a process, and only where no build of a variant exists yet (_located)."""
+    Probed once a process (build_many's `force` probes again), and only where no build of
+    a variant exists yet (_located)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text(PROBE)
@@ -203,17 +201,14 @@ def _path(v: Variant, cc: str, omp: OpenMP, out_dir: Path | None) -> Path:
 def _located(v: Variant, cc: str, out_dir: Path | None = None,
              force: bool = False) -> tuple[Path, OpenMP]:
     """Where variant `v` built by `cc` lies, and its OpenMP form: a build that exists in the
-    first form that has one (a start then probes nothing), else the form openmp() probes
-    (`force`: probed again)."""
-    if not force:
-        for omp in (*openmp_candidates(), SERIAL):
-            so = _path(v, cc, omp, out_dir)
-            if so.exists():
-                if not omp.threads:
-                    _serial(cc)
-                return so, omp
-    else:
-        openmp.cache_clear()
+    first form that has one (a start then probes nothing), else (or `force`) the form openmp()
+    probes."""
+    for omp in () if force else (*openmp_candidates(), SERIAL):
+        so = _path(v, cc, omp, out_dir)
+        if so.exists():
+            if not omp.threads:
+                _serial(cc)
+            return so, omp
     omp = openmp(cc)
     return _path(v, cc, omp, out_dir), omp
 
@@ -260,6 +255,8 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     cc = cc or compiler()
     if cc is None:
         return {v.name: BuildError("no C compiler (cc or $CC)") for v in vs}
+    if force:
+        openmp.cache_clear()  # probed again, once
     done: dict[str, Path | BuildError] = {}
     todo: list[tuple[Variant, Path, OpenMP]] = []
     for v in vs:

@@ -6,11 +6,11 @@ import ctypes
 import logging
 import mmap
 
+import psutil
 import torch
 
-from loom.heap import madvise, meminfo, zeros
+from loom.heap import madvise, zeros
 from loom.config import KV_CACHE_DTYPES, CacheConfig, ConfigError, ModelConfig
-from loom.darwin import available_memory as psutil_available
 from loom.quant.int8 import GROUP
 
 logger = logging.getLogger(__name__)
@@ -47,16 +47,12 @@ def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes: device memory on CUDA, the host's MemAvailable otherwise (/proc/meminfo;
-    psutil's where there is none: macOS)."""
+    """Free bytes: device memory on CUDA, the host's available memory otherwise (psutil:
+    /proc/meminfo's MemAvailable on Linux, free, inactive and purgeable pages on macOS)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    available = meminfo().get("MemAvailable") or psutil_available()
-    if available is None:
-        raise RuntimeError("cannot tell the memory available (no /proc/meminfo, no psutil); "
-                           "pass kv_cache_memory")
-    return available
+    return int(psutil.virtual_memory().available)
 
 
 def determine_num_blocks(

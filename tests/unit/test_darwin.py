@@ -1,7 +1,7 @@
 """macOS's answers (loom.darwin) in the names the kernel dispatch asks for: which build an Apple
-Silicon or Intel Mac runs, its performance cores, the memory free. The sysctl values are as
-those machines give them (`sysctl hw.optional machdep.cpu hw.nperflevels ...`); on Linux the
-real sysctl has none and psutil answers for the memory."""
+Silicon or Intel Mac runs, its performance cores. The sysctl values are as those machines give
+them (`sysctl hw.optional machdep.cpu hw.nperflevels ...`); on Linux the real sysctl has none,
+and psutil answers for the memory free (the KV cache's default size) on both."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import ctypes
 import sys
 
 import pytest
+import torch
 
 from loom import darwin
 from loom.heap import meminfo
 from loom.kernels import dispatch
+from loom.worker.kv_cache import available_memory
 
 M1 = {"hw.optional.arm64": 1, "hw.optional.neon": 1, "hw.optional.arm.FEAT_DotProd": 1,
       "hw.optional.arm.FEAT_FP16": 1, "hw.optional.arm.FEAT_I8MM": 0,
@@ -68,7 +70,7 @@ def test_performance_cores_only_where_there_are_two_kinds() -> None:
 def test_off_macos_sysctl_says_nothing_and_psutil_gives_the_memory() -> None:
     assert darwin.sysctl("hw.memsize") is None
     assert darwin.performance_cores() is None
-    free, info = darwin.available_memory(), meminfo()
+    free, info = available_memory(torch.device("cpu")), meminfo()  # the KV cache's default
     assert free is not None and 0 < free <= info["MemTotal"]
 
 

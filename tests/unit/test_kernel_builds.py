@@ -207,14 +207,19 @@ SERIAL_BUILD = (
     "from tests.unit.test_kernel_builds import _no_openmp_cc; "
     "out = Path('{out}'); cc = _no_openmp_cc(out / 'cc', 'cc', apple=False); "
     "build.build(dispatch.variant(dispatch.choose().variant), cc, out / 'kernels')")
-GENERATE = (  # test_team_size_bits' prompts, greedy, with logprobs; the library that ran
-    "import json; from loom import LLM, SamplingParams; from loom.kernels import cpu_kernels; "
-    "from tests.model.test_team_size_bits import PROMPTS; "
-    "llm = LLM(None, dtype='float32', batch_invariant=False); "
-    "p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3); "
-    "out = [(o.outputs[0].token_ids, [(q.token_ids, q.logprobs) "
-    "for q in o.outputs[0].logprobs]) for o in llm.generate(PROMPTS, p, use_tqdm=False)]; "
+GENERATE = (  # greedy_bits of the default model, and the library that ran
+    "import json; from loom import LLM; from loom.kernels import cpu_kernels; "
+    "from tests.unit.test_kernel_builds import greedy_bits; "
+    "out = greedy_bits(LLM(None, dtype='float32', batch_invariant=False)); "
     "print(json.dumps({'so': cpu_kernels()._name, 'out': out}))")
+
+
+def greedy_bits(llm) -> list:  # noqa: ANN001 - an LLM
+    """test_team_size_bits' prompts, greedy, 16 tokens each: their ids and top-3 logprobs, as
+    JSON gives them back."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    return [[o.outputs[0].token_ids, [[q.token_ids, q.logprobs] for q in o.outputs[0].logprobs]]
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 @pytest.mark.background("serial-build", [sys.executable, "-c", SERIAL_BUILD])
@@ -243,11 +248,7 @@ def test_a_compiler_without_openmp_builds_one_thread_kernels(make_llm) -> None: 
     assert "one thread" in run.stderr, run.stderr[-3000:]  # said, loudly
     got = json.loads(run.stdout.splitlines()[-1])
     assert got["so"] == str(so)
-    llm = make_llm(batch_invariant=False)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
-    want = [[o.outputs[0].token_ids, [[q.token_ids, q.logprobs] for q in o.outputs[0].logprobs]]
-            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert got["out"] == want
+    assert got["out"] == greedy_bits(make_llm(batch_invariant=False))
 
 
 KERNEL_TESTS_RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
