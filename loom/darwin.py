@@ -73,11 +73,13 @@ def cpu_features(machine: str, read: Read = sysctl) -> frozenset[str]:
     return frozenset(_X86_NAMES.get(w, w.lower()) for w in words)
 
 
-def performance_cores(read: Read = sysctl) -> int | None:
-    """Apple Silicon's performance cores (hw.perflevel0.physicalcpu; None on one-kind CPUs and
-    off macOS). Threads that wait for each other at every op run at the pace of the slowest:
-    on the efficiency cores beside them, 2-4x slower, so llama.cpp counts these alone too."""
-    levels, cores = read("hw.nperflevels"), read("hw.perflevel0.physicalcpu")
-    if isinstance(levels, int) and levels > 1 and isinstance(cores, int) and cores > 0:
-        return cores
-    return None
+def compute_cores(read: Read = sysctl) -> int | None:
+    """The cores worth one compute thread each: Apple Silicon's performance cores
+    (hw.perflevel0.physicalcpu where there are two kinds), else the physical cores
+    (hw.physicalcpu: an Intel Mac's hyperthreads share a core's vector units); None off macOS.
+    Threads that wait for each other at every op run at the pace of the slowest: on the
+    efficiency cores beside them, 2-4x slower, so llama.cpp counts these alone too."""
+    levels = read("hw.nperflevels")
+    two_kinds = isinstance(levels, int) and levels > 1
+    cores = read("hw.perflevel0.physicalcpu") if two_kinds else read("hw.physicalcpu")
+    return cores if isinstance(cores, int) and cores > 0 else None

@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 
-from loom.darwin import performance_cores
+from loom.darwin import compute_cores
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +75,78 @@ def available_cpus() -> int:
     """The CPUs this process may use: its affinity (taskset, a container's cpuset) and its CPU
     quota (`docker --cpus`, a Kubernetes CPU limit: cgroups' cpu.max / cfs_quota_us), both of
     which `os.cpu_count()` ignores (a server pinned to 2 of 16 cores, or limited to 2 CPUs' time
-    on them, would start 16 threads, which a quota then throttles in turn). A fractional quota
-    rounds down (OpenMP's threads wait for each other at every parallel region: one throttled
-    thread stalls them all), to 1 at least. On Apple Silicon the performance cores alone
-    (loom.darwin.performance_cores: a thread on an efficiency core stalls the rest the same
-    way)."""
-    if hasattr(os, "sched_getaffinity"):
-        cpus = len(os.sched_getaffinity(0))
-    else:
-        cpus = performance_cores() or os.cpu_count() or 1
+    on them, would start 16 threads, which a quota then throttles in turn). For pools of
+    independent jobs (compiles, quantizing tensors); compute threads: default_num_threads."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return _within_quota(cpus or 1)
+
+
+def _within_quota(threads: int) -> int:
+    """`threads` capped by the CPU quota, rounded down (OpenMP's threads wait for each other at
+    every parallel region: one throttled thread stalls them all), to 1 at least."""
     quota = cpu_quota()
-    return cpus if quota is None else max(1, min(cpus, int(quota)))
+    return threads if quota is None else max(1, min(threads, int(quota)))
+
+
+def default_num_threads() -> tuple[int, str]:
+    """The engine's compute threads when --num-threads is not given, and why that many: one per
+    core this process may use on the CPU's fastest kind of core (math_cores on Linux,
+    loom.darwin.compute_cores on macOS), within its CPU quota. torch's own default counts
+    every physical core and sees no quota."""
+    if hasattr(os, "sched_getaffinity"):
+        cores, why = math_cores(os.sched_getaffinity(0))
+    else:
+        cores = compute_cores()
+        why = ("one per performance core (Apple Silicon) or physical core, from sysctl" if cores
+               else "one per CPU")
+        cores = cores or os.cpu_count() or 1
+    threads = _within_quota(cores)
+    if threads < cores:
+        why += f", within a CPU quota of {cpu_quota():g}"
+    return threads, why
+
+
+def _cpulist(text: str | None) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as its CPU numbers; empty for None or ""."""
+    cpus: set[int] = set()
+    for part in (text or "").split(","):
+        if part.strip():
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def math_cores(cpus: set[int], devices: str = "/sys/devices") -> tuple[int, str]:
+    """How many compute threads `cpus` (Linux CPU numbers: the affinity) are worth, and why:
+    - on a CPU with two kinds of core, the faster kind alone: the kernels' threads split each
+      op evenly and wait for each other at its end, so one on a slow core holds back the rest.
+      Intel's hybrids (Alder Lake on) list their performance cores in /sys/devices/cpu_core/cpus
+      (the efficiency ones in cpu_atom): those, as llama.cpp and Ollama count them. Elsewhere
+      (ARM's big.LITTLE, whose Linux gives each CPU a cpu_capacity, 1024 for the fastest) the
+      fastest n CPUs for the n that maximises n times the slowest one's capacity: the work
+      evenly split goes at that pace (4 big cores at 1024 beat them with 4 little ones at 410
+      beside: 4096 > 3280);
+    - one thread per physical core (core_cpus_list: its hyperthreads), as torch and llama.cpp
+      default to: two hyperthreads share one core's vector units.
+    A CPU whose files are missing counts as a core of its own."""
+    cpu = f"{devices}/system/cpu/cpu%d"
+    kinds = ""
+    p_cores = _cpulist(_read(f"{devices}/cpu_core/cpus"))
+    given = len(cpus)
+    if _read(f"{devices}/cpu_atom/cpus") is not None and cpus & p_cores and cpus - p_cores:
+        cpus, kinds = cpus & p_cores, " on the performance cores (Intel's cpu_core)"
+    else:
+        caps = {c: _read(cpu % c + "/cpu_capacity") for c in cpus}
+        if all(v and v.isdigit() for v in caps.values()) and len(set(caps.values())) > 1:
+            ranked = sorted((int(v) for v in caps.values()), reverse=True)
+            n = max(range(1, len(ranked) + 1), key=lambda k: (k * ranked[k - 1], -k))
+            cpus = {c for c in cpus if int(caps[c]) >= ranked[n - 1]}
+            kinds = f" on the fastest (cpu_capacity {ranked[n - 1]} and up, of {ranked[0]})"
+    siblings = {frozenset(_cpulist(_read(cpu % c + "/topology/core_cpus_list")
+                                   or _read(cpu % c + "/topology/thread_siblings_list"))
+                          or {c}) for c in cpus}
+    return len(siblings), (f"one per physical core{kinds}: {len(siblings)} cores of the {given} "
+                           "CPUs this process may use")
 
 
 def _read(path: str) -> str | None:
@@ -146,18 +207,21 @@ def cpu_quota(proc: str = "/proc/self") -> float | None:
 
 
 def set_num_threads(num_threads: int | None) -> None:
-    """torch's intra-op thread count (the C kernels take the same); None keeps torch's default
-    (one per core it may use), except on Apple Silicon: its performance cores, where torch
-    would count the efficiency cores too (loom.darwin.performance_cores)."""
+    """torch's intra-op thread count (the C kernels take the same); None: default_num_threads(),
+    logged once per count."""
     if num_threads is None:
-        num_threads = performance_cores()
-    if num_threads is None:
-        return
+        num_threads, why = default_num_threads()
+        _log_default(num_threads, why)
     if num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
     import torch
 
     torch.set_num_threads(num_threads)
+
+
+@functools.cache
+def _log_default(threads: int, why: str) -> None:
+    logger.info("CPU threads: %d (%s; --num-threads overrides)", threads, why)
 
 
 class TeamSize:

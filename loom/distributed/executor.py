@@ -25,7 +25,7 @@ from loom.distributed.worker import (
     COLLECTIVE_TIMEOUT, WorkerSpec, backend_for, check_model, prepare_rank,
 )
 from loom.net import free_port
-from loom.threads import available_cpus
+from loom.threads import default_num_threads
 
 if TYPE_CHECKING:
     from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -39,10 +39,11 @@ BACKENDS = ("mp", "ray")
 
 
 def default_threads(num_threads: int | None, world: int, device: torch.device) -> int | None:
-    """CPU threads per rank: as given, else the cores this process may use shared out."""
+    """CPU threads per rank: as given, else the engine's default (loom.threads.
+    default_num_threads: its cores, within its quota) shared out."""
     if num_threads is not None or device.type != "cpu":
         return num_threads
-    return max(1, available_cpus() // world)
+    return max(1, default_num_threads()[0] // world)
 
 
 class TensorParallel:

@@ -60,16 +60,16 @@ def test_mac_feature_names_are_proc_cpuinfos() -> None:
     assert {"asimd", "asimddp", "asimdhp"} <= m1 and not {"i8mm", "bf16"} & m1
 
 
-def test_performance_cores_only_where_there_are_two_kinds() -> None:
-    assert darwin.performance_cores(M1.get) == 4
-    assert darwin.performance_cores(INTEL_MAC.get) is None  # one kind of core: the OS's count
-    assert darwin.performance_cores({}.get) is None
+def test_compute_cores_are_the_performance_cores_or_the_physical_ones() -> None:
+    assert darwin.compute_cores(M1.get) == 4  # not its 4 efficiency cores
+    assert darwin.compute_cores({**INTEL_MAC, "hw.physicalcpu": 6, "hw.logicalcpu": 12}.get) == 6
+    assert darwin.compute_cores({}.get) is None
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="Linux's answers")
 def test_off_macos_sysctl_says_nothing_and_psutil_gives_the_memory() -> None:
     assert darwin.sysctl("hw.memsize") is None
-    assert darwin.performance_cores() is None
+    assert darwin.compute_cores() is None
     free, info = available_memory(torch.device("cpu")), meminfo()  # the KV cache's default
     assert free is not None and 0 < free <= info["MemTotal"]
 

@@ -18,6 +18,8 @@ from loom.threads import (
     WAIT_POLICY_ENV,
     apply_thread_defaults,
     cpu_quota,
+    default_num_threads,
+    math_cores,
     openmp_env_defaults,
     set_num_threads,
 )
@@ -80,8 +82,8 @@ def test_set_num_threads() -> None:
     try:
         set_num_threads(1)
         assert torch.get_num_threads() == 1
-        set_num_threads(None)
-        assert torch.get_num_threads() == 1
+        set_num_threads(None)  # the default, not torch's
+        assert torch.get_num_threads() == default_num_threads()[0]
         with pytest.raises(ValueError, match="at least 1, got 0"):
             set_num_threads(0)
     finally:
@@ -89,13 +91,18 @@ def test_set_num_threads() -> None:
 
 
 def _default_threads_in(preexec_fn) -> int:  # noqa: ANN001
-    """default_threads' answer in a fresh Python process, `preexec_fn` run in it first."""
+    """The threads an engine runs by default in a fresh Python process, `preexec_fn` run in it
+    first: torch's count after the engine's set_num_threads(None), which the ranks' share
+    (default_threads) must equal."""
     code = ("import torch; from loom.distributed.executor import default_threads; "
-            "print(default_threads(None, 1, torch.device('cpu')))")
+            "from loom.threads import set_num_threads; set_num_threads(None); "
+            "print(torch.get_num_threads(), default_threads(None, 1, torch.device('cpu')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          preexec_fn=preexec_fn)
     assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout)
+    engine, ranks = map(int, out.stdout.split())
+    assert engine == ranks
+    return engine
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -105,7 +112,64 @@ def test_default_threads_follow_the_cpu_affinity() -> None:
     not os.cpu_count()'s."""
     one = min(os.sched_getaffinity(0))
     assert _default_threads_in(lambda: os.sched_setaffinity(0, {one})) == 1
-    assert default_threads(None, 1, torch.device("cpu")) == len(os.sched_getaffinity(0))
+    assert default_threads(None, 1, torch.device("cpu")) == default_num_threads()[0] >= 1
+
+
+def _sysfs(tmp_path, cores: list[tuple[int, ...]], capacity: dict[int, int] | None = None,
+           hybrid: tuple[str, str] | None = None) -> str:
+    """A /sys/devices as Linux writes it: `cores` (each core's CPUs: its hyperthreads) in each
+    CPU's topology/core_cpus_list, each CPU's cpu_capacity from `capacity`, and Intel's
+    hybrid PMUs' CPU lists (`hybrid`: cpu_core's, cpu_atom's)."""
+    for core in cores:
+        for c in core:
+            topology = tmp_path / f"system/cpu/cpu{c}/topology"
+            topology.mkdir(parents=True)
+            (topology / "core_cpus_list").write_text(",".join(map(str, core)) + "\n")
+            if capacity:
+                (topology.parent / "cpu_capacity").write_text(f"{capacity[c]}\n")
+    for name, cpus in zip(("cpu_core", "cpu_atom"), hybrid or ()):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpus").write_text(cpus + "\n")
+    return str(tmp_path)
+
+
+def test_one_thread_per_physical_core(tmp_path) -> None:
+    """An 8-core server with two hyperthreads a core (CPU i and i + 8): 8 threads, and one per
+    core of those the affinity leaves."""
+    sysfs = _sysfs(tmp_path, [(i, i + 8) for i in range(8)])
+    assert math_cores(set(range(16)), sysfs)[0] == 8
+    assert math_cores({0, 8}, sysfs)[0] == 1
+    assert math_cores({0, 1, 9}, sysfs)[0] == 2
+    assert math_cores({0, 1, 2}, str(tmp_path / "nothing"))[0] == 3  # no sysfs: each CPU
+
+
+def test_intels_hybrids_run_on_the_performance_cores(tmp_path) -> None:
+    """A Core i7-1260P's layout: 4 performance cores with two hyperthreads (CPUs 0-7), 8
+    efficiency cores (8-15); a 6.x kernel's capacities too, which the PMUs' lists outrank."""
+    capacity = {c: 1024 if c < 8 else 620 for c in range(16)}
+    sysfs = _sysfs(tmp_path, [(0, 1), (2, 3), (4, 5), (6, 7), *[(c,) for c in range(8, 16)]],
+                   capacity, hybrid=("0-7", "8-15"))
+    threads, why = math_cores(set(range(16)), sysfs)
+    assert threads == 4 and "performance cores" in why and "16 CPUs" in why
+    assert math_cores(set(range(8, 16)), sysfs)[0] == 8  # pinned to one kind: all of them
+    assert math_cores({0, 1, 8, 9}, sysfs)[0] == 1
+
+
+@pytest.mark.parametrize(("capacity", "threads"), [
+    ({**dict.fromkeys(range(4), 414), **dict.fromkeys(range(4, 8), 1024)}, 4),  # RK3588
+    # Snapdragon 8 Gen 2's kind: 4 little, 3 big, 1 prime: the prime and big ones (4 x 870)
+    ({**dict.fromkeys(range(4), 400), **dict.fromkeys(range(4, 7), 870), 7: 1024}, 4),
+    ({**dict.fromkeys(range(4), 800), **dict.fromkeys(range(4, 8), 1024)}, 8),  # close: all
+    (dict.fromkeys(range(8), 1024), 8),  # one kind (x86 kernels since 6.x write 1024 too)
+])
+def test_big_little_runs_on_the_fastest_cores(tmp_path, capacity, threads) -> None:
+    sysfs = _sysfs(tmp_path, [(c,) for c in range(8)], capacity)
+    assert math_cores(set(range(8)), sysfs)[0] == threads
+
+
+def test_this_machines_default() -> None:
+    threads, why = default_num_threads()
+    assert 1 <= threads <= len(os.sched_getaffinity(0)) and "CPUs this process may use" in why
 
 
 def _cgroup_tree(tmp_path, version: int, limits: dict[str, tuple[int, int]]):

@@ -22,7 +22,7 @@ import httpx
 
 from loom.loader.hugepages import ENV as HUGE_PAGES_ENV
 from loom.net import free_port
-from loom.threads import available_cpus
+from loom.threads import default_num_threads
 
 if TYPE_CHECKING:
     from loom.engine.args import EngineArgs
@@ -89,7 +89,7 @@ def run_data_parallel(engine_args: EngineArgs, args: ServerArgs) -> None:
     logging.getLogger().setLevel(args.log_level.upper())
     n = args.data_parallel_size
     if engine_args.num_threads is None:  # the replicas share the cores
-        engine_args = replace(engine_args, num_threads=max(1, available_cpus() // n))
+        engine_args = replace(engine_args, num_threads=max(1, default_num_threads()[0] // n))
     internal = "127.0.0.1"
     ports = [free_port(internal) for _ in range(n)]
     urls = [f"http://{internal}:{p}" for p in ports]
