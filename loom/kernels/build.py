@@ -28,7 +28,9 @@ process, torch's; first on macOS); else none, loudly: the kernels then run on on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -251,7 +253,9 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     """Variants `vs`' shared objects, compiled now unless already there (every file of every
     variant in one pool of processes, one a core): name -> the path, or the BuildError that
     disabled it (also kept as a `.failed` marker that later calls return again unless
-    `force`)."""
+    `force`). A variant another process is building (a lock file beside it: data-parallel
+    replicas starting on a fresh cache, a first use during `make install`) is waited for,
+    not built twice."""
     cc = cc or compiler()
     if cc is None:
         return {v.name: BuildError("no C compiler (cc or $CC)") for v in vs}
@@ -261,17 +265,54 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     todo: list[tuple[Variant, Path, OpenMP]] = []
     for v in vs:
         so, omp = _located(v, cc, out_dir, force)
-        marker = failed_marker(so)
-        if so.exists() and not force:
-            done[v.name] = so
-        elif marker.exists() and not force:
-            done[v.name] = BuildError(marker.read_text())
-        else:
-            todo.append((v, so, omp))
+        if not force and _found(v, so, done):
+            continue
+        todo.append((v, so, omp))
     if not todo:
         return done
     root = todo[0][1].parent
     root.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        mine, theirs = [], []
+        for item in todo:
+            lock = held.enter_context(open(item[1].with_suffix(".lock"), "w"))
+            (mine if _try_lock(lock) else theirs).append((item, lock))
+        done.update(_compile_and_link(cc, [item for item, _ in mine], root))
+        for _, lock in mine:  # before waiting on any other builder's: none waits on both
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        for item, lock in theirs:  # wait for the other builder, then take what it left
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            v, so, _ = item
+            if force or not _found(v, so, done):
+                done.update(_compile_and_link(cc, [item], root))
+    return done
+
+
+def _try_lock(f) -> bool:  # noqa: ANN001 - an open file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _found(v: Variant, so: Path, done: dict[str, Path | BuildError]) -> bool:
+    """Whether `v` is built at `so` or failed there (its `.failed` marker), noted in `done`."""
+    marker = failed_marker(so)
+    if so.exists():
+        done[v.name] = so
+    elif marker.exists():
+        done[v.name] = BuildError(marker.read_text())
+    else:
+        return False
+    return True
+
+
+def _compile_and_link(cc: str, todo: list[tuple[Variant, Path, OpenMP]],
+                      root: Path) -> dict[str, Path | BuildError]:
+    done: dict[str, Path | BuildError] = {}
+    if not todo:
+        return done
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         jobs = [(omp, v, s, Path(tmp) / f"{v.name}-{s.removesuffix('.c')}.o")
                 for v, _, omp in todo for s in SOURCES]
@@ -291,7 +332,7 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
                 continue
             failed_marker(so).unlink(missing_ok=True)
             for old in root.glob(f"loom_{v.arch}_{v.name}_*"):  # older sources, flags, compilers
-                if old != so:
+                if old.stem != so.stem:
                     old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
             done[v.name] = so
     return done

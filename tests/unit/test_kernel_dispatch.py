@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -119,7 +122,7 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
     with pytest.raises(build.BuildError, match="broken kernels"):  # from the marker, at once
         build.build(broken, cc, tmp_path)
     # "auto" on a CPU whose best variant cannot build: the next one (generic, in the kernels'
-    # own folder: built by the suite's gcc build job, else here), said in the log
+    # own folder: built by the suite's kernel tests on it, else here), said in the log
     monkeypatch.setattr(dispatch, "VARIANTS", (broken, dispatch.variants()[-1]))
     kernels._selection.cache_clear()
     try:
@@ -141,6 +144,58 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
     finally:
         kernels._selection.cache_clear()
         build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
+
+
+# gcc whose compiles are logged and held until a file exists, then compile an empty file (the
+# library links, holding nothing): a slow build whose timing the test decides
+HELD_CC = """#!/bin/sh
+out= prev= compiling=
+for a in "$@"; do [ "$prev" = -o ] && out=$a; [ "$a" = -c ] && compiling=1; prev=$a; done
+if [ -n "$compiling" ]; then
+  echo "$out" >> @LOG@
+  while [ ! -e @RELEASE@ ]; do sleep 0.01; done
+  exec @CC@ -fPIC -x c -c /dev/null -o "$out"
+fi
+exec @CC@ "$@"
+"""
+
+
+def _until(cond, timeout: float = 60) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_two_builders_of_a_variant_compile_it_once(tmp_path) -> None:
+    """Two builds of one variant at once (data-parallel replicas starting on a fresh cache, a
+    first use during `make install`): the second waits on the first's lock, then takes its
+    library; no source compiled twice."""
+    cc = build.compiler()
+    if cc is None or not os.path.exists("/proc/locks"):
+        pytest.skip("needs a C compiler and Linux's /proc/locks")
+    log, release = tmp_path / "compiled", tmp_path / "release"
+    held = tmp_path / "held-cc"
+    held.write_text(HELD_CC.replace("@CC@", cc).replace("@LOG@", str(log))
+                    .replace("@RELEASE@", str(release)))
+    held.chmod(0o755)
+    v = Variant("held", dispatch.machine(), (), frozenset())
+    out, got = tmp_path / "kernels", {}
+    builders = [threading.Thread(target=lambda i=i: got.__setitem__(i, build.build(
+        v, str(held), out))) for i in range(2)]
+    builders[0].start()
+    _until(log.exists)  # the first holds the lock, compiling
+    builders[1].start()
+    lock = build.target(v, str(held), out).with_suffix(".lock")
+    inode = f":{lock.stat().st_ino} "
+    _until(lambda: any("->" in line and inode in line  # the second waits on it
+                       for line in open("/proc/locks")))
+    release.touch()
+    for b in builders:
+        b.join(120)
+    assert got[0] == got[1] and got[0].exists()
+    compiled = log.read_text().split()
+    assert len(compiled) == len(set(compiled)) == len(build.SOURCES)
 
 
 def _gguf(*types: str, cols: int = 64) -> SimpleNamespace:
