@@ -143,7 +143,9 @@ def test_a_variant_that_fails_to_build_is_disabled_alone_and_loudly(
         assert "later" not in out.out + out.err
     finally:
         kernels._selection.cache_clear()
-        build.failed_marker(build.target(broken, cc)).unlink(missing_ok=True)
+        so = build.target(broken, cc)
+        build.failed_marker(so).unlink(missing_ok=True)
+        so.with_suffix(".lock").unlink(missing_ok=True)
 
 
 # gcc whose compiles are logged and held until a file exists, then compile an empty file (the
