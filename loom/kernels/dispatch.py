@@ -125,11 +125,16 @@ def variant(name: str, arch: str | None = None) -> Variant:
 
 @functools.cache
 def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags, read once: /proc/cpuinfo's first `flags` (x86) or `Features`
-    (AArch64) line; on macOS sysctl's, in the same names (loom.darwin). Empty where there is
-    none: only the generic variant then runs."""
+    """The CPU's feature flags, read once: on AArch64 Linux the kernel's hwcaps
+    (auxv_features); else /proc/cpuinfo's first `flags` (x86) or `Features` (AArch64) line;
+    on macOS sysctl's, in the same names (loom.darwin). Empty where there is none: only the
+    generic variant then runs."""
     if sys.platform == "darwin":
         return sysctl_features(machine())
+    if machine() == "aarch64" and sys.platform.startswith("linux"):
+        got = auxv_features()
+        if got:
+            return got
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -138,6 +143,33 @@ def cpu_features() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+# AArch64 Linux's hwcap bits (asm/hwcap.h: AT_HWCAP's, AT_HWCAP2's) -> /proc/cpuinfo's names
+_HWCAP = {0: "fp", 1: "asimd", 9: "fphp", 10: "asimdhp", 20: "asimddp", 22: "sve"}
+_HWCAP2 = {1: "sve2", 13: "i8mm", 14: "bf16"}
+AT_HWCAP, AT_HWCAP2 = 16, 26
+
+
+def hwcap_features(hwcap: int, hwcap2: int) -> frozenset[str]:
+    """The feature names of AArch64 hwcap words."""
+    return frozenset([n for bit, n in _HWCAP.items() if hwcap >> bit & 1]
+                     + [n for bit, n in _HWCAP2.items() if hwcap2 >> bit & 1])
+
+
+def auxv_features(getauxval=None) -> frozenset[str]:  # noqa: ANN001
+    """What the kernel says this process's CPU runs (getauxval's hwcaps: llama.cpp's and
+    torch's probe), where /proc/cpuinfo may describe another one: under qemu-user (an arm64
+    container on an x86 host) it is the host's, whose x86 flags gave the generic build.
+    Empty where libc has no getauxval. `getauxval`: the function to ask (default: libc's)."""
+    if getauxval is None:
+        import ctypes
+
+        getauxval = getattr(ctypes.CDLL(None), "getauxval", None)
+        if getauxval is None:
+            return frozenset()
+        getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    return hwcap_features(getauxval(AT_HWCAP), getauxval(AT_HWCAP2))
 
 
 def runs_here(v: Variant) -> bool:

@@ -74,6 +74,29 @@ def test_aarch64_gets_neon_where_it_has_dot_products(cpu) -> None:
         choose("avx2")
 
 
+def test_aarch64_linux_reads_the_kernels_hwcaps(monkeypatch) -> None:
+    """AArch64 Linux asks the kernel (getauxval) what the CPU runs, not /proc/cpuinfo, which
+    under qemu-user (an arm64 container on an x86 host) is the host's: the generic build came
+    of its x86 flags. Words as the kernel gives them (asm/hwcap.h's bits)."""
+    graviton3 = {dispatch.AT_HWCAP: 1 << 0 | 1 << 1 | 1 << 9 | 1 << 10 | 1 << 20 | 1 << 22,
+                 dispatch.AT_HWCAP2: 1 << 1 | 1 << 13 | 1 << 14}
+    assert dispatch.auxv_features(lambda k: graviton3.get(k, 0)) == {
+        "fp", "asimd", "fphp", "asimdhp", "asimddp", "sve", "sve2", "i8mm", "bf16"}
+    pi4 = {dispatch.AT_HWCAP: 1 << 0 | 1 << 1}  # Cortex-A72: no dot products
+    assert dispatch.auxv_features(lambda k: pi4.get(k, 0)) == {"fp", "asimd"}
+    monkeypatch.setattr(dispatch, "machine", lambda: "aarch64")
+    monkeypatch.setattr(dispatch.sys, "platform", "linux")
+    for words, best in ((graviton3, "neon"), (pi4, "generic")):
+        monkeypatch.setattr(dispatch, "auxv_features",
+                            lambda w=words: dispatch.hwcap_features(w[dispatch.AT_HWCAP],
+                                                                    w.get(dispatch.AT_HWCAP2, 0)))
+        dispatch.cpu_features.cache_clear()
+        try:
+            assert choose().variant == best
+        finally:
+            dispatch.cpu_features.cache_clear()
+
+
 def test_a_named_build_runs_or_says_why(cpu) -> None:
     cpu(CPUS["zen3"][0])
     assert choose("generic").variant == "generic"
