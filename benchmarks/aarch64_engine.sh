@@ -21,13 +21,15 @@ if [ ${#MODELS[@]} -eq 0 ]; then
 fi
 mkdir -p "$WORK/debs" "$WORK/root" "$WORK/cache" "$WORK/out"
 if [ ! -x "$WORK/root/usr/bin/python3.11" ]; then
-  dpkg --add-architecture arm64
+  added=; dpkg --print-foreign-architectures | grep -qx arm64 || added=1
+  dpkg --add-architecture arm64  # for apt-get download; taken away again below if added here
   apt-get update -q >/dev/null
   (cd "$WORK/debs" && apt-get download -q python3.11-minimal:arm64 libpython3.11-minimal:arm64 \
     libpython3.11-stdlib:arm64 python3.11:arm64 libexpat1:arm64 zlib1g:arm64 libffi8:arm64 \
     libbz2-1.0:arm64 liblzma5:arm64 libssl3:arm64 libsqlite3-0:arm64 libuuid1:arm64 \
     libcrypt1:arm64 libncursesw6:arm64 libtinfo6:arm64 libreadline8:arm64 libstdc++6:arm64 \
     libgcc-s1:arm64 libgomp1:arm64 libc6:arm64 libzstd1:arm64)
+  if [ -n "$added" ]; then dpkg --remove-architecture arm64; apt-get update -q >/dev/null; fi
   for deb in "$WORK"/debs/*.deb; do dpkg -x "$deb" "$WORK/root"; done
 fi
 if [ ! -d "$WORK/site/torch" ]; then
