@@ -92,7 +92,11 @@ def default_num_threads() -> tuple[int, str]:
     """The engine's compute threads when --num-threads is not given, and why that many: one per
     core this process may use on the CPU's fastest kind of core (math_cores on Linux,
     loom.darwin.compute_cores on macOS), within its CPU quota. torch's own default counts
-    every physical core and sees no quota."""
+    every physical core and sees no quota. OMP_NUM_THREADS, where set, is taken as torch takes
+    it (its first number)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given), "OMP_NUM_THREADS"
     if hasattr(os, "sched_getaffinity"):
         cores, why = math_cores(os.sched_getaffinity(0))
     else:

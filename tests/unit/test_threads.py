@@ -167,9 +167,12 @@ def test_big_little_runs_on_the_fastest_cores(tmp_path, capacity, threads) -> No
     assert math_cores(set(range(8)), sysfs)[0] == threads
 
 
-def test_this_machines_default() -> None:
+def test_this_machines_default(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads, why = default_num_threads()
     assert 1 <= threads <= len(os.sched_getaffinity(0)) and "CPUs this process may use" in why
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,1")  # the user's, as torch reads it
+    assert default_num_threads() == (3, "OMP_NUM_THREADS")
 
 
 def _cgroup_tree(tmp_path, version: int, limits: dict[str, tuple[int, int]]):
