@@ -34,19 +34,18 @@ if [ ! -x "$WORK/root/usr/bin/python3.11" ]; then
 fi
 if [ ! -d "$WORK/site/torch" ]; then
   # pip judges environment markers by this machine (x86-64), so torch's CUDA dependencies for
-  # x86-64 would come along: torch without its dependencies, then those it needs on a CPU.
-  # llguidance (structured output) and uvloop / httptools (the server's fast paths) are left
-  # out: the offline engine does not import them.
+  # x86-64 would come along: torch without its dependencies, then those it needs on a CPU, and
+  # every other dependency of Loom's as pyproject.toml pins it (each has AArch64 wheels)
   pip_arm() {
     $PY -m pip install -q --target "$WORK/site" --only-binary=:all: --python-version 3.11 \
       --implementation cp --abi cp311 --abi abi3 --abi none --platform manylinux_2_28_aarch64 \
-      --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 "$@"
+      --platform manylinux_2_31_aarch64 --platform manylinux2014_aarch64 \
+      --platform manylinux_2_17_aarch64 "$@"
   }
   pip_arm --no-deps torch==2.6.0
   pip_arm filelock typing-extensions sympy networkx fsspec \
     $(sed -n '/^dependencies/,/^]/p' pyproject.toml | grep -v '^ *#' | grep -o '"[^"]*"' \
-      | tr -d '"' | grep -v -e '^torch' -e '^llguidance' -e '^uvloop' -e '^httptools' \
-      -e '^matplotlib')
+      | tr -d '"' | sed 's/;.*//' | grep -v '^torch')
 fi
 arm() {
   PYTHONPATH="$ROOT:$WORK/site" CC=aarch64-linux-gnu-gcc LOOM_CACHE_DIR="$WORK/cache" \
