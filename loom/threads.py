@@ -78,13 +78,12 @@ def available_cpus() -> int:
     on them, would start 16 threads, which a quota then throttles in turn). For pools of
     independent jobs (compiles, quantizing tensors); compute threads: default_num_threads."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return _within_quota(cpus or 1)
+    return _within(cpus or 1, cpu_quota())
 
 
-def _within_quota(threads: int) -> int:
-    """`threads` capped by the CPU quota, rounded down (OpenMP's threads wait for each other at
+def _within(threads: int, quota: float | None) -> int:
+    """`threads` capped by a CPU quota, rounded down (OpenMP's threads wait for each other at
     every parallel region: one throttled thread stalls them all), to 1 at least."""
-    quota = cpu_quota()
     return threads if quota is None else max(1, min(threads, int(quota)))
 
 
@@ -104,9 +103,10 @@ def default_num_threads() -> tuple[int, str]:
         why = ("one per performance core (Apple Silicon) or physical core, from sysctl" if cores
                else "one per CPU")
         cores = cores or os.cpu_count() or 1
-    threads = _within_quota(cores)
+    quota = cpu_quota()
+    threads = _within(cores, quota)
     if threads < cores:
-        why += f", within a CPU quota of {cpu_quota():g}"
+        why += f", within a CPU quota of {quota:g}"
     return threads, why
 
 

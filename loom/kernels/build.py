@@ -265,9 +265,11 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
     todo: list[tuple[Variant, Path, OpenMP]] = []
     for v in vs:
         so, omp = _located(v, cc, out_dir, force)
-        if not force and _found(v, so, done):
-            continue
-        todo.append((v, so, omp))
+        got = None if force else _existing(so)
+        if got is None:
+            todo.append((v, so, omp))
+        else:
+            done[v.name] = got
     if not todo:
         return done
     root = todo[0][1].parent
@@ -280,11 +282,13 @@ def build_many(vs: list[Variant], cc: str | None = None, out_dir: Path | None = 
         done.update(_compile_and_link(cc, [item for item, _ in mine], root))
         for _, lock in mine:  # before waiting on any other builder's: none waits on both
             fcntl.flock(lock, fcntl.LOCK_UN)
-        for item, lock in theirs:  # wait for the other builder, then take what it left
+        for item, lock in theirs:  # wait for the other builder, then take what it built now
             fcntl.flock(lock, fcntl.LOCK_EX)
-            v, so, _ = item
-            if force or not _found(v, so, done):
+            got = _existing(item[1])
+            if got is None:  # it stopped before the end: build here
                 done.update(_compile_and_link(cc, [item], root))
+            else:
+                done[item[0].name] = got
     return done
 
 
@@ -296,16 +300,12 @@ def _try_lock(f) -> bool:  # noqa: ANN001 - an open file
         return False
 
 
-def _found(v: Variant, so: Path, done: dict[str, Path | BuildError]) -> bool:
-    """Whether `v` is built at `so` or failed there (its `.failed` marker), noted in `done`."""
-    marker = failed_marker(so)
+def _existing(so: Path) -> Path | BuildError | None:
+    """The build at `so`, or the BuildError its `.failed` marker keeps, or None: neither."""
     if so.exists():
-        done[v.name] = so
-    elif marker.exists():
-        done[v.name] = BuildError(marker.read_text())
-    else:
-        return False
-    return True
+        return so
+    marker = failed_marker(so)
+    return BuildError(marker.read_text()) if marker.exists() else None
 
 
 def _compile_and_link(cc: str, todo: list[tuple[Variant, Path, OpenMP]],
