@@ -50,6 +50,14 @@ def kind_of(name: str) -> str:
     return name.split("-", 1)[0]
 
 
+def kind_of_file(path: Path) -> str:
+    """kind_of a result file on disk: compare.py writes a side-by-side run's .md, .json and
+    .png together, so a dated file with no .json beside it is a "note" (the AArch64
+    instruction counts, say), neither folded as a report nor pruned."""
+    kind = kind_of(path.name)
+    return "note" if kind == "compare" and not path.with_suffix(".json").exists() else kind
+
+
 def table_rows(text: str) -> Iterator[tuple[str, str, str]]:
     """(engine, figure, value) of a side-by-side report's table; ratio columns are skipped."""
     header: list[str] | None = None
@@ -109,9 +117,10 @@ def rows_of(path: Path) -> list[dict[str, str]]:
     date = DATE.search(path.name)
     base = {"date": date.group(1) if date else "", "commit": _commit_in(text),
             "machine": machine_of(path.name, text), "run": run}
-    if kind_of(path.name) == "compare" and path.suffix == ".md":
+    kind = kind_of_file(path)
+    if kind == "compare" and path.suffix == ".md":
         figures = [(f"{engine}: {figure}", value) for engine, figure, value in table_rows(text)]
-    elif path.suffix == ".json" and not (kind_of(path.name) == "compare"):
+    elif path.suffix == ".json" and kind != "compare":
         try:
             figures = [(k, f"{v:.6g}") for k, v in json_leaves(json.loads(text))]
         except json.JSONDecodeError:
@@ -218,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{history}: {len(fresh)} rows from {len(fresh_runs)} runs")
     if ns.prune:
         keep = newest_runs(ns.results)
-        for path in present:
-            if kind_of(path.name) in PRUNED and path.stem not in keep:
-                print(f"folded and removed: {path.name}")
-                path.unlink()
+        # chosen before any is removed: a report's .md is one while its .json is there
+        gone = [path for path in present if kind_of_file(path) in PRUNED and path.stem not in keep]
+        for path in gone:
+            print(f"folded and removed: {path.name}")
+            path.unlink()
     return 0
 
 

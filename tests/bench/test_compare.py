@@ -225,3 +225,23 @@ def test_prune_keeps_the_newest_run_of_each_machine_and_model(tmp_path) -> None:
         "2026-12-03-amd-zen3-avx2-2c-smollm2-135m-q4_1-2",
         "2026-12-04-amd-zen3-avx2-2c-smollm2-1.7b-shape-q4_k_m",
         "2026-12-03-amd-avx512-2c-smollm2-1.7b-shape-q4_k_m"}
+
+
+def test_a_dated_note_without_a_report_json_is_neither_folded_nor_pruned(tmp_path) -> None:
+    """Only compare.py's runs (.md beside .json) are side-by-side reports: a dated note's tables
+    (the AArch64 instruction counts) are not engines' figures, and --prune keeps the note."""
+    table = "- CPU: AMD EPYC, 2 logical cores\n\n| shape | rows | sdot kernel |\n|---|---|---|\n"
+    note = tmp_path / "2026-12-07-aarch64-insns-qemu.md"
+    note.write_text(table + "| 576 x 576, 4 | 1 | 0.763 |\n| 576 x 576, 4 | 4 | 1.893 |\n")
+    old, new = (f"2026-12-0{day}-amd-zen3-avx2-2c-smollm2-135m-q4_1" for day in (3, 4))
+    for stem in (old, new):
+        (tmp_path / f"{stem}.json").write_text("{}")
+        (tmp_path / f"{stem}.md").write_text(
+            "- CPU: AMD EPYC, 2 logical cores\n\n| figure | Loom |\n|---|---|\n"
+            "| output tokens/s @ C=1 ↑ | 64.7 |\n")
+    assert fold_results.rows_of(note) == []
+    assert fold_results.main(["--results", str(tmp_path), "--prune"]) == 0
+    assert note.exists() and (tmp_path / f"{new}.md").exists()
+    assert not (tmp_path / f"{old}.md").exists()  # an older report of the same subject: folded
+    history = (tmp_path / "history.csv").read_text()
+    assert "aarch64-insns" not in history and f"{old},Loom: output tokens/s @ C=1,64.7" in history
